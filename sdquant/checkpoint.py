@@ -1,0 +1,78 @@
+"""The quantized UNet on disk: ModelOpt's save/restore file plus a JSON sidecar.
+
+The sidecar is written last, so its presence marks a complete checkpoint; its ``fingerprint``
+identifies the settings that produced it, so a rerun with the same settings reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .artifacts import atomic_path, read_json, write_json
+from .config import plain
+from .errors import UserError
+
+UNET_FILE = "unet.mto"
+SIDECAR_FILE = "unet.json"
+
+
+def calibration_settings(cfg) -> dict:
+    """Everything that changes the calibrated result, and nothing that does not."""
+    return {
+        "quantize": OmegaConf.to_container(cfg.quantize, resolve=True),
+        "model": {"family": plain(cfg.model.family), "source": cfg.model.source,
+                  "variant": cfg.model.variant},
+        "prompts_file": cfg.prompts_file,
+        "seed": cfg.seed,
+    }
+
+
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def checkpoint_name(cfg) -> str:
+    """Readable and unique per setting, so sweep jobs never write into each other's folders."""
+    q = cfg.quantize
+    return (f"{q.exp_name}_{cfg.model.name}_{plain(q.format)}"
+            f"_l{q.quant_level:g}_a{q.alpha:g}_{q.collect_method}_p{q.percentile:g}"
+            f"_s{q.n_steps}_c{q.calib_size}_b{q.batch_size}_seed{cfg.seed}")
+
+
+def is_complete(folder: Path, expected_fingerprint: str) -> bool:
+    sidecar = read_json(folder / SIDECAR_FILE)
+    return (sidecar is not None and sidecar.get("fingerprint") == expected_fingerprint
+            and (folder / UNET_FILE).is_file())
+
+
+def save(unet, folder: Path, sidecar: dict) -> list[Path]:
+    import modelopt.torch.opt as mto
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SIDECAR_FILE).unlink(missing_ok=True)
+    with atomic_path(folder / UNET_FILE) as temp:
+        mto.save(unet, temp)
+    write_json(folder / SIDECAR_FILE, sidecar)
+    return [folder / UNET_FILE, folder / SIDECAR_FILE]
+
+
+def restore(unet, folder: Path):
+    """Puts the quantizers and calibrated ranges from `folder` into a fresh `unet`."""
+    import modelopt.torch.opt as mto
+
+    folder = Path(folder)
+    checkpoint = folder / UNET_FILE if folder.is_dir() else folder
+    if not checkpoint.is_file():
+        raise UserError(f"quantized checkpoint {checkpoint} does not exist: run quantize.py first")
+    try:
+        return mto.restore(unet, str(checkpoint))
+    except (RuntimeError, KeyError, ValueError, AssertionError) as error:
+        raise UserError(
+            f"quantized checkpoint {checkpoint} does not belong to this model "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}): quantize this model "
+            "again or choose the checkpoint made from it"
+        ) from error

@@ -1,0 +1,126 @@
+"""Typed config schemas, registered in Hydra's ConfigStore.
+
+The YAML files in ``conf/`` name these schemas first in their defaults list, so a misspelt key or
+a value of the wrong type fails when Hydra composes the config, before any work starts. Range
+checks that a type cannot express live in the ``validate_*`` functions, which every entry point
+calls first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from .errors import UserError
+
+
+class Family(str, Enum):
+    sdxl = "sdxl"
+    sd15 = "sd15"
+    sd2 = "sd2"
+
+
+class QuantFormat(str, Enum):
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+def plain(value) -> str:
+    """The YAML spelling of a config value (enum members come back from OmegaConf as enums)."""
+    return value.value if isinstance(value, Enum) else str(value)
+
+
+QUANT_LEVELS = (1.0, 2.0, 2.5, 3.0, 4.0)
+COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: Family = MISSING
+    # A hub id, a local diffusers folder or a single-file .safetensors checkpoint. For tiny
+    # models it is the folder the model is built into on first use.
+    source: str = MISSING
+    tiny: bool = False
+    # Offline config folder for single-file checkpoints (diffusers otherwise fetches it).
+    single_file_config: Optional[str] = None
+    variant: Optional[str] = None
+
+
+@dataclass
+class QuantizeBlock:
+    """NeMo's ``quantize`` block plus what the calibration run itself needs."""
+
+    exp_name: str = "nemo"
+    n_steps: int = 20
+    format: QuantFormat = QuantFormat.int8
+    percentile: float = 1.0
+    batch_size: int = 1
+    calib_size: int = 32
+    quant_level: float = 2.5
+    alpha: float = 0.8
+    collect_method: str = "min-mean"
+    guidance_scale: float = 5.0
+    # None takes the model's native resolution.
+    height: Optional[int] = None
+    width: Optional[int] = None
+
+
+@dataclass
+class QuantizeApp:
+    quantize: QuantizeBlock = field(default_factory=QuantizeBlock)
+    model: ModelConfig = MISSING
+    # None takes the prompts shipped with the package.
+    prompts_file: Optional[str] = None
+    out_dir: str = "quantized"
+    seed: int = 42
+    force: bool = False
+    device: str = "auto"
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(name="quantize_schema", node=QuantizeApp)
+    store.store(group="model", name="model_schema", node=ModelConfig)
+
+
+def validate_quantize_block(block: QuantizeBlock) -> None:
+    """Refuses settings that no run could honour, naming the key and what to do."""
+    level = float(block.quant_level)
+    if level not in QUANT_LEVELS:
+        raise UserError(
+            f"quantize.quant_level={block.quant_level} is unknown: choose one of "
+            f"{', '.join(f'{lv:g}' for lv in QUANT_LEVELS)}"
+        )
+    if level == 4.0 and QuantFormat(block.format) != QuantFormat.fp8:
+        raise UserError(
+            "quantize.quant_level=4 quantizes attention in FP8 and needs quantize.format=fp8; "
+            "use quant_level 3 for int8"
+        )
+    if block.collect_method not in COLLECT_METHODS:
+        raise UserError(
+            f"quantize.collect_method={block.collect_method!r} is unknown: choose one of "
+            f"{', '.join(COLLECT_METHODS)}"
+        )
+    if not 0.0 < block.percentile <= 1.0:
+        raise UserError(f"quantize.percentile={block.percentile} is outside (0, 1]")
+    if not 0.0 <= block.alpha <= 1.0:
+        raise UserError(f"quantize.alpha={block.alpha} is outside [0, 1]")
+    if block.n_steps < 1:
+        raise UserError(f"quantize.n_steps={block.n_steps} must be at least 1")
+    if int(block.n_steps * block.percentile) < 1:
+        raise UserError(
+            f"quantize.percentile={block.percentile} keeps no step of quantize.n_steps="
+            f"{block.n_steps}: raise one of them so that n_steps * percentile >= 1"
+        )
+    if block.batch_size < 1:
+        raise UserError(f"quantize.batch_size={block.batch_size} must be at least 1")
+    if block.calib_size < block.batch_size or block.calib_size % block.batch_size:
+        raise UserError(
+            f"quantize.calib_size={block.calib_size} must be a multiple of quantize.batch_size="
+            f"{block.batch_size} and not smaller"
+        )

@@ -1,0 +1,126 @@
+"""Loading stage: devices, pipelines (hub, folder, single file, built-in tiny models) and prompts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .config import Family, ModelConfig
+from .errors import UserError
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} was asked for but no CUDA GPU is visible: use device=cpu")
+    return device
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """fp16 where kernels exist for it; CPUs calibrate in fp32, which they run much faster."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def _pipeline_class(family: Family):
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    return StableDiffusionXLPipeline if Family(family) == Family.sdxl else StableDiffusionPipeline
+
+
+def ensure_tiny_model(model: ModelConfig) -> Path:
+    """Builds the tiny model into its folder once; a half-built folder is never left behind."""
+    from .tiny_models import build_tiny_pipeline
+
+    folder = Path(model.source).expanduser()
+    if (folder / "model_index.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build_tiny_pipeline(Family(model.family).value, staging)
+        os.replace(staging, folder)
+    except OSError:
+        # Another process finished the same build first: its folder is as good as ours.
+        if not (folder / "model_index.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def quiet_libraries() -> None:
+    """Keeps the libraries' per-call chatter (prompt truncation, deprecations) off the console."""
+    import diffusers
+    import transformers
+
+    diffusers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    # SmoothQuant names every Linear left in high precision on purpose by the exclusion filter.
+    warnings.filterwarnings("ignore", message=".*is not calibrated, skip smoothing")
+
+
+def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """Returns the diffusers pipeline that `model` names, on `device` in `dtype`."""
+    quiet_libraries()
+    cls = _pipeline_class(model.family)
+    source = model.source
+    if model.tiny:
+        source = str(ensure_tiny_model(model))
+    path = Path(source).expanduser()
+    if str(source).endswith(SINGLE_FILE_SUFFIXES):
+        if not path.is_file():
+            raise UserError(f"model.source={source}: no such checkpoint file")
+        kwargs = {"config": model.single_file_config} if model.single_file_config else {}
+        pipe = _load_or_explain(cls.from_single_file, str(path), model, dtype=dtype, **kwargs)
+    elif path.is_dir():
+        pipe = _load_or_explain(cls.from_pretrained, str(path), model, dtype=dtype)
+    elif source.startswith(("/", ".", "~")):
+        raise UserError(f"model.source={source}: no such folder; give a diffusers folder, a "
+                        ".safetensors file or a hub id")
+    else:
+        pipe = _load_or_explain(cls.from_pretrained, source, model, dtype=dtype,
+                                variant=model.variant)
+    if Family(model.family) == Family.sdxl and getattr(pipe, "text_encoder_2", None) is None:
+        raise UserError(f"model.source={source} is not an SDXL pipeline but model.family=sdxl")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
+    try:
+        return loader(source, **kwargs)
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"model.source={source} could not be loaded as a {Family(model.family).value} "
+            f"pipeline ({type(error).__name__}: {str(error).splitlines()[0]}); download it first "
+            "or point model.source at a local diffusers folder"
+        ) from error
+
+
+def builtin_prompts_path() -> Path:
+    return Path(__file__).parent / "data" / "calib_prompts.txt"
+
+
+def load_prompts(prompts_file: str | None, count: int) -> list[str]:
+    """The first `count` non-empty lines of the prompts file (the shipped one when None)."""
+    path = Path(prompts_file).expanduser() if prompts_file else builtin_prompts_path()
+    if not path.is_file():
+        raise UserError(f"prompts_file={path}: no such file")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(prompts) < count:
+        raise UserError(
+            f"prompts_file={path} holds {len(prompts)} prompts but quantize.calib_size={count}: "
+            "lower calib_size or add prompts"
+        )
+    return prompts[:count]

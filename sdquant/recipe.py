@@ -1,0 +1,74 @@
+"""The quantization recipe: which UNet quantizers a (format, quant_level) pair turns on.
+
+The ModelOpt config is an ordered list in which later entries win, so it is written as: everything
+off, then what each level adds, then the exclusion filter last, so that no level can re-enable a
+layer that must stay in high precision.
+"""
+
+from __future__ import annotations
+
+from .config import QuantFormat
+
+# Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
+HIGH_PRECISION_PATTERNS = (
+    "*time_embedding*",
+    "*time_emb_proj*",
+    "*add_embedding*",
+    "*conv_in*",
+    "*conv_out*",
+    "*conv_shortcut*",
+    "*norm*",
+)
+
+FFN_LINEAR = "*.ff.net.*"
+QKV_LINEAR = "*.to_[qkv]."
+ATTENTION_QUANTIZERS = ("*q_bmm_quantizer", "*k_bmm_quantizer", "*v_bmm_quantizer")
+SOFTMAX_QUANTIZER = "*softmax_quantizer"
+# Softmax outputs lie in [0, 1], so their range needs no calibration.
+SOFTMAX_AMAX = 1.0
+
+
+def _num_bits(fmt: QuantFormat):
+    return 8 if QuantFormat(fmt) == QuantFormat.int8 else (4, 3)
+
+
+def _weight_and_input(prefix: str, parent_class: str, num_bits) -> list[dict]:
+    """Weights per output channel, activations per tensor, as TensorRT's Q/DQ fusions expect."""
+    return [
+        {"quantizer_name": f"{prefix}weight_quantizer", "parent_class": parent_class,
+         "cfg": {"num_bits": num_bits, "axis": 0}},
+        {"quantizer_name": f"{prefix}input_quantizer", "parent_class": parent_class,
+         "cfg": {"num_bits": num_bits, "axis": None}},
+    ]
+
+
+def quant_cfg_entries(fmt: QuantFormat, quant_level: float) -> list[dict]:
+    num_bits = _num_bits(fmt)
+    level = float(quant_level)
+    entries: list[dict] = [{"quantizer_name": "*", "enable": False}]
+    entries += _weight_and_input("*", "nn.Conv2d", num_bits)
+    if level >= 3.0:
+        entries += _weight_and_input("*", "nn.Linear", num_bits)
+    else:
+        if level >= 2.0:
+            entries += _weight_and_input(FFN_LINEAR, "nn.Linear", num_bits)
+        if level >= 2.5:
+            entries += _weight_and_input(QKV_LINEAR, "nn.Linear", num_bits)
+    if level >= 4.0:
+        entries += [{"quantizer_name": name, "cfg": {"num_bits": num_bits, "axis": None}}
+                    for name in ATTENTION_QUANTIZERS]
+        entries.append({"quantizer_name": SOFTMAX_QUANTIZER,
+                        "cfg": {"num_bits": num_bits, "axis": None, "constant_amax": SOFTMAX_AMAX}})
+    entries += [{"quantizer_name": pattern, "enable": False} for pattern in HIGH_PRECISION_PATTERNS]
+    return entries
+
+
+def uses_smoothquant(fmt: QuantFormat, quant_level: float) -> bool:
+    """ModelOpt smooths only int8 Linear layers, which levels >= 2 quantize."""
+    return QuantFormat(fmt) == QuantFormat.int8 and float(quant_level) >= 2.0
+
+
+def calibration_algorithm(fmt: QuantFormat, quant_level: float, alpha: float):
+    if uses_smoothquant(fmt, quant_level):
+        return {"method": "smoothquant", "alpha": float(alpha)}
+    return {"method": "max"}
