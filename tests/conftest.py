@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny models built once per session, and Hydra configs composed as the scripts do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from sdquant.config import register_schemas
+from sdquant.load import compute_dtype, load_pipeline, resolve_device
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+# Small calibration settings that still cover several steps and batches.
+FAST_QUANTIZE = ["quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_size=2"]
+
+register_schemas()
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("model_cache")
+    os.environ["SDQUANT_CACHE"] = str(cache)
+    return cache
+
+
+def compose_config(config_name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+@pytest.fixture
+def quantize_cfg(model_cache, tmp_path):
+    """Composes conf/sd_xl_quantize.yaml for the tiny SDXL, writing under this test's tmp_path."""
+
+    def make(*overrides: str, model: str = "tiny_sdxl"):
+        return compose_config("sd_xl_quantize", [f"model={model}", f"out_dir={tmp_path / 'quantized'}",
+                                                 "device=cpu", *FAST_QUANTIZE, *overrides])
+
+    return make
+
+
+@pytest.fixture
+def tiny_pipeline(model_cache):
+    """Loads a tiny pipeline through the real from_pretrained path."""
+
+    def make(model: str = "tiny_sdxl"):
+        cfg = compose_config("sd_xl_quantize", [f"model={model}"])
+        device = resolve_device("cpu")
+        return load_pipeline(cfg.model, device, compute_dtype(device))
+
+    return make
+
+
+@pytest.fixture
+def run_script(model_cache, tmp_path):
+    """Runs one of the three scripts as a user would, with Hydra's own output kept in tmp_path."""
+
+    def run(script: str, *overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(REPO / script), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
+            capture_output=True, text=True, cwd=REPO, env=dict(os.environ), timeout=600)
+
+    return run

@@ -1,0 +1,127 @@
+"""Percentile Quant statistics on hand-made per-step sequences, and the step clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import HeunDiscreteScheduler
+
+from sdquant.calibrate import PercentileCalibrator, StepClock, attach_clock
+
+# amax seen at each step (rows) in each of three calibration batches (columns).
+AMAX = [
+    [4.0, 2.0, 6.0],   # step 0
+    [3.0, 5.0, 1.0],   # step 1
+    [8.0, 7.0, 9.0],   # step 2
+    [0.5, 0.5, 0.5],   # step 3
+]
+
+# (percentile, method) -> the amax worked out by hand from AMAX.
+EXPECTED = {
+    (1.0, "global_min"): 0.5,          # min over steps of per-step min
+    (1.0, "min-max"): 0.5,             # min over steps of per-step max (0.5 at step 3)
+    (1.0, "min-mean"): 0.5,            # per-step means 4, 3, 8, 0.5
+    (1.0, "mean-max"): (6 + 5 + 9 + 0.5) / 4,
+    (0.75, "global_min"): 1.0,         # steps 0..2 only
+    (0.75, "min-max"): 5.0,
+    (0.75, "min-mean"): 3.0,
+    (0.75, "mean-max"): (6 + 5 + 9) / 3,
+    (0.5, "min-mean"): 3.0,
+    (0.5, "mean-max"): 5.5,
+}
+
+
+def _feed(calibrator: PercentileCalibrator, clock: StepClock) -> None:
+    for batch in range(3):
+        for step, row in enumerate(AMAX):
+            clock.step = step
+            # A tensor whose absolute max is the wanted amax, with a negative value to check abs.
+            calibrator.collect(torch.tensor([[-row[batch], row[batch] / 2], [0.1, 0.0]]))
+
+
+@pytest.mark.parametrize("percentile,method", sorted(EXPECTED))
+def test_amax_matches_hand_computation(percentile, method):
+    clock = StepClock()
+    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=4, percentile=percentile,
+                                      collect_method=method)
+    _feed(calibrator, clock)
+    assert float(calibrator.compute_amax()) == pytest.approx(EXPECTED[(percentile, method)])
+
+
+def test_mean_divides_by_batches_run_not_steps():
+    """NeMo divided the per-step sum by n_steps; with 3 batches and 20 steps that gives 3/20 of it."""
+    clock = StepClock()
+    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=20, percentile=1.0,
+                                      collect_method="min-mean")
+    for step in range(20):
+        clock.step = step
+        for value in (2.0, 4.0, 6.0):
+            calibrator.collect(torch.tensor([value]))
+    assert float(calibrator.compute_amax()) == pytest.approx(4.0)
+
+
+def test_per_channel_axis_keeps_one_amax_per_channel():
+    clock = StepClock(step=0)
+    calibrator = PercentileCalibrator(8, -1, False, clock=clock, n_steps=1, percentile=1.0,
+                                      collect_method="min-mean")
+    calibrator.collect(torch.tensor([[[1.0, -4.0], [2.0, 3.0]]]))
+    calibrator.collect(torch.tensor([[[3.0, 0.0], [-1.0, 2.0]]]))
+    assert calibrator.compute_amax().flatten().tolist() == pytest.approx([2.5, 3.0])
+
+
+def test_reset_forgets_statistics():
+    clock = StepClock(step=0)
+    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=1, percentile=1.0,
+                                      collect_method="min-max")
+    calibrator.collect(torch.tensor([1.0]))
+    calibrator.reset()
+    assert calibrator.compute_amax() is None
+
+
+def _steps_seen(pipe, n_steps: int, **call) -> list[int]:
+    clock = StepClock()
+    seen = []
+    hooks = [attach_clock(pipe, clock),
+             pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
+    try:
+        pipe(prompt=["a red fox"], num_inference_steps=n_steps, output_type="latent",
+             generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_clock_counts_steps_with_batched_guidance(tiny_pipeline):
+    pipe = tiny_pipeline()
+    assert _steps_seen(pipe, 5, guidance_scale=5.0) == [0, 1, 2, 3, 4]
+
+
+def test_clock_counts_steps_of_second_order_scheduler(tiny_pipeline):
+    """Heun calls the UNet twice per step but at the same steps' noise levels."""
+    pipe = tiny_pipeline()
+    pipe.scheduler = HeunDiscreteScheduler.from_config(pipe.scheduler.config)
+    seen = _steps_seen(pipe, 4, guidance_scale=5.0)
+    assert len(seen) == 7  # 2 * 4 - 1 calls
+    assert sorted(set(seen)) == [0, 1, 2, 3]
+    assert seen == sorted(seen)
+
+
+def test_clock_counts_steps_with_unbatched_guidance(tiny_pipeline):
+    """Guidance run as two UNet calls per step (conditional, then unconditional) stays on one step."""
+    pipe = tiny_pipeline("tiny_sd15")
+    pipe.scheduler.set_timesteps(3)
+    clock = StepClock()
+    seen = []
+    hooks = [attach_clock(pipe, clock),
+             pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
+    sample = torch.zeros(1, 4, 8, 8)
+    context = torch.zeros(1, 77, pipe.unet.config.cross_attention_dim)
+    try:
+        for t in pipe.scheduler.timesteps:
+            for _ in ("conditional", "unconditional"):
+                pipe.unet(sample, t, encoder_hidden_states=context)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen == [0, 0, 1, 1, 2, 2]
