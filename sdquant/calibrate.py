@@ -160,10 +160,21 @@ def calibration_batches(prompts: list[str], batch_size: int) -> list[list[str]]:
     return [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
 
 
+def pause_weight_calibration(unet) -> None:
+    """ModelOpt has calibrated the weights before the loop starts; collecting them again at every
+    UNet call would only add a device-to-host sync per layer (its max calibrator checks for NaN)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    for name, module in unet.named_modules():
+        if isinstance(module, TensorQuantizer) and name.endswith("weight_quantizer"):
+            module.disable_calib()
+
+
 def make_forward_loop(pipe, prompts: list[str], block: QuantizeBlock, seed: int, counter: dict):
     """The loop ModelOpt calls: the real pipeline over every batch, latents only (no VAE)."""
 
-    def forward_loop(_unet):
+    def forward_loop(unet):
+        pause_weight_calibration(unet)
         batches = calibration_batches(prompts, block.batch_size)
         device = pipe.unet.device
         for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch")):

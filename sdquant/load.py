@@ -38,7 +38,7 @@ def _pipeline_class(family: Family):
 
 def ensure_tiny_model(model: ModelConfig) -> Path:
     """Builds the tiny model into its folder once; a half-built folder is never left behind."""
-    from .tiny_models import build_tiny_pipeline
+    from .synthetic import build_tiny_pipeline
 
     folder = Path(model.source).expanduser()
     if (folder / "model_index.json").exists():

@@ -1,0 +1,100 @@
+"""Times Percentile Quant calibration of the full-size SDXL UNet against plain fp16 generation.
+
+Random weights with SDXL base's architecture, 1024x1024, the same prompts, steps and seeds for
+both. Target: calibration costs at most 1.25x the plain generation. Needs a CUDA GPU.
+
+    python benchmarks/calibration_speed.py --out benchmarks/results/calibration_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sdquant.calibrate import calibration_batches, quantize_unet
+from sdquant.config import QuantizeBlock
+from sdquant.load import load_prompts, quiet_libraries
+from sdquant.report import library_versions
+from sdquant.synthetic import FULL_SDXL, build_pipeline, build_unet
+
+TARGET_RATIO = 1.25
+
+
+def generate_all(pipe, prompts, block: QuantizeBlock, seed: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for index, batch in enumerate(calibration_batches(prompts, block.batch_size)):
+        pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
+             height=block.height, width=block.width, output_type="latent",
+             generator=torch.Generator("cuda").manual_seed(seed + index))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def fresh_unet():
+    torch.manual_seed(0)
+    return build_unet(FULL_SDXL, sdxl=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calib-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--n-steps", type=int, default=20)
+    parser.add_argument("--resolution", type=int, default=1024)
+    parser.add_argument("--recipes", default="int8:2.5,int8:3,fp8:4",
+                        help="format:quant_level pairs, comma separated")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    quiet_libraries()
+
+    torch.set_default_dtype(torch.float16)
+    with torch.device("cuda"):
+        pipe = build_pipeline("sdxl", FULL_SDXL)
+    torch.set_default_dtype(torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = load_prompts(None, args.calib_size)
+    seed = 42
+    plain_block = QuantizeBlock(n_steps=args.n_steps, batch_size=args.batch_size,
+                                calib_size=args.calib_size, height=args.resolution, width=args.resolution)
+    generate_all(pipe, prompts[: args.batch_size], plain_block, seed)  # warm-up: kernels, allocator
+    plain_seconds = generate_all(pipe, prompts, plain_block, seed)
+    print(f"plain fp16 generation: {plain_seconds:.2f} s for {args.calib_size} prompts")
+
+    rows = []
+    for recipe in args.recipes.split(","):
+        fmt, level = recipe.split(":")
+        with torch.device("cuda"):
+            pipe.unet = fresh_unet().half()
+        block = QuantizeBlock(n_steps=args.n_steps, batch_size=args.batch_size, calib_size=args.calib_size,
+                              height=args.resolution, width=args.resolution, format=fmt,
+                              quant_level=float(level))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = quantize_unet(pipe, prompts, block, seed)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        row = {"format": fmt, "quant_level": float(level), "calibrate_s": round(result.seconds, 2),
+               "quantize_total_s": round(total, 2), "ratio_to_plain": round(result.seconds / plain_seconds, 3),
+               "meets_target": result.seconds / plain_seconds <= TARGET_RATIO,
+               "unet_calls": result.unet_calls, "algorithm": result.algorithm}
+        print(json.dumps(row))
+        rows.append(row)
+
+    report = {
+        "benchmark": "calibration_speed", "device": torch.cuda.get_device_name(),
+        "versions": library_versions(), "resolution": args.resolution, "n_steps": args.n_steps,
+        "calib_size": args.calib_size, "batch_size": args.batch_size, "guidance": "batched CFG",
+        "plain_generation_s": round(plain_seconds, 2), "target_ratio": TARGET_RATIO, "recipes": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
