@@ -56,6 +56,8 @@ def main() -> None:
     with torch.device("cuda"):
         pipe = build_pipeline("sdxl", FULL_SDXL)
     torch.set_default_dtype(torch.float32)
+    # The scheduler keeps its tables on the CPU, as the pipeline expects.
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     prompts = load_prompts(None, args.calib_size)
     seed = 42
