@@ -22,7 +22,11 @@ HIGH_PRECISION_PATTERNS = (
 
 FFN_LINEAR = "*.ff.net.*"
 QKV_LINEAR = "*.to_[qkv]."
-ATTENTION_QUANTIZERS = ("*q_bmm_quantizer", "*k_bmm_quantizer", "*v_bmm_quantizer")
+# The attention quantizers see the outputs of the q/k/v projections (SDXL has no q/k norm).
+ATTENTION_QUANTIZER_SOURCES = {"q_bmm_quantizer": "to_q", "k_bmm_quantizer": "to_k",
+                               "v_bmm_quantizer": "to_v"}
+ATTENTION_QUANTIZERS = tuple(f"*{name}" for name in ATTENTION_QUANTIZER_SOURCES)
+ATTENTION_PROJECTIONS = tuple(f".{projection}" for projection in ATTENTION_QUANTIZER_SOURCES.values())
 SOFTMAX_QUANTIZER = "*softmax_quantizer"
 # Softmax outputs lie in [0, 1], so their range needs no calibration.
 SOFTMAX_AMAX = 1.0
@@ -54,13 +58,17 @@ def quant_cfg_entries(fmt: QuantFormat, quant_level: float) -> list[dict]:
             entries += _weight_and_input(FFN_LINEAR, "nn.Linear", num_bits)
         if level >= 2.5:
             entries += _weight_and_input(QKV_LINEAR, "nn.Linear", num_bits)
-    if level >= 4.0:
+    if quantizes_attention(level):
         entries += [{"quantizer_name": name, "cfg": {"num_bits": num_bits, "axis": None}}
                     for name in ATTENTION_QUANTIZERS]
         entries.append({"quantizer_name": SOFTMAX_QUANTIZER,
                         "cfg": {"num_bits": num_bits, "axis": None, "constant_amax": SOFTMAX_AMAX}})
     entries += [{"quantizer_name": pattern, "enable": False} for pattern in HIGH_PRECISION_PATTERNS]
     return entries
+
+
+def quantizes_attention(quant_level: float) -> bool:
+    return float(quant_level) >= 4.0
 
 
 def uses_smoothquant(fmt: QuantFormat, quant_level: float) -> bool:

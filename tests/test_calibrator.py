@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import HeunDiscreteScheduler
 
-from sdquant.calibrate import PercentileCalibrator, StepClock, attach_clock
+from sdquant.calibrate import PercentileCalibrator, StepClock, StepStatistics, attach_clock
 
 # amax seen at each step (rows) in each of three calibration batches (columns).
 AMAX = [
@@ -31,6 +31,12 @@ EXPECTED = {
 }
 
 
+def _calibrator(method: str, n_steps: int, percentile: float, clock: StepClock, axis=None):
+    return PercentileCalibrator(8, axis, False, per_tensor=StepStatistics(method),
+                                per_channel=StepStatistics(method), clock=clock,
+                                steps_used=int(n_steps * percentile))
+
+
 def _feed(calibrator: PercentileCalibrator, clock: StepClock) -> None:
     for batch in range(3):
         for step, row in enumerate(AMAX):
@@ -42,8 +48,7 @@ def _feed(calibrator: PercentileCalibrator, clock: StepClock) -> None:
 @pytest.mark.parametrize("percentile,method", sorted(EXPECTED))
 def test_amax_matches_hand_computation(percentile, method):
     clock = StepClock()
-    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=4, percentile=percentile,
-                                      collect_method=method)
+    calibrator = _calibrator(method, 4, percentile, clock)
     _feed(calibrator, clock)
     assert float(calibrator.compute_amax()) == pytest.approx(EXPECTED[(percentile, method)])
 
@@ -51,8 +56,7 @@ def test_amax_matches_hand_computation(percentile, method):
 def test_mean_divides_by_batches_run_not_steps():
     """NeMo divided the per-step sum by n_steps; with 3 batches and 20 steps that gives 3/20 of it."""
     clock = StepClock()
-    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=20, percentile=1.0,
-                                      collect_method="min-mean")
+    calibrator = _calibrator("min-mean", 20, 1.0, clock)
     for step in range(20):
         clock.step = step
         for value in (2.0, 4.0, 6.0):
@@ -62,20 +66,10 @@ def test_mean_divides_by_batches_run_not_steps():
 
 def test_per_channel_axis_keeps_one_amax_per_channel():
     clock = StepClock(step=0)
-    calibrator = PercentileCalibrator(8, -1, False, clock=clock, n_steps=1, percentile=1.0,
-                                      collect_method="min-mean")
+    calibrator = _calibrator("min-mean", 1, 1.0, clock, axis=-1)
     calibrator.collect(torch.tensor([[[1.0, -4.0], [2.0, 3.0]]]))
     calibrator.collect(torch.tensor([[[3.0, 0.0], [-1.0, 2.0]]]))
     assert calibrator.compute_amax().flatten().tolist() == pytest.approx([2.5, 3.0])
-
-
-def test_reset_forgets_statistics():
-    clock = StepClock(step=0)
-    calibrator = PercentileCalibrator(8, None, False, clock=clock, n_steps=1, percentile=1.0,
-                                      collect_method="min-max")
-    calibrator.collect(torch.tensor([1.0]))
-    calibrator.reset()
-    assert calibrator.compute_amax() is None
 
 
 def _steps_seen(pipe, n_steps: int, **call) -> list[int]:
