@@ -81,6 +81,8 @@ def main() -> None:
         torch.cuda.synchronize()
         total = time.perf_counter() - start
         row = {"format": fmt, "quant_level": float(level), "calibrate_s": round(result.seconds, 2),
+               "record_s": round(result.record_seconds, 2),
+               "modelopt_s": round(result.seconds - result.record_seconds, 2),
                "quantize_total_s": round(total, 2), "ratio_to_plain": round(result.seconds / plain_seconds, 3),
                "meets_target": result.seconds / plain_seconds <= TARGET_RATIO,
                "unet_calls": result.unet_calls, "algorithm": result.algorithm}

@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from .config import QuantizeBlock
 from .errors import UserError
-from .recipe import (ATTENTION_PROJECTIONS, ATTENTION_QUANTIZER_SOURCES, calibration_algorithm,
-                     quant_cfg_entries, quantizes_attention, uses_smoothquant)
+from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
+                     uses_smoothquant)
 
 
 @dataclass
@@ -144,19 +144,23 @@ class ActivationRecorder:
         self._pending_tensor: list[tuple[StepStatistics, torch.Tensor]] = []
         self._pending_channels: list[tuple[StepStatistics, StepStatistics, torch.Tensor]] = []
         method = block.collect_method
-        linear = float(block.quant_level) >= 2.0
+        entries = quant_cfg_entries(block.format, block.quant_level)
         per_channel = uses_smoothquant(block.format, block.quant_level)
-        attention = quantizes_attention(block.quant_level)
         self._handles = [unet.register_forward_hook(lambda *_: self.flush())]
         for name, module in unet.named_modules():
-            if isinstance(module, torch.nn.Conv2d) or (linear and isinstance(module, torch.nn.Linear)):
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+                if not is_enabled(entries, f"{name}.input_quantizer", module):
+                    continue
                 self.inputs[name] = StepStatistics(method)
                 if per_channel and isinstance(module, torch.nn.Linear):
                     self.input_channels[name] = StepStatistics(method)
                 self._handles.append(module.register_forward_pre_hook(self._input_hook(name)))
-            if attention and name.endswith(ATTENTION_PROJECTIONS):
-                self.outputs[name] = StepStatistics(method)
-                self._handles.append(module.register_forward_hook(self._output_hook(name)))
+            for quantizer, projection in ATTENTION_QUANTIZER_SOURCES.items():
+                if hasattr(module, projection) and is_enabled(entries, f"{name}.{quantizer}", module):
+                    source = f"{name}.{projection}"
+                    self.outputs[source] = StepStatistics(method)
+                    self._handles.append(getattr(module, projection).register_forward_hook(
+                        self._output_hook(source)))
 
     def _input_hook(self, name: str):
         per_tensor = self.inputs[name]
@@ -276,6 +280,7 @@ def install_percentile_calibrators(unet, recorder: ActivationRecorder, block: Qu
 @dataclass
 class CalibrationResult:
     seconds: float
+    record_seconds: float  # the pipeline runs over the calibration prompts
     batches: int
     unet_calls: int
     algorithm: dict
@@ -319,13 +324,15 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> 
         for hook in hooks:
             hook.remove()
 
+    record_seconds = time.perf_counter() - start
     mtq.quantize(unet, {"quant_cfg": quant_cfg_entries(block.format, block.quant_level),
                         "algorithm": None})
     install_percentile_calibrators(unet, recorder, block)
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
     mtq.calibrate(unet, algorithm, forward_loop=lambda _unet: None)
-    return CalibrationResult(time.perf_counter() - start, batches, len(unet_calls), algorithm)
+    return CalibrationResult(time.perf_counter() - start, record_seconds, batches, len(unet_calls),
+                             algorithm)
 
 
 def activation_amax(unet) -> dict[str, float]:

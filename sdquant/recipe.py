@@ -7,6 +7,10 @@ layer that must stay in high precision.
 
 from __future__ import annotations
 
+import fnmatch
+
+import torch
+
 from .config import QuantFormat
 
 # Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
@@ -26,7 +30,6 @@ QKV_LINEAR = "*.to_[qkv]."
 ATTENTION_QUANTIZER_SOURCES = {"q_bmm_quantizer": "to_q", "k_bmm_quantizer": "to_k",
                                "v_bmm_quantizer": "to_v"}
 ATTENTION_QUANTIZERS = tuple(f"*{name}" for name in ATTENTION_QUANTIZER_SOURCES)
-ATTENTION_PROJECTIONS = tuple(f".{projection}" for projection in ATTENTION_QUANTIZER_SOURCES.values())
 SOFTMAX_QUANTIZER = "*softmax_quantizer"
 # Softmax outputs lie in [0, 1], so their range needs no calibration.
 SOFTMAX_AMAX = 1.0
@@ -58,7 +61,7 @@ def quant_cfg_entries(fmt: QuantFormat, quant_level: float) -> list[dict]:
             entries += _weight_and_input(FFN_LINEAR, "nn.Linear", num_bits)
         if level >= 2.5:
             entries += _weight_and_input(QKV_LINEAR, "nn.Linear", num_bits)
-    if quantizes_attention(level):
+    if level >= 4.0:
         entries += [{"quantizer_name": name, "cfg": {"num_bits": num_bits, "axis": None}}
                     for name in ATTENTION_QUANTIZERS]
         entries.append({"quantizer_name": SOFTMAX_QUANTIZER,
@@ -67,8 +70,24 @@ def quant_cfg_entries(fmt: QuantFormat, quant_level: float) -> list[dict]:
     return entries
 
 
-def quantizes_attention(quant_level: float) -> bool:
-    return float(quant_level) >= 4.0
+_PARENT_CLASSES = {"nn.Conv2d": torch.nn.Conv2d, "nn.Linear": torch.nn.Linear}
+
+
+def is_enabled(entries: list[dict], quantizer_name: str, module: torch.nn.Module) -> bool:
+    """Whether `entries` turn on the quantizer of this name on `module`, read as ModelOpt reads
+    them: the last entry whose pattern (and parent class, if given) matches decides.
+
+    Calibration uses it to hook only the layers that will be quantized, before ModelOpt has
+    inserted any quantizer; a test checks that both readings agree at every level.
+    """
+    enabled = False
+    for entry in entries:
+        parent = entry.get("parent_class")
+        if parent is not None and not isinstance(module, _PARENT_CLASSES[parent]):
+            continue
+        if fnmatch.fnmatchcase(quantizer_name, entry["quantizer_name"]):
+            enabled = entry.get("enable", True)
+    return enabled
 
 
 def uses_smoothquant(fmt: QuantFormat, quant_level: float) -> bool:

@@ -46,6 +46,7 @@ def run_quantize(cfg) -> Path:
         "dtype": str(dtype),
         "calibration": {
             "seconds": round(result.seconds, 3),
+            "record_seconds": round(result.record_seconds, 3),
             "batches": result.batches,
             "unet_calls": result.unet_calls,
             "algorithm": result.algorithm,

@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant.recipe import quant_cfg_entries
+from sdquant.recipe import is_enabled, quant_cfg_entries
 
 EXCLUDED = ("time_embedding", "time_emb_proj", "add_embedding", "conv_in", "conv_out", "conv_shortcut")
 
@@ -83,3 +83,21 @@ def test_filter_wins_over_level(tiny_pipeline):
     for name, module in unet.named_modules():
         if isinstance(module, TensorQuantizer) and any(part in name for part in EXCLUDED):
             assert not module.is_enabled, name
+
+
+@pytest.mark.parametrize("fmt,level", [("int8", 1.0), ("int8", 2.0), ("int8", 2.5), ("int8", 3.0), ("fp8", 4.0)])
+def test_calibration_hooks_read_the_recipe_as_modelopt_does(tiny_pipeline, fmt, level):
+    """Calibration hooks the layers before ModelOpt inserts quantizers; both must pick the same."""
+    unet = tiny_pipeline().unet
+    entries = quant_cfg_entries(fmt, level)
+    layer_kinds = ("input_quantizer", "weight_quantizer")
+    attention_kinds = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer")
+    ours = set()
+    for name, module in unet.named_modules():
+        kinds = layer_kinds if isinstance(module, (nn.Conv2d, nn.Linear)) else (
+            attention_kinds if hasattr(module, "to_q") else ())
+        ours |= {f"{name}.{kind}" for kind in kinds if is_enabled(entries, f"{name}.{kind}", module)}
+    mtq.quantize(unet, {"quant_cfg": entries, "algorithm": None})
+    theirs = {name for name, module in unet.named_modules()
+              if isinstance(module, TensorQuantizer) and module.is_enabled}
+    assert ours == theirs
