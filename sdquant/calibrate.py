@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -32,25 +32,27 @@ from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enab
                      uses_smoothquant)
 
 
-@dataclass
 class StepClock:
-    """The current denoising step, set from the timestep the UNet is called with."""
+    """The denoising step of the current UNet call, read from the timestep it is called with.
 
-    step: int | None = None
-    _schedule: torch.Tensor | None = field(default=None, repr=False)
+    The step is kept as a device tensor, worked out on the device, so that knowing it never makes
+    the host wait for the GPU inside the denoising loop; ``index()`` reads it when needed.
+    """
 
-    def set_schedule(self, timesteps: torch.Tensor) -> None:
-        # Second-order schedulers repeat timesteps (t0, t1, t1, t2, t2, ...): a noise level
-        # evaluated twice still belongs to one step.
-        ordered = []
-        for t in timesteps.detach().float().cpu().tolist():
-            if t not in ordered:
-                ordered.append(t)
-        self._schedule = torch.tensor(ordered)
+    def __init__(self, step: int | torch.Tensor | None = None):
+        self.step = step
 
-    def observe(self, timestep) -> None:
-        t = torch.as_tensor(timestep).detach().float().flatten()[0].cpu()
-        self.step = int((self._schedule - t).abs().argmin())
+    def observe(self, timestep, timesteps: torch.Tensor) -> None:
+        """Timesteps run from noise to clean (descending). Second-order schedulers repeat them
+        (t0, t1, t1, t2, ...): both evaluations at one noise level belong to one step, so the
+        step is the number of distinct timesteps above this one."""
+        t = torch.as_tensor(timestep, device=timesteps.device).flatten()[0]
+        first_of_run = torch.ones_like(timesteps, dtype=torch.bool)
+        first_of_run[1:] = timesteps[1:] != timesteps[:-1]
+        self.step = ((timesteps > t) & first_of_run).sum()
+
+    def index(self) -> int:
+        return int(self.step)
 
 
 def attach_clock(pipe, clock: StepClock):
@@ -58,8 +60,7 @@ def attach_clock(pipe, clock: StepClock):
 
     def before_unet(_module, args, kwargs):
         # The schedule is read at each call since the pipeline sets it at the start of each run.
-        clock.set_schedule(pipe.scheduler.timesteps)
-        clock.observe(kwargs["timestep"] if "timestep" in kwargs else args[1])
+        clock.observe(kwargs["timestep"] if "timestep" in kwargs else args[1], pipe.scheduler.timesteps)
 
     return pipe.unet.register_forward_pre_hook(before_unet, with_kwargs=True)
 
@@ -127,6 +128,10 @@ def max_abs(x: torch.Tensor, keep_last_dim: bool) -> torch.Tensor:
     return torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, dtype=torch.float32)
 
 
+# Reading the step of queued calls costs one host-device sync per this many UNet calls.
+RESOLVE_EVERY_CALLS = 32
+
+
 class ActivationRecorder:
     """Records, per denoising step, the amax of what the quantizable layers see.
 
@@ -143,6 +148,7 @@ class ActivationRecorder:
         self.outputs: dict[str, StepStatistics] = {}
         self._pending_tensor: list[tuple[StepStatistics, torch.Tensor]] = []
         self._pending_channels: list[tuple[StepStatistics, StepStatistics, torch.Tensor]] = []
+        self._calls: list[tuple] = []
         method = block.collect_method
         entries = quant_cfg_entries(block.format, block.quant_level)
         per_channel = uses_smoothquant(block.format, block.quant_level)
@@ -183,19 +189,30 @@ class ActivationRecorder:
         return record
 
     def flush(self) -> None:
-        """Folds the amaxes of the UNet call that just ended into the per-step statistics."""
-        step = self.clock.step
-        if self._pending_channels:
-            tensor_stats, channel_stats, channels = zip(*self._pending_channels)
-            update_all(list(channel_stats), step, list(channels))
-            per_tensor = torch._foreach_norm(list(channels), ord=float("inf"))
-            self._pending_tensor.extend(zip(tensor_stats, per_tensor))
-        if self._pending_tensor:
-            statistics, amaxes = zip(*self._pending_tensor)
-            update_all(list(statistics), step, list(amaxes))
+        """Queues the amaxes of the UNet call that just ended under that call's step."""
+        self._calls.append((self.clock.step, self._pending_tensor, self._pending_channels))
         self._pending_tensor, self._pending_channels = [], []
+        if len(self._calls) >= RESOLVE_EVERY_CALLS:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Folds the queued calls into the per-step statistics; reads their steps in one sync."""
+        if not self._calls:
+            return
+        steps = torch.stack([torch.as_tensor(step) for step, _, _ in self._calls]).tolist()
+        for step, (_, per_tensor, per_channel) in zip(steps, self._calls):
+            if per_channel:
+                tensor_stats, channel_stats, channels = zip(*per_channel)
+                update_all(list(channel_stats), step, list(channels))
+                channel_maxima = torch._foreach_norm(list(channels), ord=float("inf"))
+                per_tensor = per_tensor + list(zip(tensor_stats, channel_maxima))
+            if per_tensor:
+                statistics, amaxes = zip(*per_tensor)
+                update_all(list(statistics), step, list(amaxes))
+        self._calls = []
 
     def remove(self) -> None:
+        self.resolve()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -240,7 +257,7 @@ class PercentileCalibrator(_modelopt_calibrator_base()):
 
     def collect(self, x):
         keep_last_dim = self._axis is not None
-        self._statistics().update(self._clock.step, max_abs(x, keep_last_dim=keep_last_dim))
+        self._statistics().update(self._clock.index(), max_abs(x, keep_last_dim=keep_last_dim))
 
     def reset(self):
         # The statistics are the calibration data itself; ModelOpt resets a calibrator after
