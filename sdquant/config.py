@@ -82,9 +82,54 @@ class QuantizeApp:
     device: str = "auto"
 
 
+@dataclass
+class InferBlock:
+    """NeMo's ``infer`` block of the export config."""
+
+    out_path: str = "sdxl_export"
+    width: int = 1024
+    height: int = 1024
+    # Images per prompt batch: the optimal batch of the engine profiles and the dummy batch.
+    batch_size: int = 2
+
+
+@dataclass
+class TrtBlock:
+    """NeMo's ``trt`` block: the engines' batch range, counted in images."""
+
+    static_batch: bool = False
+    min_batch_size: int = 1
+    max_batch_size: int = 8
+
+
+@dataclass
+class OnnxBlock:
+    opset: int = 19
+    # fp16 halves the graph and is what TensorRT builds strongly typed; fp32 is for checking.
+    precision: str = "fp16"
+    # SDXL's VAE overflows in fp16, so it stays fp32 unless asked.
+    vae_precision: str = "fp32"
+    # Side of the latent the graphs are traced at; height and width stay dynamic in the graph,
+    # so a small trace costs far less time and memory than the real resolution.
+    trace_latent_size: int = 16
+
+
+@dataclass
+class ExportApp:
+    infer: InferBlock = field(default_factory=InferBlock)
+    trt: TrtBlock = field(default_factory=TrtBlock)
+    onnx: OnnxBlock = field(default_factory=OnnxBlock)
+    model: ModelConfig = MISSING
+    # A checkpoint folder (or unet.mto) from quantize.py; None exports the fp16 UNet.
+    quantized_unet: Optional[str] = None
+    force: bool = False
+    device: str = "auto"
+
+
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="quantize_schema", node=QuantizeApp)
+    store.store(name="export_schema", node=ExportApp)
     store.store(group="model", name="model_schema", node=ModelConfig)
 
 
@@ -124,3 +169,19 @@ def validate_quantize_block(block: QuantizeBlock) -> None:
             f"quantize.calib_size={block.calib_size} must be a multiple of quantize.batch_size="
             f"{block.batch_size} and not smaller"
         )
+
+
+PRECISIONS = ("fp16", "fp32")
+
+
+def validate_export(cfg) -> None:
+    for key in ("precision", "vae_precision"):
+        if cfg.onnx[key] not in PRECISIONS:
+            raise UserError(f"onnx.{key}={cfg.onnx[key]!r} is unknown: choose fp16 or fp32")
+    if cfg.onnx.opset < 19:
+        raise UserError(f"onnx.opset={cfg.onnx.opset}: 8-bit graphs with fp16 scales need opset 19 or newer")
+    for key in ("width", "height"):
+        if cfg.infer[key] < 64 or cfg.infer[key] % 64:
+            raise UserError(f"infer.{key}={cfg.infer[key]} must be a positive multiple of 64")
+    if cfg.onnx.trace_latent_size < 8 or cfg.onnx.trace_latent_size % 8:
+        raise UserError(f"onnx.trace_latent_size={cfg.onnx.trace_latent_size} must be a positive multiple of 8")

@@ -40,10 +40,12 @@ def _num_bits(fmt: QuantFormat):
 
 
 def _weight_and_input(prefix: str, parent_class: str, num_bits) -> list[dict]:
-    """Weights per output channel, activations per tensor, as TensorRT's Q/DQ fusions expect."""
+    """Activations per tensor. INT8 weights per output channel; FP8 weights per tensor, the only
+    FP8 form ModelOpt exports to ONNX (E4M3's range makes one scale per tensor work well)."""
+    weight_axis = 0 if num_bits == 8 else None
     return [
         {"quantizer_name": f"{prefix}weight_quantizer", "parent_class": parent_class,
-         "cfg": {"num_bits": num_bits, "axis": 0}},
+         "cfg": {"num_bits": num_bits, "axis": weight_axis}},
         {"quantizer_name": f"{prefix}input_quantizer", "parent_class": parent_class,
          "cfg": {"num_bits": num_bits, "axis": None}},
     ]

@@ -7,9 +7,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from . import checkpoint
+import torch
+
+from . import checkpoint, export
+from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
-from .config import validate_quantize_block
+from .config import Family, plain, validate_export, validate_quantize_block
+from .errors import UserError
 from .load import compute_dtype, load_pipeline, load_prompts, resolve_device
 from .report import library_versions, print_summary
 from .recipe import uses_smoothquant
@@ -58,3 +62,57 @@ def run_quantize(cfg) -> Path:
     written = checkpoint.save(pipe.unet, folder, sidecar)
     print_summary("quantize", written, time.perf_counter() - start)
     return folder
+
+
+def _restore_quantized_unet(cfg, unet) -> dict:
+    """Loads the quantize.py checkpoint into `unet`; returns its sidecar."""
+    path = Path(cfg.quantized_unet).expanduser()
+    folder = path if path.is_dir() else path.parent
+    sidecar = read_json(folder / checkpoint.SIDECAR_FILE) or {}
+    made_for = sidecar.get("settings", {}).get("model", {}).get("family")
+    if made_for is not None and made_for != plain(cfg.model.family):
+        raise UserError(f"quantized_unet={path} was made from a {made_for} model, not from "
+                        f"model={cfg.model.name} ({plain(cfg.model.family)}): choose its own model")
+    checkpoint.restore(unet, path)
+    return sidecar
+
+
+def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
+    return checkpoint.fingerprint({
+        "graph": name,
+        "model": {"family": plain(cfg.model.family), "source": cfg.model.source, "variant": cfg.model.variant},
+        "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
+        "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(cfg.model.family) else None,
+    })
+
+
+def run_export(cfg) -> list[Path]:
+    """Exports every graph of the pipeline to ONNX; returns the ONNX files."""
+    start = time.perf_counter()
+    validate_export(cfg)
+    device = resolve_device(cfg.device)
+    pipe = load_pipeline(cfg.model, device, torch.float32)
+    quantized = _restore_quantized_unet(cfg, pipe.unet) if cfg.quantized_unet else None
+    dtype = torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
+    vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
+    if quantized is not None:
+        export.prepare_quantizers_for_export(pipe.unet, dtype)
+    latent = cfg.onnx.trace_latent_size
+    specs = export.graph_specs(pipe, cfg.model.family, cfg.infer.batch_size, latent, dtype, vae_dtype)
+    written, reused = [], []
+    for spec in specs:
+        folder = export.onnx_path(cfg.infer.out_path, spec.name).parent
+        graph_dtype = vae_dtype if spec.name == "vae" else dtype
+        fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized)
+        if not cfg.force and export.is_current(folder, fingerprint):
+            reused.append(folder / export.ONNX_FILE)
+            continue
+        print(f"exporting {spec.name} to {folder} ...", flush=True)
+        meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
+                "inputs": spec.input_names, "outputs": spec.output_names,
+                "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(cfg.model.family) else None,
+                "versions": library_versions()}
+        export.export_graph(spec, folder, cfg.onnx.opset, meta)
+        written.append(folder / export.ONNX_FILE)
+    print_summary("ONNX export", written, time.perf_counter() - start, reused=reused)
+    return written + reused

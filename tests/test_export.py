@@ -1,0 +1,206 @@
+"""ONNX export of the tiny models, checked by running the graphs in ONNX Runtime."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from modelopt.torch.quantization.nn import TensorQuantizer
+
+from sdquant import checkpoint, export
+from sdquant.calibrate import quantize_unet
+from sdquant.errors import UserError
+from sdquant.load import load_prompts
+from sdquant.workflow import run_export, run_quantize
+
+from conftest import compose_config
+
+# Checked at another batch and latent size than the trace, and a longer context, to prove the
+# dynamic axes work.
+BATCH, LATENT, TOKENS = 3, 8, 80
+
+
+def _export_cfg(out, *overrides, model="tiny_sdxl"):
+    return compose_config("sd_xl_export", [f"model={model}", f"infer.out_path={out}", "device=cpu", *overrides])
+
+
+def _session(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+
+
+def _unet_feeds(unet, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((BATCH, 4, LATENT, LATENT)),
+             "timesteps": np.array([999.0, 500.0, 1.0]),
+             "context": rng.standard_normal((BATCH, TOKENS, unet.config.cross_attention_dim))}
+    if unet.config.addition_embed_type == "text_time":
+        feeds["y"] = rng.standard_normal((BATCH, unet.config.projection_class_embeddings_input_dim))
+    return {k: v.astype(np.float32 if k == "timesteps" else dtype) for k, v in feeds.items()}
+
+
+def _torch_unet(unet, feeds):
+    graph = export.UNetGraph(unet, sdxl="y" in feeds)
+    with torch.no_grad():
+        return graph(*[torch.from_numpy(feeds[k]) for k in ("x", "timesteps", "context", "y") if k in feeds]).numpy()
+
+
+@pytest.fixture(scope="module")
+def fp32_export(tmp_path_factory, model_cache):
+    out = tmp_path_factory.mktemp("fp32_export")
+    cfg = _export_cfg(out, "onnx.precision=fp32")
+    return cfg, run_export(cfg)
+
+
+def test_sdxl_graphs_have_nemo_names(fp32_export):
+    cfg, files = fp32_export
+    assert [f.parent.name for f in files] == ["clip1", "clip2", "vae", "unet_xl"]
+    unet = onnx.load(str(export.onnx_path(cfg.infer.out_path, "unet_xl")), load_external_data=False)
+    assert [i.name for i in unet.graph.input] == ["x", "timesteps", "context", "y"]
+    assert [o.name for o in unet.graph.output] == ["out"]
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in unet.graph.input}
+    assert dims == {"x": ["B", 4, "H", "W"], "timesteps": ["B"], "context": ["B", "S", 64], "y": ["B", 80]}
+
+
+def test_fp32_graphs_match_pytorch(fp32_export, tiny_pipeline):
+    cfg, _ = fp32_export
+    pipe = tiny_pipeline()
+    ids = np.random.default_rng(1).integers(0, 500, (BATCH, 77)).astype(np.int32)
+    with torch.no_grad():
+        clip1 = export.TextEncoderGraph(pipe.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
+        clip2 = export.TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True)(torch.from_numpy(ids))
+        latent = torch.randn(BATCH, 4, LATENT, LATENT)
+        image = export.VaeDecoderGraph(pipe.vae)(latent)
+    out = cfg.infer.out_path
+    assert _rel_err(_session(export.onnx_path(out, "clip1")).run(None, {"input_ids": ids})[0], clip1) < 1e-5
+    hidden, pooled = _session(export.onnx_path(out, "clip2")).run(None, {"input_ids": ids})
+    assert _rel_err(hidden, clip2[0]) < 1e-5 and _rel_err(pooled, clip2[1]) < 1e-5
+    assert _rel_err(_session(export.onnx_path(out, "vae")).run(None, {"latent": latent.numpy()})[0], image) < 1e-5
+    feeds = _unet_feeds(pipe.unet)
+    assert _rel_err(_session(export.onnx_path(out, "unet_xl")).run(None, feeds)[0], _torch_unet(pipe.unet, feeds)) < 1e-5
+
+
+def test_y_is_pooled_embedding_and_fourier_time_ids(tiny_pipeline):
+    """The graph's y route equals the diffusers UNet fed text_embeds and time_ids."""
+    unet = tiny_pipeline().unet
+    pooled = torch.randn(2, 32)
+    time_ids = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]] * 2)
+    args = (torch.randn(2, 4, 8, 8), torch.tensor([10.0, 10.0]), torch.randn(2, 77, 64))
+    with torch.no_grad():
+        reference = unet(*args, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+        via_y = export.UNetGraph(unet, sdxl=True)(*args, export.sdxl_y(unet, pooled, time_ids))
+    assert torch.allclose(reference, via_y)
+
+
+def test_fp16_graphs_are_fp16_and_run(tmp_path, model_cache, tiny_pipeline):
+    cfg = _export_cfg(tmp_path)
+    run_export(cfg)
+    pipe = tiny_pipeline()
+    unet_file = export.onnx_path(tmp_path, "unet_xl")
+    initializers = collections.Counter(i.data_type for i in onnx.load(str(unet_file)).graph.initializer)
+    assert initializers[onnx.TensorProto.FLOAT16] > 0 and initializers[onnx.TensorProto.FLOAT] == 0
+    feeds = _unet_feeds(pipe.unet, np.float16)
+    result = _session(unet_file).run(None, feeds)[0]
+    assert result.dtype == np.float16
+    # fp16 keeps about three significant digits; the tiny UNet's output is O(1).
+    assert _rel_err(result, _torch_unet(pipe.unet, {k: v.astype(np.float32) for k, v in feeds.items()})) < 2e-2
+    ids = np.zeros((BATCH, 77), np.int32)
+    assert _session(export.onnx_path(tmp_path, "clip2")).run(None, {"input_ids": ids})[0].dtype == np.float16
+    vae = _session(export.onnx_path(tmp_path, "vae"))
+    assert vae.get_inputs()[0].type == "tensor(float)", "the VAE stays fp32 by default"
+
+
+def test_sd15_graphs(tmp_path, model_cache):
+    files = run_export(_export_cfg(tmp_path, "onnx.precision=fp32", model="tiny_sd15"))
+    assert [f.parent.name for f in files] == ["clip1", "vae", "unet"]
+    unet = onnx.load(str(files[-1]))
+    assert [i.name for i in unet.graph.input] == ["x", "timesteps", "context"]
+
+
+def test_existing_files_are_reused_unless_forced(tmp_path, model_cache, capsys):
+    cfg = _export_cfg(tmp_path, "onnx.precision=fp32")
+    run_export(cfg)
+    unet_file = export.onnx_path(tmp_path, "unet_xl")
+    mtime = unet_file.stat().st_mtime_ns
+    capsys.readouterr()
+    run_export(cfg)
+    assert capsys.readouterr().out.count("  reused  ") == 4
+    assert unet_file.stat().st_mtime_ns == mtime
+    run_export(_export_cfg(tmp_path, "onnx.precision=fp32", "force=true"))
+    assert unet_file.stat().st_mtime_ns != mtime
+    assert not [p for p in (tmp_path / "onnx").iterdir() if p.name.startswith(".")], "no staging folder left"
+
+
+def _quantized_checkpoint(quantize_cfg, *overrides, model="tiny_sdxl"):
+    return run_quantize(quantize_cfg(*overrides, model=model))
+
+
+def test_int8_unet_matches_fake_quant(quantize_cfg, tiny_pipeline, tmp_path):
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3")
+    run_export(_export_cfg(tmp_path, "onnx.precision=fp32", f"quantized_unet={folder}"))
+    reference = tiny_pipeline().unet
+    quantized = tiny_pipeline().unet
+    checkpoint.restore(quantized, folder)
+    feeds = _unet_feeds(reference)
+    onnx_out = _session(export.onnx_path(tmp_path, "unet_xl")).run(None, feeds)[0]
+    fake_quant = _torch_unet(quantized, feeds)
+    full_precision = _torch_unet(reference, feeds)
+    # ModelOpt rounds x * (127 / amax), ONNX x / (amax / 127): a few values land on the other
+    # side of a rounding boundary and the difference grows through a random network. So the
+    # graph must agree with the fake-quant model to within a few percent and be no further from
+    # the unquantized model than the fake-quant model itself is.
+    quantization_error = _rel_err(fake_quant, full_precision)
+    assert quantization_error > 1e-3, "8-bit must differ from fp32"
+    assert _rel_err(onnx_out, fake_quant) < 0.05
+    assert _rel_err(onnx_out, full_precision) < 1.5 * quantization_error + 1e-3
+
+
+def _enabled_quantizers(quantized_unet) -> int:
+    return sum(1 for m in quantized_unet.modules() if isinstance(m, TensorQuantizer) and m.is_enabled)
+
+
+EXCLUDED_NODES = ("/conv_in/", "/conv_out/", "conv_shortcut", "time_embedding", "time_emb_proj", "add_embedding")
+
+
+@pytest.mark.parametrize("level", [1, 2, 2.5, 3])
+def test_int8_graph_holds_one_qdq_pair_per_quantizer(quantize_cfg, tiny_pipeline, tmp_path, level):
+    folder = _quantized_checkpoint(quantize_cfg, f"quantize.quant_level={level}", "quantize.n_steps=2")
+    run_export(_export_cfg(tmp_path, f"quantized_unet={folder}"))
+    graph = onnx.load(str(export.onnx_path(tmp_path, "unet_xl"))).graph
+    ops = collections.Counter(node.op_type for node in graph.node)
+    unet = tiny_pipeline().unet
+    checkpoint.restore(unet, folder)
+    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == _enabled_quantizers(unet)
+    dequantized = {o for node in graph.node if node.op_type == "DequantizeLinear" for o in node.output}
+    for node in graph.node:
+        if node.op_type in ("Conv", "Gemm", "MatMul") and any(part in node.name for part in EXCLUDED_NODES):
+            assert not set(node.input) & dequantized, f"{node.name} must stay in high precision"
+    scales = [i for i in graph.initializer if "input_quantizer" in i.name]
+    assert all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales), "fp16 Q/DQ scales"
+
+
+def test_fp8_graph_uses_tensorrt_fp8_qdq(quantize_cfg, tmp_path):
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.format=fp8", "quantize.quant_level=4", "quantize.n_steps=2")
+    run_export(_export_cfg(tmp_path, f"quantized_unet={folder}"))
+    unet_file = export.onnx_path(tmp_path, "unet_xl")
+    ops = collections.Counter(node.op_type for node in onnx.load(str(unet_file)).graph.node)
+    assert ops["TRT_FP8QuantizeLinear"] > 0 and ops["TRT_FP8DequantizeLinear"] > 0
+    # ModelOpt writes FP8 Q/DQ as TensorRT's own ops, which only TensorRT runs; the engine
+    # build checks this graph instead.
+    with pytest.raises(Exception, match="TRT_FP8"):
+        _session(unet_file)
+
+
+def test_checkpoint_of_other_family_is_refused(quantize_cfg, tmp_path, model_cache):
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=1", model="tiny_sd15")
+    with pytest.raises(UserError, match="made from a sd15 model"):
+        run_export(_export_cfg(tmp_path, f"quantized_unet={folder}"))
+    assert not (tmp_path / "onnx").exists()
