@@ -80,6 +80,8 @@ class QuantizeApp:
     seed: int = 42
     force: bool = False
     device: str = "auto"
+    # auto: fp16 on a GPU, fp32 on a CPU (where fp32 kernels are the fast ones).
+    dtype: str = "auto"
 
 
 @dataclass
@@ -95,11 +97,20 @@ class InferBlock:
 
 @dataclass
 class TrtBlock:
-    """NeMo's ``trt`` block: the engines' batch range, counted in images."""
+    """NeMo's ``trt`` block (the engines' batch range, counted in images) and how to build."""
 
     static_batch: bool = False
     min_batch_size: int = 1
     max_batch_size: int = 8
+    backend: str = "auto"          # auto | tensorrt | tensorrt_rtx
+    builder: str = "python"        # python (TensorRT's Python API) | trtexec
+    builder_optimization_level: int = 4
+    workspace_gb: Optional[float] = None
+    # None: <out_path>/plan/timing.cache, shared by every build.
+    timing_cache: Optional[str] = None
+    # TensorRT for RTX only: the GPU generations to compile for (SM75 ... SM121); empty takes
+    # the GPU at hand, or SM89 where there is none.
+    rtx_compute_capabilities: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +135,9 @@ class ExportApp:
     quantized_unet: Optional[str] = None
     force: bool = False
     device: str = "auto"
+    # NeMo-style switches: one job can export and build, or only one of them.
+    run_onnx_export: bool = True
+    run_trt_export: bool = True
 
 
 def register_schemas() -> None:
@@ -175,6 +189,13 @@ PRECISIONS = ("fp16", "fp32")
 
 
 def validate_export(cfg) -> None:
+    from .build import validate_profile
+
+    validate_profile(cfg.infer, cfg.trt)
+    if cfg.trt.builder not in ("python", "trtexec"):
+        raise UserError(f"trt.builder={cfg.trt.builder!r} is unknown: choose python or trtexec")
+    if not 0 <= cfg.trt.builder_optimization_level <= 5:
+        raise UserError(f"trt.builder_optimization_level={cfg.trt.builder_optimization_level} is outside 0..5")
     for key in ("precision", "vae_precision"):
         if cfg.onnx[key] not in PRECISIONS:
             raise UserError(f"onnx.{key}={cfg.onnx[key]!r} is unknown: choose fp16 or fp32")

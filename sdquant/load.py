@@ -25,9 +25,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """fp16 where kernels exist for it; CPUs calibrate in fp32, which they run much faster."""
-    return torch.float16 if device.type == "cuda" else torch.float32
+def compute_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+    """fp16 on GPUs; CPUs calibrate in fp32, which they run much faster, unless fp16 is asked
+    for (half the memory, for full-size models on small hosts)."""
+    if name not in ("auto", "fp16", "fp32"):
+        raise UserError(f"dtype={name!r} is unknown: choose auto, fp16 or fp32")
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return torch.float16 if name == "fp16" else torch.float32
 
 
 def _pipeline_class(family: Family):

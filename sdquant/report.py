@@ -35,3 +35,17 @@ def print_summary(title: str, written: list[Path], seconds: float, reused: list[
         print(f"  wrote   {path}  ({_size(path)})")
     for path in reused:
         print(f"  reused  {path}  (force=true rebuilds it)")
+
+
+def print_engine_table(record: dict) -> None:
+    """One line per engine: its batch range, inputs and size."""
+    if not record:
+        return
+    print(f"\n{'engine':<10} {'batch min/opt/max':<18} {'MB':>8}  inputs")
+    for name, info in record.items():
+        inputs = info.get("inputs", {})
+        profiles = [spec["profile"] for spec in inputs.values() if "profile" in spec]
+        batch = "/".join(str(p[0]) for p in profiles[0]) if profiles else "?"
+        size = f"{info['bytes'] / 1024**2:.1f}" if "bytes" in info else "-"
+        dtypes = ", ".join(f"{n}:{spec.get('dtype', '?')}" for n, spec in inputs.items())
+        print(f"{name:<10} {batch:<18} {size:>8}  {dtypes}")

@@ -9,13 +9,13 @@ from omegaconf import OmegaConf
 
 import torch
 
-from . import checkpoint, export
+from . import build, checkpoint, export
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
 from .config import Family, plain, validate_export, validate_quantize_block
 from .errors import UserError
 from .load import compute_dtype, load_pipeline, load_prompts, resolve_device
-from .report import library_versions, print_summary
+from .report import library_versions, print_engine_table, print_summary
 from .recipe import uses_smoothquant
 
 
@@ -37,7 +37,7 @@ def run_quantize(cfg) -> Path:
         return folder
 
     device = resolve_device(cfg.device)
-    dtype = compute_dtype(device)
+    dtype = compute_dtype(device, cfg.dtype)
     pipe = load_pipeline(cfg.model, device, dtype)
     result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed)
     amax = activation_amax(pipe.unet)
@@ -87,13 +87,23 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
 
 
 def run_export(cfg) -> list[Path]:
+    """export_trt.py: the ONNX export, then the engines, as the switches say."""
+    validate_export(cfg)
+    written = export_onnx(cfg) if cfg.run_onnx_export else []
+    if cfg.run_trt_export:
+        written += build_engines(cfg)
+    return written
+
+
+def export_onnx(cfg) -> list[Path]:
     """Exports every graph of the pipeline to ONNX; returns the ONNX files."""
     start = time.perf_counter()
-    validate_export(cfg)
     device = resolve_device(cfg.device)
-    pipe = load_pipeline(cfg.model, device, torch.float32)
-    quantized = _restore_quantized_unet(cfg, pipe.unet) if cfg.quantized_unet else None
     dtype = torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
+    # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
+    # trace it on a 24 GB host.
+    pipe = load_pipeline(cfg.model, device, dtype)
+    quantized = _restore_quantized_unet(cfg, pipe.unet) if cfg.quantized_unet else None
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
         export.prepare_quantizers_for_export(pipe.unet, dtype)
@@ -116,3 +126,51 @@ def run_export(cfg) -> list[Path]:
         written.append(folder / export.ONNX_FILE)
     print_summary("ONNX export", written, time.perf_counter() - start, reused=reused)
     return written + reused
+
+
+def build_engines(cfg) -> list[Path]:
+    """Builds every engine from its ONNX file; returns the plan files."""
+    start = time.perf_counter()
+    out = cfg.infer.out_path
+    onnx_files = build.required_onnx(out, cfg.model.family)
+    use_trtexec = cfg.trt.builder == "trtexec"
+    flavour = None if use_trtexec and not _importable_tensorrt() else build.load_flavour(cfg.trt.backend)
+    timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
+        build.plan_path(out, "timing").with_suffix(".cache")
+    record = build.engines_record(out)
+    written, reused = [], []
+    for name, onnx_file in onnx_files.items():
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file))
+        plan = build.plan_path(out, name)
+        fingerprint = checkpoint.fingerprint({
+            "onnx": (read_json(onnx_file.parent / export.META_FILE) or {}).get("fingerprint"),
+            "shapes": shapes, "flavour": flavour and [flavour.name, flavour.version], "builder": cfg.trt.builder,
+            "level": cfg.trt.builder_optimization_level, "targets": list(cfg.trt.rtx_compute_capabilities)})
+        if not cfg.force and plan.is_file() and record.get(name, {}).get("fingerprint") == fingerprint:
+            reused.append(plan)
+            continue
+        print(f"building {plan} ...", flush=True)
+        if use_trtexec:
+            major = build.trtexec_major_version(flavour.version if flavour else None)
+            command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, major, timing_cache)
+            if not build.run_trtexec(command, plan):
+                continue
+            info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
+                    "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
+        else:
+            info = build.build_engine(flavour, onnx_file, shapes, cfg.trt, plan, timing_cache)
+        record[name] = {**info, "fingerprint": fingerprint,
+                        "flavour": flavour.name if flavour else "trtexec",
+                        "version": flavour.version if flavour else None}
+        written.append(plan)
+    if written:
+        written.append(build.save_engines_record(out, record))
+    print_engine_table(record)
+    print_summary("TensorRT build", written, time.perf_counter() - start, reused=reused)
+    return written + reused
+
+
+def _importable_tensorrt() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) for name in build.BACKENDS)

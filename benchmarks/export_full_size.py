@@ -1,0 +1,82 @@
+"""Exports the full-size SDXL UNet (random weights, INT8 level 3) to ONNX on this host and records
+wall time and peak host memory; with --build, builds the INT8 engine with TensorRT-RTX too.
+
+Each heavy step runs in its own process, as a user runs the scripts, so the peak memory of one
+step is not inflated by another. Target: the INT8 export within 10 GB peak and 120 s.
+
+    python benchmarks/export_full_size.py --work /tmp/sdxl_full --out benchmarks/results/export_full_size.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_GB, TARGET_S = 10.0, 120.0
+
+
+def build_model(folder: Path) -> None:
+    """The full-size SDXL architecture with random weights, saved in fp16 as a diffusers folder."""
+    code = (
+        "import torch; from sdquant.synthetic import FULL_SDXL, build_pipeline; "
+        "torch.set_default_dtype(torch.float16); "
+        f"build_pipeline('sdxl', FULL_SDXL).save_pretrained({str(folder)!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def run_measured(args: list[str]) -> dict:
+    """Runs a script in a child process; returns its wall time and the child's peak RSS."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *args], check=True, cwd=REPO)
+    seconds = time.perf_counter() - start
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"seconds": round(seconds, 1), "peak_rss_gb": round(peak_kb / 1024**2, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True, help="scratch folder (about 25 GB)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--build", action="store_true", help="also build the engine with TensorRT-RTX")
+    args = parser.parse_args()
+
+    model_dir, quantized_dir, export_dir = args.work / "model", args.work / "quantized", args.work / "export"
+    if not (model_dir / "model_index.json").exists():
+        build_model(model_dir)
+    model = ["model=sdxl_base", f"model.source={model_dir}", "model.variant=null", "model.name=sdxl_random"]
+    hydra_dir = f"hydra.run.dir={args.work / 'hydra'}"
+    # The calibration itself is not measured here: one small step gives valid ranges to export.
+    quantize = ["quantize.py", *model, "quantize.quant_level=3", "quantize.calib_size=1", "quantize.n_steps=1",
+                "quantize.height=128", "quantize.width=128", "device=cpu", "dtype=fp16",
+                f"out_dir={quantized_dir}", hydra_dir]
+    subprocess.run([sys.executable, *quantize], check=True, cwd=REPO)
+    checkpoint = next(quantized_dir.glob("*/unet.mto")).parent
+
+    export = ["export_trt.py", *model, f"quantized_unet={checkpoint}", f"infer.out_path={export_dir}",
+              "device=cpu", "force=true", hydra_dir]
+    measured = run_measured(export)
+    unet_meta = json.loads((export_dir / "onnx" / "unet_xl" / "export.json").read_text())
+    report = {
+        "benchmark": "export_full_size", "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "what": "export_trt.py: clip1, clip2, vae and the INT8 level-3 SDXL UNet (random weights), fp16 graphs",
+        "export": {**measured, "unet_seconds": unet_meta["seconds"]},
+        "target": {"peak_rss_gb": TARGET_GB, "seconds": TARGET_S},
+        "meets_target": measured["peak_rss_gb"] <= TARGET_GB and measured["seconds"] <= TARGET_S,
+        "onnx_bytes": sum(p.stat().st_size for p in (export_dir / "onnx" / "unet_xl").iterdir()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Build stage: TensorRT engines from the ONNX graphs, with dynamic batch profiles.
+
+Works with ``tensorrt`` 10.x/11.x and with ``tensorrt_rtx`` (TensorRT for RTX GPUs, which
+builds without a GPU for Ampere/Ada/Blackwell targets but cannot run on Hopper). They share one
+Python API; the few differences live in ``Flavour``. Engines go to ``<out_path>/plan/<name>.plan``
+with ``engines.json`` beside them describing each one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .artifacts import atomic_path, read_json, write_json
+from .errors import UserError
+from .export import TOKENS, graph_names, onnx_path
+
+PLAN_DIR = "plan"
+ENGINES_FILE = "engines.json"
+# Context length range of the UNet: one CLIP window, up to two for long prompts.
+CONTEXT_TOKENS = (TOKENS, TOKENS, 2 * TOKENS)
+# Classifier-free guidance runs the conditional and unconditional halves in one batch.
+GUIDANCE_FACTOR = 2
+LATENT_CHANNELS = 4
+VAE_SCALE = 8
+
+
+@dataclass(frozen=True)
+class BatchRange:
+    min: int
+    opt: int
+    max: int
+
+
+def batch_range(infer, trt, graph: str) -> BatchRange:
+    """The one place that decides each engine's batch range, in samples the graph sees.
+
+    Images: min = trt.min_batch_size, opt = infer.batch_size, max = trt.max_batch_size (or all
+    three infer.batch_size with static_batch). With guidance the text encoders and the UNet see
+    twice as many samples (negative and positive prompt), so their opt and max are doubled; min
+    stays in images, so a run without guidance at the smallest batch still fits.
+    """
+    if trt.static_batch:
+        images = BatchRange(infer.batch_size, infer.batch_size, infer.batch_size)
+    else:
+        images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
+    if graph == "vae":
+        return images
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch else images.min
+    return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
+
+
+def validate_profile(infer, trt) -> None:
+    """Refuses a batch range that no profile can hold, before any work."""
+    if infer.batch_size < 1:
+        raise UserError(f"infer.batch_size={infer.batch_size} must be at least 1")
+    if not trt.static_batch and not 1 <= trt.min_batch_size <= infer.batch_size <= trt.max_batch_size:
+        raise UserError(
+            f"batch sizes must satisfy 1 <= trt.min_batch_size ({trt.min_batch_size}) <= "
+            f"infer.batch_size ({infer.batch_size}) <= trt.max_batch_size ({trt.max_batch_size})"
+        )
+
+
+def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list]) -> dict[str, tuple]:
+    """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
+    batch from batch_range, latent height and width from infer, context length from
+    CONTEXT_TOKENS; static dims as the graph has them."""
+    batch = batch_range(infer, trt, graph)
+    latent = {2: infer.height // VAE_SCALE, 3: infer.width // VAE_SCALE}
+    shapes = {}
+    for name, dims in input_dims.items():
+        per_profile = []
+        for which, samples in enumerate((batch.min, batch.opt, batch.max)):
+            shape = []
+            for axis, dim in enumerate(dims):
+                if axis == 0:
+                    shape.append(samples)
+                elif dim is not None:
+                    shape.append(dim)
+                elif name == "context" and axis == 1:
+                    shape.append(CONTEXT_TOKENS[which])
+                elif axis in latent:
+                    shape.append(latent[axis])
+                else:
+                    raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
+            per_profile.append(tuple(shape))
+        shapes[name] = tuple(per_profile)
+    return shapes
+
+
+def onnx_input_dims(onnx_file: Path) -> dict[str, list]:
+    import onnx
+
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    return {i.name: [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
+            for i in graph.input}
+
+
+@dataclass
+class Flavour:
+    """What differs between TensorRT and TensorRT for RTX, in one place."""
+
+    module: object
+    name: str
+    version: str
+    # TensorRT 10 builds strongly typed only when asked; 11 and RTX always do.
+    needs_strongly_typed_flag: bool = field(init=False)
+    has_timing_cache: bool = field(init=False)
+
+    def __post_init__(self):
+        major = int(self.version.split(".")[0])
+        self.needs_strongly_typed_flag = self.name == "tensorrt" and major < 11
+        self.has_timing_cache = self.name == "tensorrt"
+
+    def network_flags(self) -> int:
+        if self.needs_strongly_typed_flag:
+            return 1 << int(self.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        return 0
+
+    def set_targets(self, config, compute_capabilities: list[str]) -> list[str]:
+        """RTX engines are compiled for chosen GPU generations; TensorRT's for the GPU at hand."""
+        if self.name != "tensorrt_rtx":
+            return []
+        import torch
+
+        targets = list(compute_capabilities) or (["CURRENT"] if torch.cuda.is_available() else ["SM89"])
+        config.num_compute_capabilities = len(targets)
+        for index, target in enumerate(targets):
+            try:
+                config.set_compute_capability(getattr(self.module.ComputeCapability, target), index)
+            except AttributeError as error:
+                known = [n for n in dir(self.module.ComputeCapability) if n.startswith("SM")]
+                raise UserError(f"trt.rtx_compute_capabilities: {target} is unknown; choose from "
+                                f"{', '.join(known)}") from error
+        return targets
+
+
+BACKENDS = ("tensorrt", "tensorrt_rtx")
+
+
+def load_flavour(backend: str) -> Flavour:
+    """`auto` takes TensorRT when importable, else TensorRT for RTX."""
+    if backend not in ("auto", *BACKENDS):
+        raise UserError(f"trt.backend={backend!r} is unknown: choose auto, tensorrt or tensorrt_rtx")
+    for name in (BACKENDS if backend == "auto" else (backend,)):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        return Flavour(module, name, module.__version__)
+    raise UserError(
+        f"trt.backend={backend}: no TensorRT is installed. Install TensorRT 10/11 from NVIDIA "
+        "(pip install tensorrt --extra-index-url https://pypi.nvidia.com) or TensorRT for RTX "
+        "(pip install 'sdquant[trt-rtx]')"
+    )
+
+
+def plan_path(out_path, graph: str) -> Path:
+    return Path(out_path).expanduser() / PLAN_DIR / f"{graph}.plan"
+
+
+def _parse(flavour: Flavour, network, logger, onnx_file: Path) -> None:
+    parser = flavour.module.OnnxParser(network, logger)
+    if parser.parse_from_file(str(onnx_file)):
+        return
+    error = parser.get_error(0)
+    raise UserError(
+        f"TensorRT cannot parse {onnx_file}: node {error.node_name() or error.node()} "
+        f"(op {error.node_operator() or '?'}): {error.desc()}"
+    )
+
+
+def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
+                 timing_cache: Path | None) -> dict:
+    """Builds one engine with the Python API; returns what engines.json records of it."""
+    trt = flavour.module
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(flavour.network_flags())
+    _parse(flavour, network, logger, onnx_file)
+    config = builder.create_builder_config()
+    config.builder_optimization_level = trt_cfg.builder_optimization_level
+    if trt_cfg.workspace_gb:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_cfg.workspace_gb * 1024**3))
+    targets = flavour.set_targets(config, list(trt_cfg.rtx_compute_capabilities))
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in shapes.items():
+        profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(profile)
+    cache = None
+    if flavour.has_timing_cache and timing_cache is not None:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+
+    start = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise UserError(f"TensorRT could not build {onnx_file}: see the errors above")
+    with atomic_path(plan_file) as temp:
+        temp.write_bytes(serialized)
+    if cache is not None:
+        with atomic_path(timing_cache) as temp:
+            temp.write_bytes(bytes(cache.serialize()))
+    return {
+        "plan": plan_file.name, "onnx": str(onnx_file), "build_seconds": round(time.perf_counter() - start, 2),
+        "bytes": plan_file.stat().st_size,
+        "inputs": {t.name: {"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape),
+                            "profile": [list(s) for s in profile.get_shape(t.name)]}
+                   for t in (network.get_input(i) for i in range(network.num_inputs))},
+        "outputs": {t.name: {"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape)}
+                    for t in (network.get_output(i) for i in range(network.num_outputs))},
+        "targets": targets or [_current_gpu()],
+    }
+
+
+def _current_gpu() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none visible"
+
+
+def _shape_arg(shapes: dict, which: int) -> str:
+    return ",".join(f"{name}:{'x'.join(str(d) for d in dims[which])}" for name, dims in shapes.items())
+
+
+def trtexec_command(onnx_file: Path, plan_file: Path, shapes: dict, trt_cfg, trt_major: int,
+                    timing_cache: Path | None) -> list[str]:
+    """The trtexec command line for the same build; precision comes from the graph itself."""
+    command = ["trtexec", f"--onnx={onnx_file}", f"--saveEngine={plan_file}",
+               f"--minShapes={_shape_arg(shapes, 0)}", f"--optShapes={_shape_arg(shapes, 1)}",
+               f"--maxShapes={_shape_arg(shapes, 2)}",
+               f"--builderOptimizationLevel={trt_cfg.builder_optimization_level}"]
+    if timing_cache is not None:
+        command.append(f"--timingCacheFile={timing_cache}")
+    if trt_cfg.workspace_gb:
+        command.append(f"--memPoolSize=workspace:{int(trt_cfg.workspace_gb * 1024)}M")
+    if trt_major < 11:
+        command.append("--stronglyTyped")
+    return command
+
+
+def trtexec_major_version(flavour_version: str | None) -> int:
+    """TensorRT's major version for trtexec's flags: the Python package's, else trtexec's banner."""
+    if flavour_version:
+        return int(flavour_version.split(".")[0])
+    if shutil.which("trtexec"):
+        banner = subprocess.run(["trtexec", "--help"], capture_output=True, text=True).stdout
+        found = re.search(r"TensorRT v(\d+?)(\d{2})(\d{2})", banner)
+        if found:
+            return int(found.group(1))
+    return 10
+
+
+def run_trtexec(command: list[str], plan_file: Path) -> bool:
+    """Prints the command, and runs it when trtexec is on PATH; the engine is renamed when done."""
+    print("  " + shlex.join(command))
+    if shutil.which("trtexec") is None:
+        print("  trtexec is not on PATH: run the command above where TensorRT is installed")
+        return False
+    with atomic_path(plan_file) as temp:
+        command = [arg if not arg.startswith("--saveEngine=") else f"--saveEngine={temp}" for arg in command]
+        result = subprocess.run(command)
+        if result.returncode != 0:
+            raise UserError(f"trtexec failed with exit code {result.returncode} building {plan_file.name}")
+    return True
+
+
+def engines_record(out_path) -> dict:
+    return read_json(Path(out_path).expanduser() / PLAN_DIR / ENGINES_FILE) or {}
+
+
+def save_engines_record(out_path, record: dict) -> Path:
+    path = Path(out_path).expanduser() / PLAN_DIR / ENGINES_FILE
+    write_json(path, record)
+    return path
+
+
+def required_onnx(out_path, family) -> dict[str, Path]:
+    """The ONNX file of every graph; a missing one names the step that makes it."""
+    files = {name: onnx_path(out_path, name) for name in graph_names(family)}
+    for name, path in files.items():
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: export the ONNX graphs first "
+                            "(python export_trt.py run_onnx_export=true ...)")
+    return files

@@ -1,0 +1,141 @@
+"""TensorRT engines: profile logic (no build), trtexec command (golden), real TensorRT-RTX builds."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from sdquant import build, export
+from sdquant.config import InferBlock, TrtBlock
+from sdquant.errors import UserError
+from sdquant.workflow import build_engines, run_export, run_quantize
+
+from conftest import compose_config
+
+SDXL_UNET_DIMS = {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048], "y": [None, 2816]}
+
+
+def _within(shape, profile) -> bool:
+    low, _, high = profile
+    return all(lo <= d <= hi for d, lo, hi in zip(shape, low, high))
+
+
+def test_nemo_doc_shapes_fit_the_default_full_size_profile():
+    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS)
+    nemo = {"x": (8, 4, 128, 128), "timesteps": (8,), "context": (8, 80, 2048), "y": (8, 2816)}
+    assert all(_within(nemo[name], shapes[name]) for name in nemo)
+    assert shapes["x"] == ((1, 4, 128, 128), (4, 4, 128, 128), (16, 4, 128, 128))
+    assert shapes["context"] == ((1, 77, 2048), (4, 77, 2048), (16, 154, 2048))
+
+
+def test_guidance_doubles_unet_and_text_encoders_not_vae():
+    infer, trt = InferBlock(batch_size=3), TrtBlock(min_batch_size=2, max_batch_size=5)
+    assert build.batch_range(infer, trt, "unet_xl") == build.BatchRange(2, 6, 10)
+    assert build.batch_range(infer, trt, "clip2") == build.BatchRange(2, 6, 10)
+    assert build.batch_range(infer, trt, "vae") == build.BatchRange(2, 3, 5)
+    static = TrtBlock(static_batch=True)
+    assert build.batch_range(infer, static, "unet_xl") == build.BatchRange(6, 6, 6)
+    assert build.batch_range(infer, static, "vae") == build.BatchRange(3, 3, 3)
+
+
+@pytest.mark.parametrize("infer,trt", [(InferBlock(batch_size=4), TrtBlock(max_batch_size=2)),
+                                       (InferBlock(batch_size=1), TrtBlock(min_batch_size=2)),
+                                       (InferBlock(batch_size=0), TrtBlock(static_batch=True))])
+def test_impossible_batch_range_is_refused(infer, trt):
+    with pytest.raises(UserError, match="batch"):
+        build.validate_profile(infer, trt)
+
+
+def test_trtexec_command_golden(tmp_path):
+    infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
+    shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
+    command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt, 10,
+                                    tmp_path / "timing.cache")
+    assert command == [
+        "trtexec", f"--onnx={tmp_path}/unet_xl.onnx", f"--saveEngine={tmp_path}/unet_xl.plan",
+        "--minShapes=x:1x4x96x64,timesteps:1,context:1x77x2048,y:1x2816",
+        "--optShapes=x:4x4x96x64,timesteps:4,context:4x77x2048,y:4x2816",
+        "--maxShapes=x:8x4x96x64,timesteps:8,context:8x154x2048,y:8x2816",
+        "--builderOptimizationLevel=4", f"--timingCacheFile={tmp_path}/timing.cache",
+        "--memPoolSize=workspace:8192M", "--stronglyTyped",
+    ]
+    assert "--stronglyTyped" not in build.trtexec_command(tmp_path / "a.onnx", tmp_path / "a.plan", shapes, trt, 11, None)
+
+
+def _export_cfg(out, *overrides, model="tiny_sdxl"):
+    return compose_config("sd_xl_export", [f"model={model}", f"infer.out_path={out}", "device=cpu",
+                                           "infer.width=64", "infer.height=64", "trt.max_batch_size=4",
+                                           "trt.builder_optimization_level=0", *overrides])
+
+
+@pytest.fixture(scope="module")
+def fp16_engines(tmp_path_factory, model_cache):
+    out = tmp_path_factory.mktemp("engines")
+    cfg = _export_cfg(out)
+    return cfg, run_export(cfg)
+
+
+def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
+    cfg, files = fp16_engines
+    plans = {p.name for p in files if p.suffix == ".plan"}
+    assert plans == {"clip1.plan", "clip2.plan", "unet_xl.plan", "vae.plan"}
+    record = json.loads((build.plan_path(cfg.infer.out_path, "x").parent / build.ENGINES_FILE).read_text())
+    assert record["unet_xl"]["flavour"] == "tensorrt_rtx" and record["unet_xl"]["targets"] == ["SM89"]
+    unet = record["unet_xl"]["inputs"]
+    assert unet["x"]["profile"] == [[1, 4, 8, 8], [4, 4, 8, 8], [8, 4, 8, 8]]
+    assert unet["x"]["dtype"] == "HALF" and unet["timesteps"]["dtype"] == "FLOAT"
+    assert record["clip1"]["inputs"]["input_ids"]["profile"] == [[1, 77], [4, 77], [8, 77]]
+    assert record["vae"]["inputs"]["latent"]["profile"] == [[1, 4, 8, 8], [2, 4, 8, 8], [4, 4, 8, 8]]
+    assert record["vae"]["inputs"]["latent"]["dtype"] == "FLOAT"
+    assert all(build.plan_path(cfg.infer.out_path, n).stat().st_size > 0 for n in ("clip1", "vae"))
+
+
+def test_existing_engines_are_reused(fp16_engines, capsys):
+    cfg, _ = fp16_engines
+    plan = build.plan_path(cfg.infer.out_path, "unet_xl")
+    mtime = plan.stat().st_mtime_ns
+    capsys.readouterr()
+    build_engines(cfg)
+    assert capsys.readouterr().out.count("  reused  ") == 4
+    assert plan.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("fmt,level", [("int8", 2.5), ("int8", 3), ("fp8", 4)])
+def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
+    folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
+    cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
+    run_export(cfg)
+    onnx_file = export.onnx_path(tmp_path, "unet_xl")
+    shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
+    info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
+                              tmp_path / "unet_xl.plan", None)
+    assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0
+    assert info["inputs"]["context"]["profile"] == [[1, 77, 64], [4, 77, 64], [8, 154, 64]]
+
+
+def test_missing_onnx_names_the_step(tmp_path, model_cache):
+    with pytest.raises(UserError, match="export the ONNX graphs first"):
+        run_export(_export_cfg(tmp_path, "run_onnx_export=false"))
+
+
+def test_bad_profile_is_refused_before_any_work(tmp_path, model_cache):
+    with pytest.raises(UserError, match="trt.max_batch_size"):
+        run_export(_export_cfg(tmp_path, "infer.batch_size=8"))
+    assert not tmp_path.joinpath("onnx").exists()
+
+
+def test_parser_error_names_node_op_and_file(tmp_path):
+    node = helper.make_node("NoSuchOp", ["a"], ["b"], name="mystery_node", domain="example.custom")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19),
+                                                      helper.make_opsetid("example.custom", 1)]), str(path))
+    with pytest.raises(UserError) as error:
+        build.build_engine(build.load_flavour("tensorrt_rtx"), path, {"a": ((1,), (1,), (1,))}, TrtBlock(),
+                           tmp_path / "x.plan", None)
+    assert "mystery_node" in str(error.value) and "NoSuchOp" in str(error.value) and str(path) in str(error.value)
+    assert not (tmp_path / "x.plan").exists()
