@@ -61,15 +61,23 @@ def save(unet, folder: Path, sidecar: dict) -> list[Path]:
 
 
 def restore(unet, folder: Path):
-    """Puts the quantizers and calibrated ranges from `folder` into a fresh `unet`."""
+    """Puts the quantizers, calibrated ranges and (smoothed) weights from `folder` into `unet`.
+
+    `unet` may be built on the meta device: the checkpoint holds every weight, which are then
+    taken from the memory-mapped file instead of being copied over weights loaded for nothing.
+    """
     import modelopt.torch.opt as mto
+    from modelopt.torch.opt.conversion import safe_load
 
     folder = Path(folder)
     checkpoint = folder / UNET_FILE if folder.is_dir() else folder
     if not checkpoint.is_file():
         raise UserError(f"quantized checkpoint {checkpoint} does not exist: run quantize.py first")
     try:
-        return mto.restore(unet, str(checkpoint))
+        saved = safe_load(str(checkpoint), map_location="cpu", mmap=True)
+        restored = mto.restore_from_modelopt_state(unet, saved["modelopt_state"])
+        restored.load_state_dict(saved["model_state_dict"], assign=True)
+        return restored
     except (RuntimeError, KeyError, ValueError, AssertionError) as error:
         raise UserError(
             f"quantized checkpoint {checkpoint} does not belong to this model "

@@ -164,14 +164,27 @@ def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:
 
 
 def _save_onnx(exported: Path, final_file: Path) -> None:
-    """Re-saves a traced graph: one file when it fits protobuf's 2 GB, else one external-data file
-    beside it (the exporter writes one file per tensor)."""
+    """Moves a traced graph into place. Past protobuf's 2 GB the exporter writes one file per
+    tensor; those are streamed into one external-data file beside the graph, a tensor at a
+    time, so the weights are never held in memory at once."""
     import onnx
+    from onnx.external_data_helper import ExternalDataInfo, set_external_data
 
-    model = onnx.load(str(exported), load_external_data=True)
-    external = model.ByteSize() > PROTOBUF_LIMIT
-    onnx.save_model(model, str(final_file), save_as_external_data=external,
-                    all_tensors_to_one_file=True, location=EXTERNAL_DATA_FILE)
+    model = onnx.load(str(exported), load_external_data=False)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        shutil.move(str(exported), str(final_file))
+    else:
+        with open(final_file.parent / EXTERNAL_DATA_FILE, "wb") as data:
+            for tensor in external:
+                info = ExternalDataInfo(tensor)
+                with open(exported.parent / info.location, "rb") as source:
+                    source.seek(info.offset or 0)
+                    payload = source.read(info.length) if info.length else source.read()
+                offset = data.tell()
+                data.write(payload)
+                set_external_data(tensor, EXTERNAL_DATA_FILE, offset=offset, length=len(payload))
+        onnx.save_model(model, str(final_file))
     del model
     onnx.checker.check_model(str(final_file))
 

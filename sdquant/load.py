@@ -75,13 +75,31 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is not calibrated, skip smoothing")
 
 
-def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """Returns the diffusers pipeline that `model` names, on `device` in `dtype`."""
+def _resolved_source(model: ModelConfig) -> str:
+    return str(ensure_tiny_model(model)) if model.tiny else model.source
+
+
+def empty_unet(model: ModelConfig):
+    """The model's UNet built on the meta device (no memory), for a checkpoint that brings every
+    weight; None for single-file checkpoints, whose UNet config only the full load knows."""
+    from diffusers import UNet2DConditionModel
+
+    source = _resolved_source(model)
+    if source.endswith(SINGLE_FILE_SUFFIXES):
+        return None
+    config = UNet2DConditionModel.load_config(str(Path(source).expanduser()) if Path(source).expanduser().is_dir()
+                                              else source, subfolder="unet")
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(config)
+
+
+def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, unet=None):
+    """Returns the diffusers pipeline that `model` names, on `device` in `dtype`; `unet`, when
+    given, is used instead of loading the pipeline's own."""
     quiet_libraries()
     cls = _pipeline_class(model.family)
-    source = model.source
-    if model.tiny:
-        source = str(ensure_tiny_model(model))
+    source = _resolved_source(model)
+    components = {"unet": unet} if unet is not None else {}
     path = Path(source).expanduser()
     if str(source).endswith(SINGLE_FILE_SUFFIXES):
         if not path.is_file():
@@ -89,16 +107,18 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype):
         kwargs = {"config": model.single_file_config} if model.single_file_config else {}
         pipe = _load_or_explain(cls.from_single_file, str(path), model, dtype=dtype, **kwargs)
     elif path.is_dir():
-        pipe = _load_or_explain(cls.from_pretrained, str(path), model, dtype=dtype)
+        pipe = _load_or_explain(cls.from_pretrained, str(path), model, dtype=dtype, **components)
     elif source.startswith(("/", ".", "~")):
         raise UserError(f"model.source={source}: no such folder; give a diffusers folder, a "
                         ".safetensors file or a hub id")
     else:
         pipe = _load_or_explain(cls.from_pretrained, source, model, dtype=dtype,
-                                variant=model.variant)
+                                variant=model.variant, **components)
     if Family(model.family) == Family.sdxl and getattr(pipe, "text_encoder_2", None) is None:
         raise UserError(f"model.source={source} is not an SDXL pipeline but model.family=sdxl")
     pipe.set_progress_bar_config(disable=True)
+    if unet is not None:
+        return pipe  # still on the meta device: moved once its weights are restored
     return pipe.to(device)
 
 

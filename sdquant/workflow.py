@@ -14,7 +14,7 @@ from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
 from .config import Family, plain, validate_export, validate_quantize_block
 from .errors import UserError
-from .load import compute_dtype, load_pipeline, load_prompts, resolve_device
+from .load import compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
 from .report import library_versions, print_engine_table, print_summary
 from .recipe import uses_smoothquant
 
@@ -73,7 +73,9 @@ def _restore_quantized_unet(cfg, unet) -> dict:
     if made_for is not None and made_for != plain(cfg.model.family):
         raise UserError(f"quantized_unet={path} was made from a {made_for} model, not from "
                         f"model={cfg.model.name} ({plain(cfg.model.family)}): choose its own model")
-    checkpoint.restore(unet, path)
+    restored = checkpoint.restore(unet, path)
+    if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
+        raise UserError(f"quantized_unet={path} does not hold every UNet weight: quantize the model again")
     return sidecar
 
 
@@ -102,8 +104,15 @@ def export_onnx(cfg) -> list[Path]:
     dtype = torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
     # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
     # trace it on a 24 GB host.
-    pipe = load_pipeline(cfg.model, device, dtype)
-    quantized = _restore_quantized_unet(cfg, pipe.unet) if cfg.quantized_unet else None
+    quantized = None
+    if cfg.quantized_unet:
+        # The checkpoint holds every UNet weight: loading the model's own first would hold the
+        # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
+        pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
+        quantized = _restore_quantized_unet(cfg, pipe.unet)
+        pipe.to(device)
+    else:
+        pipe = load_pipeline(cfg.model, device, dtype)
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
         export.prepare_quantizers_for_export(pipe.unet, dtype)

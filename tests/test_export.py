@@ -25,7 +25,8 @@ BATCH, LATENT, TOKENS = 3, 8, 80
 
 
 def _export_cfg(out, *overrides, model="tiny_sdxl"):
-    return compose_config("sd_xl_export", [f"model={model}", f"infer.out_path={out}", "device=cpu", *overrides])
+    return compose_config("sd_xl_export", [f"model={model}", f"infer.out_path={out}", "device=cpu",
+                                           "run_trt_export=false", *overrides])
 
 
 def _session(path):
