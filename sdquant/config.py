@@ -140,10 +140,48 @@ class ExportApp:
     run_trt_export: bool = True
 
 
+@dataclass
+class SamplingBlock:
+    prompts: list[str] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
+    # A file of prompts, one a line, used instead of `prompts` when set.
+    prompts_file: Optional[str] = None
+    negative_prompt: str = ""
+    steps: int = 30
+    guidance_scale: float = 5.0
+    seed: int = 42
+    width: int = 1024
+    height: int = 1024
+    batch_size: int = 1
+    scheduler: str = "euler"
+
+
+@dataclass
+class InferApp:
+    """NeMo's inference config: engine paths and out_path, plus sampling and timing."""
+
+    unet_xl: str = "sdxl_export/plan/unet_xl.plan"
+    vae: str = "sdxl_export/plan/vae.plan"
+    clip1: str = "sdxl_export/plan/clip1.plan"
+    clip2: str = "sdxl_export/plan/clip2.plan"
+    out_path: str = "trt_output"
+    # trt: the engines; onnxruntime: the ONNX files beside them (<plan dir>/../onnx/<name>/);
+    # torch: the diffusers modules themselves (with quantized_unet's fake-quant UNet if set).
+    backend: str = "trt"
+    onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    quantized_unet: Optional[str] = None
+    sampling: SamplingBlock = field(default_factory=SamplingBlock)
+    num_warmup_runs: int = 1
+    num_timed_runs: int = 1
+    cuda_graph: bool = False
+    model: ModelConfig = MISSING
+    device: str = "auto"
+
+
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
+    store.store(name="infer_schema", node=InferApp)
     store.store(group="model", name="model_schema", node=ModelConfig)
 
 
@@ -206,3 +244,21 @@ def validate_export(cfg) -> None:
             raise UserError(f"infer.{key}={cfg.infer[key]} must be a positive multiple of 64")
     if cfg.onnx.trace_latent_size < 8 or cfg.onnx.trace_latent_size % 8:
         raise UserError(f"onnx.trace_latent_size={cfg.onnx.trace_latent_size} must be a positive multiple of 8")
+
+
+INFER_BACKENDS = ("trt", "onnxruntime", "torch")
+
+
+def validate_infer(cfg) -> None:
+    if cfg.backend not in INFER_BACKENDS:
+        raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
+    sampling = cfg.sampling
+    for key in ("width", "height"):
+        if sampling[key] < 64 or sampling[key] % 64:
+            raise UserError(f"sampling.{key}={sampling[key]} must be a positive multiple of 64")
+    if sampling.steps < 1:
+        raise UserError(f"sampling.steps={sampling.steps} must be at least 1")
+    if sampling.batch_size < 1:
+        raise UserError(f"sampling.batch_size={sampling.batch_size} must be at least 1")
+    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
+        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")

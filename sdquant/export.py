@@ -168,7 +168,7 @@ def _save_onnx(exported: Path, final_file: Path) -> None:
     tensor; those are streamed into one external-data file beside the graph, a tensor at a
     time, so the weights are never held in memory at once."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, set_external_data
+    from onnx.external_data_helper import ExternalDataInfo
 
     model = onnx.load(str(exported), load_external_data=False)
     external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
@@ -183,7 +183,10 @@ def _save_onnx(exported: Path, final_file: Path) -> None:
                     payload = source.read(info.length) if info.length else source.read()
                 offset = data.tell()
                 data.write(payload)
-                set_external_data(tensor, EXTERNAL_DATA_FILE, offset=offset, length=len(payload))
+                del tensor.external_data[:]
+                for key, value in (("location", EXTERNAL_DATA_FILE), ("offset", offset), ("length", len(payload))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, str(value)
         onnx.save_model(model, str(final_file))
     del model
     onnx.checker.check_model(str(final_file))

@@ -133,6 +133,34 @@ def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
         ) from error
 
 
+def pipeline_parts(model: ModelConfig) -> dict:
+    """What running engines needs of the model besides its networks: tokenizers, the scheduler
+    config, and the UNet and VAE configs; none of the weights are loaded."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTokenizer
+
+    quiet_libraries()
+    source = _resolved_source(model)
+    if source.endswith(SINGLE_FILE_SUFFIXES):
+        raise UserError(f"model.source={source}: running engines needs the model's diffusers folder "
+                        "(or hub id) for its tokenizers and scheduler, not a single file")
+    location = str(Path(source).expanduser()) if Path(source).expanduser().is_dir() else source
+    try:
+        names = ["tokenizer", "tokenizer_2"] if Family(model.family) == Family.sdxl else ["tokenizer"]
+        from diffusers import EulerDiscreteScheduler
+
+        return {
+            "tokenizers": [CLIPTokenizer.from_pretrained(location, subfolder=name) for name in names],
+            # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
+            "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
+            "unet_config": UNet2DConditionModel.load_config(location, subfolder="unet"),
+            "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
+        }
+    except OSError as error:
+        raise UserError(f"model.source={source}: cannot read its tokenizers and configs "
+                        f"({str(error).splitlines()[0]})") from error
+
+
 def builtin_prompts_path() -> Path:
     return Path(__file__).parent / "data" / "calib_prompts.txt"
 

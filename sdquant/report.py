@@ -49,3 +49,83 @@ def print_engine_table(record: dict) -> None:
         size = f"{info['bytes'] / 1024**2:.1f}" if "bytes" in info else "-"
         dtypes = ", ".join(f"{n}:{spec.get('dtype', '?')}" for n, spec in inputs.items())
         print(f"{name:<10} {batch:<18} {size:>8}  {dtypes}")
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def save_images(images, out: Path, batch_index: int, settings, engines: dict, backend: str) -> list[Path]:
+    """PNG files with the prompt, seed, steps and engines in their metadata."""
+    import numpy as np
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    from .artifacts import atomic_path
+
+    written = []
+    pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for offset, (prompt, array) in enumerate(zip(settings.prompts, pixels)):
+        info = PngInfo()
+        for key, value in (("prompt", prompt), ("negative_prompt", settings.negative_prompt),
+                           ("seed", settings.seed), ("steps", settings.steps),
+                           ("guidance_scale", settings.guidance_scale), ("backend", backend),
+                           ("engines", ", ".join(f"{k}={v}" for k, v in engines.items()))):
+            info.add_text(key, str(value))
+        path = Path(out) / f"image_{batch_index:03d}_{offset:02d}.png"
+        with atomic_path(path) as temp:
+            Image.fromarray(array).save(temp, format="PNG", pnginfo=info)
+        written.append(path)
+    return written
+
+
+def latency_report(timings: list, images_per_run: int, steps: int) -> dict:
+    """Mean figures over the timed runs: each stage, the UNet per step, the whole pipeline and
+    the pipeline's own overhead (end to end minus the stages)."""
+    import statistics
+
+    runs = len(timings)
+    end_to_end = statistics.mean(total for total, _ in timings)
+    stage_totals: dict[str, float] = {}
+    for _, stages in timings:
+        for name, calls in stages.items():
+            stage_totals[name] = stage_totals.get(name, 0.0) + sum(calls) / runs
+    unet = next((name for name in stage_totals if name.startswith("unet")), None)
+    text = sum(v for k, v in stage_totals.items() if k.startswith("clip"))
+    in_stages = sum(stage_totals.values())
+    return {
+        "timed_runs": runs, "images_per_run": images_per_run, "steps": steps,
+        "ms": {
+            "text_encoders": 1000 * text,
+            "unet_total": 1000 * stage_totals.get(unet, 0.0),
+            "unet_per_step": 1000 * stage_totals.get(unet, 0.0) / steps,
+            "vae": 1000 * stage_totals.get("vae", 0.0),
+            "end_to_end": 1000 * end_to_end,
+            "pipeline_overhead": 1000 * (end_to_end - in_stages),
+        },
+        "stage_ms": {name: 1000 * value for name, value in stage_totals.items()},
+        "pipeline_overhead_fraction": (end_to_end - in_stages) / end_to_end,
+        "images_per_second": images_per_run / end_to_end,
+    }
+
+
+def print_latency(report: dict) -> None:
+    print(f"\nlatency over {report['timed_runs']} timed run(s), {report['images_per_run']} image(s), "
+          f"{report['steps']} steps, backend {report.get('backend')} on {report.get('device')}")
+    labels = {"text_encoders": "text encoders", "unet_per_step": "UNet per step", "unet_total": "UNet total",
+              "vae": "VAE", "end_to_end": "whole pipeline", "pipeline_overhead": "pipeline overhead"}
+    for key, label in labels.items():
+        print(f"  {label:<18} {report['ms'][key]:10.2f} ms")
+    print(f"  {'images per second':<18} {report['images_per_second']:10.3f}")
+
+
+def write_report(out: Path, report: dict) -> Path:
+    from .artifacts import write_json
+
+    path = Path(out) / "latency.json"
+    write_json(path, report)
+    return path

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
+import types
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 import torch
 
-from . import build, checkpoint, export
+from . import build, checkpoint, export, load, report, run
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
-from .config import Family, plain, validate_export, validate_quantize_block
+from .config import Family, plain, validate_export, validate_infer, validate_quantize_block
 from .errors import UserError
 from .load import compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
 from .report import library_versions, print_engine_table, print_summary
@@ -183,3 +184,99 @@ def _importable_tensorrt() -> bool:
     import importlib.util
 
     return any(importlib.util.find_spec(name) for name in build.BACKENDS)
+
+
+def _stage_files(cfg) -> dict[str, Path]:
+    """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
+    names = run.STAGES_SDXL if Family(cfg.model.family) == Family.sdxl else run.STAGES_SD
+    keys = {"clip1": cfg.clip1, "clip2": cfg.clip2, "unet_xl": cfg.unet_xl, "unet": cfg.unet_xl, "vae": cfg.vae}
+    return {name: Path(keys[name]).expanduser() for name in names}
+
+
+def _onnx_beside(plan: Path) -> Path:
+    return plan.parent.parent / "onnx" / plan.stem / export.ONNX_FILE
+
+
+def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
+    files = _stage_files(cfg)
+    if cfg.backend == "onnxruntime":
+        return {name: run.OnnxRuntimeStage(_onnx_beside(plan), list(cfg.onnx_providers))
+                for name, plan in files.items()}
+    if cfg.backend == "torch":
+        dtype = compute_dtype(device)
+        pipe = load_pipeline(cfg.model, device, dtype)
+        if cfg.quantized_unet:
+            checkpoint.restore(pipe.unet, Path(cfg.quantized_unet).expanduser())
+            pipe.unet.to(device=device, dtype=dtype)
+        return run.torch_stages(pipe, sdxl, dtype)
+    from .trt_runtime import trt_stages
+
+    records = {}
+    for name, plan in files.items():
+        records[name] = build.engines_record(plan.parent.parent).get(plan.stem, {})
+    guided = cfg.sampling.guidance_scale > 1.0
+    batch = cfg.sampling.batch_size
+    run.check_within_profiles(records, {name: batch if name == "vae" else batch * (2 if guided else 1)
+                                        for name in files}, cfg.sampling.height, cfg.sampling.width)
+    unet_name = "unet_xl" if sdxl else "unet"
+    return trt_stages(build.load_flavour("auto"), files, (unet_name,) if cfg.cuda_graph else ())
+
+
+def _prompt_batches(cfg) -> list[list[str]]:
+    sampling = cfg.sampling
+    if sampling.prompts_file:
+        path = Path(sampling.prompts_file).expanduser()
+        if not path.is_file():
+            raise UserError(f"sampling.prompts_file={path}: no such file")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    else:
+        prompts = list(sampling.prompts)
+    if not prompts:
+        raise UserError("no prompts: set sampling.prompts or sampling.prompts_file")
+    return [prompts[i:i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
+
+
+def run_infer(cfg) -> dict:
+    """infer_trt.py: images for every prompt batch, then timed runs and a latency report."""
+    start = time.perf_counter()
+    validate_infer(cfg)
+    device = resolve_device(cfg.device)
+    sdxl = Family(cfg.model.family) == Family.sdxl
+    parts = load.pipeline_parts(cfg.model)
+    scheduler = run.make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
+    batches = _prompt_batches(cfg)
+    stages = _load_stages(cfg, device, sdxl)
+    vae_scale = 2 ** (len(parts["vae_config"]["block_out_channels"]) - 1)
+    pipeline = run.TextToImage(stages, parts["tokenizers"], scheduler,
+                               types.SimpleNamespace(**parts["unet_config"]), vae_scale, device, sdxl)
+
+    out = Path(cfg.out_path).expanduser()
+    written = []
+    for index, prompts in enumerate(batches):
+        settings = _settings(cfg, prompts, cfg.sampling.seed + index)
+        images = pipeline(settings, run.StageTimer(device))
+        written += report.save_images(images, out, index, settings, _stage_files(cfg), cfg.backend)
+
+    settings = _settings(cfg, batches[0], cfg.sampling.seed)
+    for _ in range(cfg.num_warmup_runs):
+        pipeline(settings, run.StageTimer(device), progress=False)
+    timings = []
+    for _ in range(cfg.num_timed_runs):
+        timer = run.StageTimer(device)
+        run_start = time.perf_counter()
+        pipeline(settings, timer, progress=False)
+        stage_seconds = timer.finish()
+        timings.append((time.perf_counter() - run_start, stage_seconds))
+    latency = report.latency_report(timings, len(batches[0]), cfg.sampling.steps)
+    latency.update({"backend": cfg.backend, "device": report.device_name(device), "versions": library_versions(),
+                    "settings": OmegaConf.to_container(cfg, resolve=True)})
+    report.print_latency(latency)
+    written.append(report.write_report(out, latency))
+    print_summary("inference", written, time.perf_counter() - start)
+    return latency
+
+
+def _settings(cfg, prompts: list[str], seed: int) -> run.SamplingSettings:
+    s = cfg.sampling
+    return run.SamplingSettings(prompts=prompts, negative_prompt=s.negative_prompt, steps=s.steps,
+                                guidance_scale=s.guidance_scale, height=s.height, width=s.width, seed=seed)

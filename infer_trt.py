@@ -1,0 +1,23 @@
+"""Runs the text-to-image pipeline on the engines (or their ONNX files, or the diffusers modules)
+and reports latency per stage.
+
+    python infer_trt.py unet_xl=sdxl_export/plan/unet_xl.plan
+"""
+
+import hydra
+
+from sdquant.config import register_schemas
+from sdquant.errors import exits_cleanly
+from sdquant.workflow import run_infer
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="sd_xl_trt_inference")
+@exits_cleanly
+def main(cfg) -> None:
+    run_infer(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Run stage: the text-to-image pipeline over the exported networks, behind one stage interface.
+
+Each network is a *stage*: called with named tensors, it returns named tensors, with the names of
+the ONNX graphs (clip1: input_ids -> hidden_states; clip2: input_ids -> hidden_states, pooled;
+unet: x, timesteps, context[, y] -> out; vae: latent -> images). Three backends provide stages:
+``trt`` (TensorRT engines), ``onnxruntime`` (the ONNX files) and ``torch`` (the diffusers modules,
+wrapped as the export wraps them). One denoising loop drives all three, with a diffusers scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .export import ONNX_FILE, TextEncoderGraph, UNetGraph, VaeDecoderGraph
+
+STAGES_SDXL = ("clip1", "clip2", "unet_xl", "vae")
+STAGES_SD = ("clip1", "unet", "vae")
+
+
+class OnnxRuntimeStage:
+    """Runs an exported ONNX file; tensors cross as numpy on the host."""
+
+    def __init__(self, onnx_file: Path, providers: list[str]):
+        import onnxruntime as ort
+
+        if not onnx_file.is_file():
+            raise UserError(f"{onnx_file} does not exist: run export_trt.py first")
+        self.session = ort.InferenceSession(str(onnx_file), providers=providers)
+        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        device = next(iter(inputs.values())).device
+        feeds = {name: _to_numpy(inputs[name], self.input_types[name]) for name in self.input_types}
+        outputs = self.session.run(self.output_names, feeds)
+        return {name: torch.from_numpy(value).to(device) for name, value in zip(self.output_names, outputs)}
+
+
+_ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32,
+               "tensor(int64)": np.int64}
+
+
+def _to_numpy(tensor: torch.Tensor, onnx_type: str) -> np.ndarray:
+    return tensor.detach().cpu().numpy().astype(_ONNX_TYPES[onnx_type], copy=False)
+
+
+class TorchStage:
+    """A diffusers module wrapped as its graph, called with the graph's input names."""
+
+    def __init__(self, graph: torch.nn.Module, input_names: list[str], output_names: list[str],
+                 dtype: torch.dtype):
+        self.graph = graph
+        self.input_names = input_names
+        self.output_names = output_names
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        args = [inputs[name].to(self.dtype) if inputs[name].is_floating_point() and name != "timesteps"
+                else inputs[name] for name in self.input_names]
+        outputs = self.graph(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return dict(zip(self.output_names, outputs))
+
+
+def torch_stages(pipe, sdxl: bool, dtype: torch.dtype) -> dict:
+    stages = {"clip1": TorchStage(TextEncoderGraph(pipe.text_encoder, penultimate=sdxl, pooled=False),
+                                  ["input_ids"], ["hidden_states"], dtype),
+              "vae": TorchStage(VaeDecoderGraph(pipe.vae), ["latent"], ["images"],
+                                next(pipe.vae.parameters()).dtype)}
+    unet_inputs = ["x", "timesteps", "context"] + (["y"] if sdxl else [])
+    if sdxl:
+        stages["clip2"] = TorchStage(TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True),
+                                     ["input_ids"], ["hidden_states", "pooled"], dtype)
+    stages["unet_xl" if sdxl else "unet"] = TorchStage(UNetGraph(pipe.unet, sdxl), unet_inputs, ["out"], dtype)
+    return stages
+
+
+class StageTimer:
+    """Time per stage call. On a GPU it records CUDA events around each stage and reads them
+    once at the end of the run, so timing never makes the host wait inside the loop."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._events: dict[str, list] = {}
+        self.seconds: dict[str, list[float]] = {}
+
+    def time(self, name: str, fn, **inputs):
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            result = fn(**inputs)
+            self.seconds.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(**inputs)
+        end.record()
+        self._events.setdefault(name, []).append((start, end))
+        return result
+
+    def finish(self) -> dict[str, list[float]]:
+        """Per stage, the seconds of each call; waits for the device once."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            for name, pairs in self._events.items():
+                self.seconds.setdefault(name, []).extend(s.elapsed_time(e) / 1000 for s, e in pairs)
+            self._events = {}
+        return self.seconds
+
+
+SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
+              "dpmpp_2m": "DPMSolverMultistepScheduler", "ddim": "DDIMScheduler",
+              "heun": "HeunDiscreteScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler"}
+
+
+def make_scheduler(name: str, config: dict):
+    """A diffusers scheduler by short name, configured as the model's own scheduler."""
+    import diffusers
+
+    if name not in SCHEDULERS:
+        raise UserError(f"sampling.scheduler={name!r} is unknown: choose one of {', '.join(SCHEDULERS)}")
+    return getattr(diffusers, SCHEDULERS[name]).from_config(config)
+
+
+@dataclass
+class SamplingSettings:
+    prompts: list[str]
+    negative_prompt: str
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    seed: int
+
+
+def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
+    return tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                     truncation=True, return_tensors="pt").input_ids.to(torch.int32)
+
+
+class TextToImage:
+    """The SDXL / SD text-to-image data flow over stages; mirrors the diffusers pipelines so the
+    same prompt, seed and scheduler give the same image."""
+
+    def __init__(self, stages: dict, tokenizers: list, scheduler, unet_config, vae_scale: int,
+                 device: torch.device, sdxl: bool, force_zeros_for_empty_prompt: bool = True):
+        self.stages = stages
+        self.tokenizers = tokenizers
+        self.scheduler = scheduler
+        self.unet_config = unet_config
+        self.vae_scale = vae_scale
+        self.device = device
+        self.sdxl = sdxl
+        self.force_zeros = force_zeros_for_empty_prompt
+        if sdxl:
+            from diffusers.models.embeddings import Timesteps
+
+            # The Fourier features of the time ids have no weights, so they need no graph.
+            self.add_time_proj = Timesteps(unet_config.addition_time_embed_dim, True, 0)
+
+    def encode(self, settings: SamplingSettings, timer: StageTimer):
+        """Embeddings for [negative..., positive...], as the diffusers pipelines batch them."""
+        batch = len(settings.prompts)
+        zero_negative = self.sdxl and self.force_zeros and not settings.negative_prompt
+        texts = settings.prompts if zero_negative else [settings.negative_prompt] * batch + settings.prompts
+        hidden = [timer.time("clip1", self.stages["clip1"],
+                             input_ids=tokenize(self.tokenizers[0], texts).to(self.device))["hidden_states"]]
+        pooled = None
+        if self.sdxl:
+            second = timer.time("clip2", self.stages["clip2"],
+                                input_ids=tokenize(self.tokenizers[1], texts).to(self.device))
+            hidden.append(second["hidden_states"])
+            pooled = second["pooled"]
+        context = torch.cat(hidden, dim=-1)
+        if zero_negative:
+            context = torch.cat([torch.zeros_like(context), context])
+            pooled = torch.cat([torch.zeros_like(pooled), pooled])
+        return context, pooled
+
+    def y(self, pooled: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        time_ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32,
+                                device=pooled.device).repeat(pooled.shape[0], 1)
+        fourier = self.add_time_proj(time_ids.flatten()).reshape(pooled.shape[0], -1)
+        return torch.cat([pooled, fourier.to(pooled.dtype)], dim=-1)
+
+    def initial_latents(self, settings: SamplingSettings) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (len(settings.prompts), self.unet_config.in_channels,
+                 settings.height // self.vae_scale, settings.width // self.vae_scale)
+        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
+                 latents: torch.Tensor | None = None) -> torch.Tensor:
+        """Images in [0, 1], (B, 3, H, W), float32."""
+        from tqdm import tqdm
+
+        context, pooled = self.encode(settings, timer)
+        y = self.y(pooled, settings.height, settings.width) if self.sdxl else None
+        self.scheduler.set_timesteps(settings.steps, device=self.device)
+        latents = self.initial_latents(settings) if latents is None else latents
+        latents = latents * self.scheduler.init_noise_sigma
+        unet_name = "unet_xl" if self.sdxl else "unet"
+        guided = settings.guidance_scale > 1.0
+        steps = tqdm(self.scheduler.timesteps, desc="denoising", unit="step", disable=not progress, leave=False)
+        for t in steps:
+            x = torch.cat([latents] * 2) if guided else latents
+            x = self.scheduler.scale_model_input(x, t)
+            inputs = {"x": x, "timesteps": t.float().expand(x.shape[0]),
+                      "context": context if guided else context[context.shape[0] // 2:]}
+            if y is not None:
+                inputs["y"] = y if guided else y[y.shape[0] // 2:]
+            noise = timer.time(unet_name, self.stages[unet_name], **inputs)["out"].float()
+            if guided:
+                uncond, cond = noise.chunk(2)
+                noise = uncond + settings.guidance_scale * (cond - uncond)
+            latents = self.scheduler.step(noise, t, latents, return_dict=False)[0]
+        images = timer.time("vae", self.stages["vae"], latent=latents)["images"].float()
+        return (images / 2 + 0.5).clamp(0, 1)
+
+
+def check_within_profiles(record: dict, stage_batches: dict[str, int], height: int, width: int) -> None:
+    """Refuses, before any work, a batch or resolution the built engines' profiles cannot take."""
+    for name, batch in stage_batches.items():
+        inputs = record.get(name, {}).get("inputs", {})
+        for input_name, spec in inputs.items():
+            low, _, high = spec.get("profile", [[0], [0], [0]])
+            if not low[0] <= batch <= high[0]:
+                raise UserError(f"{name} engine takes {low[0]}..{high[0]} samples per call but this run needs "
+                                f"{batch}: change infer batch_size or rebuild with trt.min/max_batch_size")
+            if input_name in ("x", "latent") and (low[2:] != [height // 8, width // 8]):
+                raise UserError(f"{name} engine was built for {low[3] * 8}x{low[2] * 8} images, not {width}x{height}: "
+                                "use that resolution or rebuild with infer.width/height")

@@ -1,0 +1,125 @@
+"""infer_trt.py on the tiny models with the ONNX Runtime and torch backends."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdquant import run
+from sdquant.errors import UserError
+from sdquant.workflow import run_export, run_infer, run_quantize
+
+from conftest import compose_config
+
+PROMPT = "a red fox in the snow, watercolor"
+STEPS = 4
+
+
+def _export(out, *overrides, model="tiny_sdxl"):
+    return run_export(compose_config("sd_xl_export", [f"model={model}", f"infer.out_path={out}", "device=cpu",
+                                                      "onnx.precision=fp32", "run_trt_export=false", *overrides]))
+
+
+def _infer_cfg(export_dir, out, *overrides, model="tiny_sdxl"):
+    unet = "unet_xl" if model == "tiny_sdxl" else "unet"
+    plans = [f"{name}={export_dir}/plan/{name}.plan" for name in ("clip1", "clip2", "vae")]
+    return compose_config("sd_xl_trt_inference", [
+        f"model={model}", *plans, f"unet_xl={export_dir}/plan/{unet}.plan", f"out_path={out}", "device=cpu",
+        "backend=onnxruntime", f"sampling.prompts=['{PROMPT}']", f"sampling.steps={STEPS}",
+        "sampling.width=64", "sampling.height=64", "num_warmup_runs=0", *overrides])
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    from skimage.metrics import peak_signal_noise_ratio
+
+    return float(peak_signal_noise_ratio(b, a, data_range=1.0))
+
+
+@pytest.fixture(scope="module")
+def fp32_graphs(tmp_path_factory, model_cache):
+    out = tmp_path_factory.mktemp("graphs")
+    _export(out)
+    return out
+
+
+def _read_png(path) -> np.ndarray:
+    return np.asarray(Image.open(path)).astype(np.float64) / 255
+
+
+def test_onnxruntime_image_matches_diffusers_pipeline(fp32_graphs, tmp_path, tiny_pipeline):
+    run_infer(_infer_cfg(fp32_graphs, tmp_path))
+    ours = _read_png(tmp_path / "image_000_00.png")
+    pipe = tiny_pipeline()
+    reference = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=5.0, height=64, width=64,
+                     generator=torch.Generator().manual_seed(42), output_type="np").images[0]
+    # Both write 8-bit images: quantising [0, 1] to 256 levels alone bounds PSNR near 59 dB, and
+    # fp32 graph-vs-eager differences of ~1e-6 move few pixels across a level, so an exact
+    # implementation of the same pipeline stays far above 40 dB; a wrong scheduler step,
+    # embedding or guidance order falls far below it.
+    assert _psnr(ours, np.round(reference * 255) / 255) >= 40
+
+
+def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):
+    latency = run_infer(_infer_cfg(fp32_graphs, tmp_path, "num_timed_runs=2"))
+    saved = json.loads((tmp_path / "latency.json").read_text())
+    assert set(saved["stage_ms"]) == {"clip1", "clip2", "unet_xl", "vae"}
+    assert set(saved["ms"]) == {"text_encoders", "unet_total", "unet_per_step", "vae", "end_to_end",
+                                "pipeline_overhead"}
+    assert saved["timed_runs"] == 2 and saved["steps"] == STEPS
+    assert saved["ms"]["unet_per_step"] == pytest.approx(saved["ms"]["unet_total"] / STEPS)
+    assert 0 < saved["ms"]["end_to_end"] and saved["images_per_second"] > 0
+    assert latency["backend"] == "onnxruntime"
+    info = Image.open(tmp_path / "image_000_00.png").text
+    assert info["prompt"] == PROMPT and info["seed"] == "42" and info["steps"] == str(STEPS)
+    assert "unet_xl=" in info["engines"]
+
+
+def test_torch_backend_matches_onnxruntime(fp32_graphs, tmp_path):
+    run_infer(_infer_cfg(fp32_graphs, tmp_path / "ort"))
+    run_infer(_infer_cfg(fp32_graphs, tmp_path / "torch", "backend=torch"))
+    assert _psnr(_read_png(tmp_path / "ort/image_000_00.png"), _read_png(tmp_path / "torch/image_000_00.png")) >= 40
+
+
+def test_int8_unet_pipeline_runs_end_to_end(quantize_cfg, fp32_graphs, tmp_path):
+    folder = run_quantize(quantize_cfg("quantize.quant_level=3"))
+    _export(tmp_path / "int8", f"quantized_unet={folder}")
+    run_infer(_infer_cfg(tmp_path / "int8", tmp_path / "out"))
+    run_infer(_infer_cfg(fp32_graphs, tmp_path / "fp32"))
+    int8, fp32 = _read_png(tmp_path / "out/image_000_00.png"), _read_png(tmp_path / "fp32/image_000_00.png")
+    assert np.isfinite(int8).all()
+    assert 10 < _psnr(int8, fp32) < 60, "8-bit images differ from fp32, but stay close"
+
+
+def test_sd15_runs_with_onnxruntime(tmp_path, model_cache):
+    _export(tmp_path / "graphs", model="tiny_sd15")
+    run_infer(_infer_cfg(tmp_path / "graphs", tmp_path / "out", model="tiny_sd15"))
+    assert (tmp_path / "out/image_000_00.png").is_file()
+
+
+def test_engine_profile_limits_are_enforced_before_work():
+    record = {"unet_xl": {"inputs": {"x": {"profile": [[1, 4, 128, 128], [4, 4, 128, 128], [16, 4, 128, 128]]}}}}
+    run.check_within_profiles(record, {"unet_xl": 8}, 1024, 1024)
+    with pytest.raises(UserError, match="takes 1..16 samples per call but this run needs 18"):
+        run.check_within_profiles(record, {"unet_xl": 18}, 1024, 1024)
+    with pytest.raises(UserError, match="built for 1024x1024 images, not 768x1024"):
+        run.check_within_profiles(record, {"unet_xl": 2}, 1024, 768)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("backend=tensorrt", "backend='tensorrt' is unknown"),
+    ("sampling.width=100", "sampling.width=100 must be a positive multiple of 64"),
+    ("sampling.scheduler=magic", "sampling.scheduler='magic' is unknown"),
+    ("backend=trt", "backend=trt needs a CUDA GPU"),
+])
+def test_bad_inference_settings(fp32_graphs, tmp_path, override, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        run_infer(_infer_cfg(fp32_graphs, tmp_path, override))
+
+
+def test_missing_onnx_file_is_named(tmp_path, model_cache):
+    with pytest.raises(UserError, match="does not exist: run export_trt.py first"):
+        run_infer(_infer_cfg(tmp_path / "nothing", tmp_path))
