@@ -19,7 +19,7 @@ from sdquant.calibrate import calibration_batches, quantize_unet
 from sdquant.config import QuantizeBlock
 from sdquant.load import load_prompts, quiet_libraries
 from sdquant.report import library_versions
-from sdquant.synthetic import FULL_SDXL, build_pipeline, build_unet
+from sdquant.synthetic import FULL_SDXL, build_unet, full_size_sdxl_on_gpu
 
 TARGET_RATIO = 1.25
 
@@ -52,13 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    torch.set_default_dtype(torch.float16)
-    with torch.device("cuda"):
-        pipe = build_pipeline("sdxl", FULL_SDXL)
-    torch.set_default_dtype(torch.float32)
-    # The scheduler keeps its tables on the CPU, as the pipeline expects.
-    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = full_size_sdxl_on_gpu()
     prompts = load_prompts(None, args.calib_size)
     seed = 42
     plain_block = QuantizeBlock(n_steps=args.n_steps, batch_size=args.batch_size,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -32,12 +31,20 @@ def build_model(folder: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+# Runs a command and prints its peak RSS in KB: a fresh parent per measurement, since a process's
+# RUSAGE_CHILDREN peak covers every child it has waited for.
+_PEAK_OF = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
 def run_measured(args: list[str]) -> dict:
-    """Runs a script in a child process; returns its wall time and the child's peak RSS."""
+    """Runs a script in a child process; returns its wall time and peak RSS."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], check=True, cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", _PEAK_OF, sys.executable, *args], check=True, cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(result.stdout)
+    peak_kb = int(result.stdout.strip().splitlines()[-1])
     return {"seconds": round(seconds, 1), "peak_rss_gb": round(peak_kb / 1024**2, 2)}
 
 
@@ -60,8 +67,9 @@ def main() -> None:
     subprocess.run([sys.executable, *quantize], check=True, cwd=REPO)
     checkpoint = next(quantized_dir.glob("*/unet.mto")).parent
 
-    export = ["export_trt.py", *model, f"quantized_unet={checkpoint}", f"infer.out_path={export_dir}",
+    common = ["export_trt.py", *model, f"quantized_unet={checkpoint}", f"infer.out_path={export_dir}",
               "device=cpu", "force=true", hydra_dir]
+    export = [*common, "run_trt_export=false"]
     measured = run_measured(export)
     unet_meta = json.loads((export_dir / "onnx" / "unet_xl" / "export.json").read_text())
     report = {
@@ -73,6 +81,13 @@ def main() -> None:
         "meets_target": measured["peak_rss_gb"] <= TARGET_GB and measured["seconds"] <= TARGET_S,
         "onnx_bytes": sum(p.stat().st_size for p in (export_dir / "onnx" / "unet_xl").iterdir()),
     }
+    if args.build:
+        engines = run_measured([*common, "run_onnx_export=false", "trt.backend=tensorrt_rtx"])
+        plans = export_dir / "plan"
+        report["tensorrt_rtx_build"] = {
+            **engines,
+            "unet_engine_bytes": (plans / "unet_xl.plan").stat().st_size,
+            "unet_build_seconds": json.loads((plans / "engines.json").read_text())["unet_xl"]["build_seconds"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

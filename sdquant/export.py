@@ -163,6 +163,18 @@ def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:
             module.trt_high_precision_dtype = high_precision
 
 
+def _tensors(graph):
+    """Every tensor of a graph: initializers and those held in node attributes (constants)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                yield from _tensors(subgraph)
+
+
 def _save_onnx(exported: Path, final_file: Path) -> None:
     """Moves a traced graph into place. Past protobuf's 2 GB the exporter writes one file per
     tensor; those are streamed into one external-data file beside the graph, a tensor at a
@@ -171,7 +183,7 @@ def _save_onnx(exported: Path, final_file: Path) -> None:
     from onnx.external_data_helper import ExternalDataInfo
 
     model = onnx.load(str(exported), load_external_data=False)
-    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    external = [t for t in _tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
     if not external:
         shutil.move(str(exported), str(final_file))
     else:
