@@ -10,6 +10,7 @@ wrapped as the export wraps them). One denoising loop drives all three, with a d
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,7 +224,17 @@ class TextToImage:
                 noise = uncond + settings.guidance_scale * (cond - uncond)
             latents = self.scheduler.step(noise, t, latents, return_dict=False)[0]
         images = timer.time("vae", self.stages["vae"], latent=latents)["images"].float()
+        warn_if_not_finite(latents, images)
         return (images / 2 + 0.5).clamp(0, 1)
+
+
+def warn_if_not_finite(latents: torch.Tensor, images: torch.Tensor) -> None:
+    """Names the stage that produced NaN or inf; read once, after the run, so the loop never waits."""
+    if not torch.isfinite(latents).all():
+        warnings.warn("the UNet produced NaN or inf latents: check the quantized checkpoint's ranges")
+    elif not torch.isfinite(images).all():
+        warnings.warn("the VAE produced NaN or inf pixels: an fp16 VAE overflowing is the usual cause; "
+                      "export it with onnx.vae_precision=fp32")
 
 
 def check_within_profiles(record: dict, stage_batches: dict[str, int], height: int, width: int) -> None:

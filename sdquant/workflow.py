@@ -211,6 +211,9 @@ def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
         return run.torch_stages(pipe, sdxl, dtype)
     from .trt_runtime import trt_stages
 
+    for name, plan in files.items():
+        if not plan.is_file():
+            raise UserError(f"{name}={plan}: no such engine; build it with export_trt.py")
     records = {}
     for name, plan in files.items():
         records[name] = build.engines_record(plan.parent.parent).get(plan.stem, {})

@@ -113,13 +113,33 @@ def test_engine_profile_limits_are_enforced_before_work():
     ("backend=tensorrt", "backend='tensorrt' is unknown"),
     ("sampling.width=100", "sampling.width=100 must be a positive multiple of 64"),
     ("sampling.scheduler=magic", "sampling.scheduler='magic' is unknown"),
-    ("backend=trt", "backend=trt needs a CUDA GPU"),
 ])
 def test_bad_inference_settings(fp32_graphs, tmp_path, override, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
         run_infer(_infer_cfg(fp32_graphs, tmp_path, override))
 
 
+def test_trt_backend_without_gpu_says_so(tmp_path, model_cache):
+    plans = tmp_path / "plan"
+    plans.mkdir()
+    for name in ("clip1", "clip2", "unet_xl", "vae"):
+        (plans / f"{name}.plan").write_bytes(b"not an engine")
+    with pytest.raises(UserError, match="backend=trt needs a CUDA GPU"):
+        run_infer(_infer_cfg(tmp_path, tmp_path / "out", "backend=trt"))
+
+
 def test_missing_onnx_file_is_named(tmp_path, model_cache):
     with pytest.raises(UserError, match="does not exist: run export_trt.py first"):
         run_infer(_infer_cfg(tmp_path / "nothing", tmp_path))
+
+
+def test_missing_engine_is_named(tmp_path, model_cache):
+    with pytest.raises(UserError, match=r"unet_xl=.*unet_xl.plan: no such engine"):
+        run_infer(_infer_cfg(tmp_path / "nothing", tmp_path, "backend=trt"))
+
+
+def test_non_finite_vae_output_warns_naming_the_vae():
+    with pytest.warns(UserWarning, match="the VAE produced NaN"):
+        run.warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
+    with pytest.warns(UserWarning, match="the UNet produced NaN"):
+        run.warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))
