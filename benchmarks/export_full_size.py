@@ -1,5 +1,6 @@
-"""Exports the full-size SDXL UNet (random weights, INT8 level 3) to ONNX on this host and records
-wall time and peak host memory; with --build, builds the INT8 engine with TensorRT-RTX too.
+"""Exports the full-size SDXL UNet (random weights) to ONNX on this host and records
+wall time and peak host memory; with --build, builds the engines with TensorRT-RTX too.
+--recipe picks the UNet: fp16, int8:3 or fp8:4.
 
 Each heavy step runs in its own process, as a user runs the scripts, so the peak memory of one
 step is not inflated by another. Target: the INT8 export within 10 GB peak and 120 s.
@@ -52,7 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (about 25 GB)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--build", action="store_true", help="also build the engine with TensorRT-RTX")
+    parser.add_argument("--build", action="store_true", help="also build the engines with TensorRT-RTX")
+    parser.add_argument("--recipe", default="int8:3", help="fp16, or format:quant_level (int8:3, fp8:4)")
     args = parser.parse_args()
 
     model_dir, quantized_dir, export_dir = args.work / "model", args.work / "quantized", args.work / "export"
@@ -60,22 +62,26 @@ def main() -> None:
         build_model(model_dir)
     model = ["model=sdxl_base", f"model.source={model_dir}", "model.variant=null", "model.name=sdxl_random"]
     hydra_dir = f"hydra.run.dir={args.work / 'hydra'}"
-    # The calibration itself is not measured here: one small step gives valid ranges to export.
-    quantize = ["quantize.py", *model, "quantize.quant_level=3", "quantize.calib_size=1", "quantize.n_steps=1",
-                "quantize.height=128", "quantize.width=128", "device=cpu", "dtype=fp16",
-                f"out_dir={quantized_dir}", hydra_dir]
-    subprocess.run([sys.executable, *quantize], check=True, cwd=REPO)
-    checkpoint = next(quantized_dir.glob("*/unet.mto")).parent
+    unet = []
+    if args.recipe != "fp16":
+        fmt, level = args.recipe.split(":")
+        # The calibration itself is not measured here: one small step gives valid ranges to export.
+        quantize = ["quantize.py", *model, f"quantize.format={fmt}", f"quantize.quant_level={level}",
+                    "quantize.calib_size=1", "quantize.n_steps=1", "quantize.height=128", "quantize.width=128",
+                    "device=cpu", "dtype=fp16", f"out_dir={quantized_dir}", hydra_dir]
+        subprocess.run([sys.executable, *quantize], check=True, cwd=REPO)
+        checkpoint = next(quantized_dir.glob(f"*_{fmt}_l{level}_*/unet.mto")).parent
+        unet = [f"quantized_unet={checkpoint}"]
 
-    common = ["export_trt.py", *model, f"quantized_unet={checkpoint}", f"infer.out_path={export_dir}",
-              "device=cpu", "force=true", hydra_dir]
+    common = ["export_trt.py", *model, *unet, f"infer.out_path={export_dir}", "device=cpu", "force=true", hydra_dir]
     export = [*common, "run_trt_export=false"]
     measured = run_measured(export)
     unet_meta = json.loads((export_dir / "onnx" / "unet_xl" / "export.json").read_text())
     report = {
         "benchmark": "export_full_size", "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
         "cpus": len(__import__("os").sched_getaffinity(0)),
-        "what": "export_trt.py: clip1, clip2, vae and the INT8 level-3 SDXL UNet (random weights), fp16 graphs",
+        "what": f"export_trt.py: clip1, clip2, vae and the SDXL UNet ({args.recipe}; random weights), fp16 graphs",
+        "recipe": args.recipe,
         "export": {**measured, "unet_seconds": unet_meta["seconds"]},
         "target": {"peak_rss_gb": TARGET_GB, "seconds": TARGET_S},
         "meets_target": measured["peak_rss_gb"] <= TARGET_GB and measured["seconds"] <= TARGET_S,

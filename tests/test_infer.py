@@ -134,7 +134,7 @@ def test_missing_onnx_file_is_named(tmp_path, model_cache):
 
 
 def test_missing_engine_is_named(tmp_path, model_cache):
-    with pytest.raises(UserError, match=r"unet_xl=.*unet_xl.plan: no such engine"):
+    with pytest.raises(UserError, match=r"clip1=.*clip1.plan: no such engine"):
         run_infer(_infer_cfg(tmp_path / "nothing", tmp_path, "backend=trt"))
 
 
