@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import UserError
-from .export import ONNX_FILE, TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph
 
 STAGES_SDXL = ("clip1", "clip2", "unet_xl", "vae")
 STAGES_SD = ("clip1", "unet", "vae")

@@ -12,9 +12,7 @@ import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant import checkpoint, export
-from sdquant.calibrate import quantize_unet
 from sdquant.errors import UserError
-from sdquant.load import load_prompts
 from sdquant.workflow import run_export, run_quantize
 
 from conftest import compose_config
