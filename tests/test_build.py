@@ -139,3 +139,11 @@ def test_parser_error_names_node_op_and_file(tmp_path):
                            tmp_path / "x.plan", None)
     assert "mystery_node" in str(error.value) and "NoSuchOp" in str(error.value) and str(path) in str(error.value)
     assert not (tmp_path / "x.plan").exists()
+
+
+def test_backend_choice_and_install_hint():
+    assert build.load_flavour("auto").name == "tensorrt_rtx", "auto falls back to TensorRT for RTX here"
+    with pytest.raises(UserError, match="no TensorRT is installed. Install TensorRT 10/11"):
+        build.load_flavour("tensorrt")
+    with pytest.raises(UserError, match="trt.backend='tensorrt8' is unknown"):
+        build.load_flavour("tensorrt8")
