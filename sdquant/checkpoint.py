@@ -20,12 +20,16 @@ UNET_FILE = "unet.mto"
 SIDECAR_FILE = "unet.json"
 
 
+def model_identity(model) -> dict:
+    """What names a model's weights, for fingerprints of everything made from them."""
+    return {"family": plain(model.family), "source": model.source, "variant": model.variant}
+
+
 def calibration_settings(cfg) -> dict:
     """Everything that changes the calibrated result, and nothing that does not."""
     return {
         "quantize": OmegaConf.to_container(cfg.quantize, resolve=True),
-        "model": {"family": plain(cfg.model.family), "source": cfg.model.source,
-                  "variant": cfg.model.variant},
+        "model": model_identity(cfg.model),
         "prompts_file": cfg.prompts_file,
         "seed": cfg.seed,
     }

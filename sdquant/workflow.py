@@ -83,7 +83,7 @@ def _restore_quantized_unet(cfg, unet) -> dict:
 def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
     return checkpoint.fingerprint({
         "graph": name,
-        "model": {"family": plain(cfg.model.family), "source": cfg.model.source, "variant": cfg.model.variant},
+        "model": checkpoint.model_identity(cfg.model),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
         "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(cfg.model.family) else None,
     })
