@@ -14,6 +14,7 @@ global_min   min                              min
 min-max      max                              min
 min-mean     mean (sum / observations)        min
 mean-max     max                              mean
+max          max                              max (ModelOpt's plain max calibration)
 ===========  ===============================  ==============
 """
 
@@ -96,6 +97,8 @@ class StepStatistics:
         stacked = torch.stack(observed)
         if self.collect_method == "mean-max":
             return stacked.mean(dim=0)
+        if self.collect_method == "max":
+            return stacked.max(dim=0).values
         return stacked.min(dim=0).values
 
 

@@ -35,7 +35,7 @@ def plain(value) -> str:
 
 
 QUANT_LEVELS = (1.0, 2.0, 2.5, 3.0, 4.0)
-COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max")
+COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max", "max")
 
 
 @dataclass

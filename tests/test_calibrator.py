@@ -28,6 +28,8 @@ EXPECTED = {
     (0.75, "mean-max"): (6 + 5 + 9) / 3,
     (0.5, "min-mean"): 3.0,
     (0.5, "mean-max"): 5.5,
+    (1.0, "max"): 9.0,                 # ModelOpt's max calibration: the largest value anywhere
+    (0.5, "max"): 6.0,                 # steps 0..1 only
 }
 
 
