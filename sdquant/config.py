@@ -177,11 +177,42 @@ class InferApp:
     device: str = "auto"
 
 
+LPIPS_NETS = ("alex", "vgg", "squeeze")
+
+
+@dataclass
+class MetricsBlock:
+    """The optional image metrics; each is skipped with a note when its weights are not on this
+    machine, since nothing is downloaded at run time."""
+
+    # torchmetrics' LPIPS backbone (alex | vgg | squeeze); null turns LPIPS off.
+    lpips_net: Optional[str] = "alex"
+    # A CLIP model folder, or a hub id already in the local Hugging Face cache; null turns it off.
+    clip_model: Optional[str] = "openai/clip-vit-large-patch14"
+
+
+@dataclass
+class EvaluateApp:
+    """Quantized UNets against the model's own fp16 UNet, from identical initial latents."""
+
+    model: ModelConfig = MISSING
+    # name -> a quantize.py checkpoint (run as ModelOpt fake quant), a UNet .onnx file (ONNX
+    # Runtime) or a UNet engine (.plan, TensorRT); null runs the fp16 UNet again, as a self-check.
+    variants: dict[str, Optional[str]] = field(default_factory=dict)
+    sampling: SamplingBlock = field(default_factory=SamplingBlock)
+    metrics: MetricsBlock = field(default_factory=MetricsBlock)
+    onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    out_path: str = "quality"
+    device: str = "auto"
+    dtype: str = "auto"
+
+
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
+    store.store(name="evaluate_schema", node=EvaluateApp)
     store.store(group="model", name="model_schema", node=ModelConfig)
 
 
@@ -252,7 +283,22 @@ INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 def validate_infer(cfg) -> None:
     if cfg.backend not in INFER_BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
-    sampling = cfg.sampling
+    validate_sampling(cfg.sampling)
+    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
+        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
+
+
+def validate_evaluate(cfg) -> None:
+    validate_sampling(cfg.sampling)
+    if not cfg.variants:
+        raise UserError("no variants to evaluate: add one per quantized UNet, e.g. "
+                        "+variants.int8=quantized/<checkpoint folder>")
+    if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
+        raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
+                        f"{', '.join(LPIPS_NETS)} or null")
+
+
+def validate_sampling(sampling: SamplingBlock) -> None:
     for key in ("width", "height"):
         if sampling[key] < 64 or sampling[key] % 64:
             raise UserError(f"sampling.{key}={sampling[key]} must be a positive multiple of 64")
@@ -260,5 +306,3 @@ def validate_infer(cfg) -> None:
         raise UserError(f"sampling.steps={sampling.steps} must be at least 1")
     if sampling.batch_size < 1:
         raise UserError(f"sampling.batch_size={sampling.batch_size} must be at least 1")
-    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
-        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")

@@ -36,8 +36,8 @@ def graph_names(family: Family) -> tuple[str, ...]:
     return ("clip1", "unet", "vae")
 
 
-def unet_graph_name(family: Family) -> str:
-    return "unet_xl" if Family(family) == Family.sdxl else "unet"
+def unet_graph_name(sdxl: bool) -> str:
+    return "unet_xl" if sdxl else "unet"
 
 
 def onnx_path(out_path: str | Path, name: str) -> Path:
@@ -149,7 +149,7 @@ def graph_specs(pipe, family: Family, batch: int, latent: int, dtype: torch.dtyp
         args.append(torch.randn(batch, unet.config.projection_class_embeddings_input_dim, dtype=dtype))
         names.append("y")
         axes["y"] = {0: "B"}
-    specs.append(GraphSpec(unet_graph_name(family), UNetGraph(unet, sdxl), tuple(args), names, ["out"], axes))
+    specs.append(GraphSpec(unet_graph_name(sdxl), UNetGraph(unet, sdxl), tuple(args), names, ["out"], axes))
     return specs
 
 

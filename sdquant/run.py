@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
-from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph, unet_graph_name
 
 STAGES_SDXL = ("clip1", "clip2", "unet_xl", "vae")
 STAGES_SD = ("clip1", "unet", "vae")
@@ -75,12 +75,16 @@ def torch_stages(pipe, sdxl: bool, dtype: torch.dtype) -> dict:
                                   ["input_ids"], ["hidden_states"], dtype),
               "vae": TorchStage(VaeDecoderGraph(pipe.vae), ["latent"], ["images"],
                                 next(pipe.vae.parameters()).dtype)}
-    unet_inputs = ["x", "timesteps", "context"] + (["y"] if sdxl else [])
     if sdxl:
         stages["clip2"] = TorchStage(TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True),
                                      ["input_ids"], ["hidden_states", "pooled"], dtype)
-    stages["unet_xl" if sdxl else "unet"] = TorchStage(UNetGraph(pipe.unet, sdxl), unet_inputs, ["out"], dtype)
+    stages[unet_graph_name(sdxl)] = unet_stage(pipe.unet, sdxl, dtype)
     return stages
+
+
+def unet_stage(unet: torch.nn.Module, sdxl: bool, dtype: torch.dtype) -> TorchStage:
+    unet_inputs = ["x", "timesteps", "context"] + (["y"] if sdxl else [])
+    return TorchStage(UNetGraph(unet, sdxl), unet_inputs, ["out"], dtype)
 
 
 class StageTimer:
@@ -190,13 +194,23 @@ class TextToImage:
         fourier = self.add_time_proj(time_ids.flatten()).reshape(pooled.shape[0], -1)
         return torch.cat([pooled, fourier.to(pooled.dtype)], dim=-1)
 
-    def initial_latents(self, settings: SamplingSettings) -> torch.Tensor:
+    def generator(self, settings: SamplingSettings) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(settings.seed)
+
+    def initial_latents(self, settings: SamplingSettings, generator: torch.Generator | None = None) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (len(settings.prompts), self.unet_config.in_channels,
                  settings.height // self.vae_scale, settings.width // self.vae_scale)
-        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        generator = generator or self.generator(settings)
         return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    def _step_kwargs(self, generator: torch.Generator) -> dict:
+        # Ancestral and SDE schedulers draw fresh noise at each step: drawn from the run's own
+        # generator, as the diffusers pipelines do, the same seed gives the same image.
+        import inspect
+
+        return {"generator": generator} if "generator" in inspect.signature(self.scheduler.step).parameters else {}
 
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,9 +220,11 @@ class TextToImage:
         context, pooled = self.encode(settings, timer)
         y = self.y(pooled, settings.height, settings.width) if self.sdxl else None
         self.scheduler.set_timesteps(settings.steps, device=self.device)
-        latents = self.initial_latents(settings) if latents is None else latents
+        generator = self.generator(settings)
+        latents = self.initial_latents(settings, generator) if latents is None else latents
         latents = latents * self.scheduler.init_noise_sigma
-        unet_name = "unet_xl" if self.sdxl else "unet"
+        step_kwargs = self._step_kwargs(generator)
+        unet_name = unet_graph_name(self.sdxl)
         guided = settings.guidance_scale > 1.0
         steps = tqdm(self.scheduler.timesteps, desc="denoising", unit="step", disable=not progress, leave=False)
         for t in steps:
@@ -222,7 +238,7 @@ class TextToImage:
             if guided:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + settings.guidance_scale * (cond - uncond)
-            latents = self.scheduler.step(noise, t, latents, return_dict=False)[0]
+            latents = self.scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
         images = timer.time("vae", self.stages["vae"], latent=latents)["images"].float()
         warn_if_not_finite(latents, images)
         return (images / 2 + 0.5).clamp(0, 1)

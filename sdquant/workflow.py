@@ -13,11 +13,15 @@ import torch
 from . import build, checkpoint, export, load, report, run
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
-from .config import Family, plain, validate_export, validate_infer, validate_quantize_block
+from .config import Family, plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block
 from .errors import UserError
 from .load import compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
 from .report import library_versions, print_engine_table, print_summary
 from .recipe import uses_smoothquant
+
+
+def _is_sdxl(cfg) -> bool:
+    return Family(cfg.model.family) == Family.sdxl
 
 
 def quantized_checkpoint_dir(cfg) -> Path:
@@ -65,18 +69,18 @@ def run_quantize(cfg) -> Path:
     return folder
 
 
-def _restore_quantized_unet(cfg, unet) -> dict:
-    """Loads the quantize.py checkpoint into `unet`; returns its sidecar."""
-    path = Path(cfg.quantized_unet).expanduser()
+def _restore_quantized_unet(model, key: str, value: str, unet) -> dict:
+    """Loads the quantize.py checkpoint that config `key` names into `unet`; returns its sidecar."""
+    path = Path(value).expanduser()
     folder = path if path.is_dir() else path.parent
     sidecar = read_json(folder / checkpoint.SIDECAR_FILE) or {}
     made_for = sidecar.get("settings", {}).get("model", {}).get("family")
-    if made_for is not None and made_for != plain(cfg.model.family):
-        raise UserError(f"quantized_unet={path} was made from a {made_for} model, not from "
-                        f"model={cfg.model.name} ({plain(cfg.model.family)}): choose its own model")
+    if made_for is not None and made_for != plain(model.family):
+        raise UserError(f"{key}={path} was made from a {made_for} model, not from "
+                        f"model={model.name} ({plain(model.family)}): choose its own model")
     restored = checkpoint.restore(unet, path)
     if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
-        raise UserError(f"quantized_unet={path} does not hold every UNet weight: quantize the model again")
+        raise UserError(f"{key}={path} does not hold every UNet weight: quantize the model again")
     return sidecar
 
 
@@ -85,7 +89,7 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         "graph": name,
         "model": checkpoint.model_identity(cfg.model),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
-        "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(cfg.model.family) else None,
+        "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(_is_sdxl(cfg)) else None,
     })
 
 
@@ -110,7 +114,7 @@ def export_onnx(cfg) -> list[Path]:
         # The checkpoint holds every UNet weight: loading the model's own first would hold the
         # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
         pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
-        quantized = _restore_quantized_unet(cfg, pipe.unet)
+        quantized = _restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
         pipe.to(device)
     else:
         pipe = load_pipeline(cfg.model, device, dtype)
@@ -130,7 +134,7 @@ def export_onnx(cfg) -> list[Path]:
         print(f"exporting {spec.name} to {folder} ...", flush=True)
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(cfg.model.family) else None,
+                "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(_is_sdxl(cfg)) else None,
                 "versions": library_versions()}
         export.export_graph(spec, folder, cfg.onnx.opset, meta)
         written.append(folder / export.ONNX_FILE)
@@ -188,7 +192,7 @@ def _importable_tensorrt() -> bool:
 
 def _stage_files(cfg) -> dict[str, Path]:
     """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
-    names = run.STAGES_SDXL if Family(cfg.model.family) == Family.sdxl else run.STAGES_SD
+    names = run.STAGES_SDXL if _is_sdxl(cfg) else run.STAGES_SD
     keys = {"clip1": cfg.clip1, "clip2": cfg.clip2, "unet_xl": cfg.unet_xl, "unet": cfg.unet_xl, "vae": cfg.vae}
     return {name: Path(keys[name]).expanduser() for name in names}
 
@@ -206,7 +210,7 @@ def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
         dtype = compute_dtype(device)
         pipe = load_pipeline(cfg.model, device, dtype)
         if cfg.quantized_unet:
-            checkpoint.restore(pipe.unet, Path(cfg.quantized_unet).expanduser())
+            _restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
             pipe.unet.to(device=device, dtype=dtype)
         return run.torch_stages(pipe, sdxl, dtype)
     from .trt_runtime import trt_stages
@@ -221,7 +225,7 @@ def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
     batch = cfg.sampling.batch_size
     run.check_within_profiles(records, {name: batch if name == "vae" else batch * (2 if guided else 1)
                                         for name in files}, cfg.sampling.height, cfg.sampling.width)
-    unet_name = "unet_xl" if sdxl else "unet"
+    unet_name = export.unet_graph_name(sdxl)
     return trt_stages(build.load_flavour("auto"), files, (unet_name,) if cfg.cuda_graph else ())
 
 
@@ -244,14 +248,9 @@ def run_infer(cfg) -> dict:
     start = time.perf_counter()
     validate_infer(cfg)
     device = resolve_device(cfg.device)
-    sdxl = Family(cfg.model.family) == Family.sdxl
-    parts = load.pipeline_parts(cfg.model)
-    scheduler = run.make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
+    sdxl = _is_sdxl(cfg)
     batches = _prompt_batches(cfg)
-    stages = _load_stages(cfg, device, sdxl)
-    vae_scale = 2 ** (len(parts["vae_config"]["block_out_channels"]) - 1)
-    pipeline = run.TextToImage(stages, parts["tokenizers"], scheduler,
-                               types.SimpleNamespace(**parts["unet_config"]), vae_scale, device, sdxl)
+    pipeline = _text_to_image(cfg, _load_stages(cfg, device, sdxl), device)
 
     out = Path(cfg.out_path).expanduser()
     written = []
@@ -279,7 +278,110 @@ def run_infer(cfg) -> dict:
     return latency
 
 
+def _text_to_image(cfg, stages: dict, device: torch.device) -> run.TextToImage:
+    """The denoising loop over `stages`, with the model's tokenizers and scheduler config."""
+    parts = load.pipeline_parts(cfg.model)
+    scheduler = run.make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
+    vae_scale = 2 ** (len(parts["vae_config"]["block_out_channels"]) - 1)
+    return run.TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["unet_config"]),
+                           vae_scale, device, _is_sdxl(cfg))
+
+
 def _settings(cfg, prompts: list[str], seed: int) -> run.SamplingSettings:
     s = cfg.sampling
     return run.SamplingSettings(prompts=prompts, negative_prompt=s.negative_prompt, steps=s.steps,
                                 guidance_scale=s.guidance_scale, height=s.height, width=s.width, seed=seed)
+
+
+ENGINE_SUFFIXES = (".plan", ".engine")
+
+
+def _variant_kind(name: str, source: str | None) -> str:
+    """What a variant's source is: the fp16 UNet itself, a quantize.py checkpoint, an ONNX file
+    or an engine; refuses anything else before any work starts."""
+    if source is None:
+        return "fp16"
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"variants.{name}={source}: no such file or folder")
+    if path.is_dir() or path.suffix == ".mto":
+        return "checkpoint"
+    if path.suffix == ".onnx":
+        return "onnx"
+    if path.suffix in ENGINE_SUFFIXES:
+        return "engine"
+    raise UserError(f"variants.{name}={source} is not a quantize.py checkpoint folder, a UNet .onnx file "
+                    f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
+
+
+def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dtype: torch.dtype):
+    """The UNet stage a variant runs."""
+    source = cfg.variants[name]
+    sdxl = _is_sdxl(cfg)
+    if kind == "fp16":
+        return fp16_unet
+    if kind == "onnx":
+        return run.OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers))
+    if kind == "engine":
+        from .trt_runtime import trt_stages
+
+        unet_name = export.unet_graph_name(sdxl)
+        return trt_stages(build.load_flavour("auto"), {unet_name: Path(source).expanduser()}, ())[unet_name]
+    unet = empty_unet(cfg.model)
+    _restore_quantized_unet(cfg.model, f"variants.{name}", source, unet)
+    return run.unet_stage(unet.to(device=device, dtype=dtype), sdxl, dtype)
+
+
+def run_evaluate(cfg) -> dict:
+    """evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's."""
+    from tqdm import tqdm
+
+    from . import quality
+
+    start = time.perf_counter()
+    validate_evaluate(cfg)
+    kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
+    batches = _prompt_batches(cfg)
+    device = resolve_device(cfg.device)
+    dtype = compute_dtype(device, cfg.dtype)
+    sdxl = _is_sdxl(cfg)
+    pipe = load_pipeline(cfg.model, device, dtype)
+    stages = run.torch_stages(pipe, sdxl, dtype)
+    pipeline = _text_to_image(cfg, stages, device)
+    unet_name = export.unet_graph_name(sdxl)
+    fp16_unet = stages[unet_name]
+    lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
+                   quality.clip_metric(cfg.metrics.clip_model, device))
+
+    references = []  # per prompt batch: settings, initial latents, fp16 images, recorded UNet calls
+    for index, prompts in enumerate(tqdm(batches, desc=quality.REFERENCE, unit="batch")):
+        settings = _settings(cfg, prompts, cfg.sampling.seed + index)
+        latents = pipeline.initial_latents(settings)
+        recorder = quality.RecordingStage(fp16_unet)
+        pipeline.stages[unet_name] = recorder
+        references.append((settings, latents, pipeline(settings, run.StageTimer(device), latents=latents),
+                           recorder.calls))
+    reference_clip = ([value for settings, _, images, _ in references for value in clip.score(images, settings.prompts)]
+                      if clip.score else None)
+
+    columns = [torch.cat([images for _, _, images, _ in references])]
+    scores = {}
+    for name, kind in kinds.items():
+        stage = _variant_unet(cfg, name, kind, fp16_unet, device, dtype)
+        pipeline.stages[unet_name] = stage
+        variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 UNet again (self-check)"))
+        images_per_batch = []
+        for settings, latents, reference, calls in tqdm(references, desc=name, unit="batch"):
+            images = pipeline(settings, run.StageTimer(device), latents=latents)
+            variant.per_prompt += quality.score_images(reference, images, settings.prompts, [lpips, clip])
+            variant.step_errors.append(quality.teacher_forced_errors(calls, stage))
+            images_per_batch.append(images)
+        columns.append(torch.cat(images_per_batch))
+        scores[name] = variant
+    settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+                "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
+    result = quality.build_report(scores, reference_clip, [m.note for m in (lpips, clip) if m.note], settings)
+    written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
+    quality.print_means(result)
+    print_summary("quality evaluation", written, time.perf_counter() - start)
+    return result

@@ -9,7 +9,7 @@ import subprocess
 from conftest import REPO
 
 
-def test_demo_runs_quantize_export_build_and_infer(model_cache, tmp_path):
+def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_path):
     result = subprocess.run(["bash", str(REPO / "demo_tiny.sh")], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -19,5 +19,7 @@ def test_demo_runs_quantize_export_build_and_infer(model_cache, tmp_path):
     assert (tmp_path / "trt_output/image_000_00.png").is_file()
     latency = json.loads((tmp_path / "trt_output/latency.json").read_text())
     assert latency["ms"]["end_to_end"] > 0
-    for script in ("quantize", "ONNX export", "TensorRT build", "inference"):
+    quality = json.loads((tmp_path / "quality/quality.json").read_text())
+    assert set(quality["variants"]) == {"int8", "int8_onnx"}
+    for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout

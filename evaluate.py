@@ -1,0 +1,23 @@
+"""Compares quantized UNets with the model's own fp16 UNet: image metrics per prompt, the
+teacher-forced noise-prediction error per step, an image grid and markdown/JSON reports.
+
+    python evaluate.py +variants.int8=quantized/<checkpoint folder>
+"""
+
+import hydra
+
+from sdquant.config import register_schemas
+from sdquant.errors import exits_cleanly
+from sdquant.workflow import run_evaluate
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="sd_xl_evaluate")
+@exits_cleanly
+def main(cfg) -> None:
+    run_evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

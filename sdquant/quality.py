@@ -1,0 +1,271 @@
+"""Quality stage: how close a quantized UNet stays to the model's own fp16 UNet.
+
+Images: every variant starts from the same initial latents as the fp16 reference, and its image
+is scored against the reference's with PSNR and SSIM (scikit-image), LPIPS (torchmetrics) and the
+CLIP score of image and prompt (a CLIP model through transformers), the last two only where their
+weights are already on this machine: nothing is downloaded at run time.
+
+Steps: with teacher forcing the variant's UNet is called on exactly the inputs the fp16 UNet saw
+along the fp16 trajectory, so each step's error belongs to the UNet at that step and is not carried
+over from earlier steps: it shows where in the denoising quantization hurts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .artifacts import atomic_path, write_json
+
+REFERENCE = "fp16"
+
+
+class RecordingStage:
+    """Passes UNet calls through and keeps each call's inputs and noise prediction."""
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.calls: list[tuple[dict, torch.Tensor]] = []
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        outputs = self.stage(**inputs)
+        self.calls.append((dict(inputs), outputs["out"]))
+        return outputs
+
+
+@torch.no_grad()
+def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], stage) -> list[float]:
+    """Per UNet call of the reference run (one per scheduler timestep), the relative L2 error
+    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's noise prediction on the same input."""
+    errors = []
+    for inputs, reference in calls:
+        reference = reference.float()
+        difference = stage(**inputs)["out"].float() - reference
+        errors.append(float(difference.norm() / reference.norm().clamp_min(torch.finfo(torch.float32).tiny)))
+    return errors
+
+
+def to_pixels(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) in [0, 1] -> (B, H, W, 3) float64, as scikit-image takes them."""
+    return images.permute(0, 2, 3, 1).cpu().double().numpy()
+
+
+def psnr(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of one (H, W, 3) image; inf for identical images."""
+    from skimage.metrics import peak_signal_noise_ratio
+
+    with np.errstate(divide="ignore"):
+        return float(peak_signal_noise_ratio(reference, candidate, data_range=1.0))
+
+
+def ssim(reference: np.ndarray, candidate: np.ndarray) -> float:
+    from skimage.metrics import structural_similarity
+
+    return float(structural_similarity(reference, candidate, channel_axis=-1, data_range=1.0))
+
+
+@dataclass
+class OptionalMetric:
+    """A metric that needs weights: `score` is None and `note` says why when they are missing."""
+
+    name: str
+    score: Callable | None = None
+    note: str | None = None
+
+
+_LPIPS_BACKBONES = {"alex": "alexnet", "vgg": "vgg16", "squeeze": "squeezenet1_1"}
+
+
+def lpips_metric(net: str | None, device: torch.device) -> OptionalMetric:
+    """LPIPS from torchmetrics, when torchvision and its backbone weights are already here."""
+    if net is None:
+        return OptionalMetric("lpips", note="LPIPS off (metrics.lpips_net=null)")
+    try:
+        import torchvision
+        from torchmetrics.image.lpip import LearnedPerceptualImagePatchSimilarity
+    except ImportError:
+        return OptionalMetric("lpips", note="LPIPS skipped: torchmetrics' LPIPS needs torchvision "
+                                            "(install the torchvision release that matches your torch)")
+    weights = torchvision.models.get_model_weights(_LPIPS_BACKBONES[net]).IMAGENET1K_V1
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if not cached.is_file():
+        return OptionalMetric("lpips", note=f"LPIPS skipped: the {net} backbone weights are not in {cached.parent} "
+                                            "and nothing is downloaded at run time; fetch them once with "
+                                            "torchvision where the network is reachable")
+    metric = LearnedPerceptualImagePatchSimilarity(net_type=net, normalize=True).to(device).eval()
+
+    def score(reference: torch.Tensor, candidate: torch.Tensor) -> list[float]:
+        return [float(metric(c[None], r[None])) for r, c in zip(reference, candidate)]
+
+    return OptionalMetric("lpips", score=score)
+
+
+def clip_metric(model_id: str | None, device: torch.device) -> OptionalMetric:
+    """CLIP score, 100 * max(cos(image, prompt), 0), with a CLIP model found locally.
+
+    torchmetrics' CLIPScore (1.9) reads transformers 4's feature outputs and fails on transformers
+    5, so the score is taken from CLIPModel's own normalised embeddings, the same definition.
+    """
+    if model_id is None:
+        return OptionalMetric("clip", note="CLIP score off (metrics.clip_model=null)")
+    from transformers import CLIPModel, CLIPProcessor
+
+    location = str(Path(model_id).expanduser()) if Path(model_id).expanduser().is_dir() else model_id
+    try:
+        model = CLIPModel.from_pretrained(location, local_files_only=True).to(device).eval()
+        processor = CLIPProcessor.from_pretrained(location, local_files_only=True)
+    except OSError:
+        return OptionalMetric("clip", note=f"CLIP score skipped: {model_id} is neither a local folder nor in the "
+                                           "Hugging Face cache, and nothing is downloaded at run time")
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> list[float]:
+        pixels = [(image * 255).round().to(torch.uint8).cpu() for image in images]
+        inputs = processor(text=prompts, images=pixels, return_tensors="pt", padding=True, truncation=True)
+        outputs = model(**inputs.to(device))
+        cosine = (outputs.image_embeds * outputs.text_embeds).sum(dim=-1)
+        return (100 * cosine).clamp_min(0).tolist()
+
+    return OptionalMetric("clip", score=score)
+
+
+@dataclass
+class VariantScores:
+    """One variant's scores: per prompt, and the teacher-forced error per step (per batch)."""
+
+    source: str
+    per_prompt: list[dict] = field(default_factory=list)
+    step_errors: list[list[float]] = field(default_factory=list)
+
+    def step_error(self) -> list[float]:
+        """Per step, the mean over prompt batches."""
+        return [statistics.fmean(column) for column in zip(*self.step_errors)]
+
+    def means(self) -> dict[str, float]:
+        keys = [key for key in ("psnr", "ssim", "lpips", "clip") if self.per_prompt and key in self.per_prompt[0]]
+        means = {key: statistics.fmean(row[key] for row in self.per_prompt) for key in keys}
+        if self.step_errors:
+            means["step_error"] = statistics.fmean(self.step_error())
+        return means
+
+
+def score_images(reference: torch.Tensor, candidate: torch.Tensor, prompts: list[str],
+                 optional: list[OptionalMetric]) -> list[dict]:
+    """Per image of a batch: PSNR and SSIM against the reference, and each available optional metric."""
+    reference_pixels, candidate_pixels = to_pixels(reference), to_pixels(candidate)
+    rows = [{"prompt": prompt, "psnr": psnr(r, c), "ssim": ssim(r, c)}
+            for prompt, r, c in zip(prompts, reference_pixels, candidate_pixels)]
+    for metric in optional:
+        if metric.score is None:
+            continue
+        values = metric.score(reference, candidate) if metric.name == "lpips" else metric.score(candidate, prompts)
+        for row, value in zip(rows, values):
+            row[metric.name] = value
+    return rows
+
+
+def image_grid(columns: list[torch.Tensor]) -> "Image.Image":
+    """One row per prompt, one column per model (fp16 first), each (N, 3, H, W) in [0, 1]."""
+    from PIL import Image
+
+    rows = [torch.cat([column[index] for column in columns], dim=2) for index in range(len(columns[0]))]
+    grid = torch.cat(rows, dim=1)
+    return Image.fromarray((grid.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
+
+
+def _json_number(value):
+    """JSON has no infinity: an identical image's PSNR is written as the string "inf"."""
+    return value if not isinstance(value, float) or math.isfinite(value) else str(value)
+
+
+def _jsonable(data):
+    if isinstance(data, dict):
+        return {key: _jsonable(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_jsonable(value) for value in data]
+    return _json_number(data)
+
+
+def build_report(variants: dict[str, VariantScores], reference_clip: list[float] | None, notes: list[str],
+                 settings: dict) -> dict:
+    return {
+        "reference": {"name": REFERENCE, "clip": reference_clip},
+        "variants": {name: {"source": scores.source, "mean": scores.means(), "per_prompt": scores.per_prompt,
+                            "step_error": scores.step_error()} for name, scores in variants.items()},
+        "notes": notes,
+        "settings": settings,
+    }
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.4g}"
+    return str(value)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    sampling = s["sampling"]
+    names = list(report["variants"])
+    lines = [f"# Quality against the fp16 UNet: {s['model']}",
+             "",
+             f"{len(report['variants'][names[0]]['per_prompt'])} prompts, {sampling['steps']} steps "
+             f"({sampling['scheduler']}), guidance {sampling['guidance_scale']}, {sampling['width']}x"
+             f"{sampling['height']}, seed {sampling['seed']}; every variant starts from the fp16 run's "
+             f"initial latents. The reference is the model's own UNet, run in {s['dtype']} on {s['device']}. "
+             "Grid (`grid.png`) columns: " + " | ".join([REFERENCE, *names]) + ".",
+             "",
+             "| variant | source | PSNR (dB) | SSIM | LPIPS | CLIP score | step error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    reference_clip = report["reference"]["clip"]
+    lines.append(f"| {REFERENCE} | the model's UNet | - | - | - | "
+                 f"{_cell(statistics.fmean(reference_clip) if reference_clip else None)} | - |")
+    for name, variant in report["variants"].items():
+        mean = variant["mean"]
+        lines.append(f"| {name} | `{variant['source']}` | " + " | ".join(
+            _cell(mean.get(key)) for key in ("psnr", "ssim", "lpips", "clip", "step_error")) + " |")
+    lines += ["", "## Per prompt (PSNR dB / SSIM)", "", "| prompt | " + " | ".join(names) + " |",
+              "| --- |" + " --- |" * len(names)]
+    for index, row in enumerate(report["variants"][names[0]]["per_prompt"]):
+        cells = [f"{_cell(v['per_prompt'][index]['psnr'])} / {_cell(v['per_prompt'][index]['ssim'])}"
+                 for v in report["variants"].values()]
+        lines.append(f"| {row['prompt']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Noise-prediction error per step (teacher forcing)", "",
+              "Relative L2 error of the UNet output against fp16, both fed the fp16 trajectory.", "",
+              "| step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    steps = len(report["variants"][names[0]]["step_error"])
+    for step in range(steps):
+        lines.append(f"| {step} | " + " | ".join(_cell(v["step_error"][step]) for v in report["variants"].values())
+                     + " |")
+    if report["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, report: dict, grid) -> list[Path]:
+    out = Path(out)
+    json_path, markdown_path, grid_path = out / "quality.json", out / "quality.md", out / "grid.png"
+    write_json(json_path, _jsonable(report))
+    with atomic_path(markdown_path) as temp:
+        temp.write_text(markdown(report))
+    with atomic_path(grid_path) as temp:
+        grid.save(temp, format="PNG")
+    return [json_path, markdown_path, grid_path]
+
+
+def print_means(report: dict) -> None:
+    print(f"\n{'variant':<16} {'PSNR dB':>9} {'SSIM':>7} {'LPIPS':>7} {'CLIP':>7} {'step err':>9}")
+    for name, variant in report["variants"].items():
+        mean = variant["mean"]
+        print(f"{name:<16} " + " ".join(f"{_cell(mean.get(key)):>{width}}" for key, width in
+                                        (("psnr", 9), ("ssim", 7), ("lpips", 7), ("clip", 7), ("step_error", 9))))
+    for note in report["notes"]:
+        print(f"note: {note}")
