@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from .config import QuantizeBlock
 from .errors import UserError
+from .parallel import World, combine, shard, sum_over_ranks
 from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
                      uses_smoothquant)
 
@@ -70,7 +71,8 @@ class StepStatistics:
     """The per-step statistic of one tensor's amax that the collect method needs, and no other.
 
     A single running value per step (sum, max or min) combines across calibration runs and
-    across processes with one reduction.
+    across processes with one reduction. Sums are kept in float64: adding fp32 values there is
+    exact in any order, so splitting the runs over processes cannot change the result.
     """
 
     def __init__(self, collect_method: str):
@@ -85,9 +87,13 @@ class StepStatistics:
     def update(self, step: int, amax: torch.Tensor) -> None:
         update_all([self], step, [amax])
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float64 if self.reduction == "sum" else torch.float32
+
     def per_step(self, step: int) -> torch.Tensor:
         value = self.values[step]
-        return value / self.counts[step] if self.reduction == "sum" else value
+        return (value / self.counts[step]).float() if self.reduction == "sum" else value
 
     def final_amax(self, steps_used: int) -> torch.Tensor | None:
         """The amax over the first `steps_used` steps; None when none of them was observed."""
@@ -113,14 +119,15 @@ def update_all(statistics: list[StepStatistics], step: int, amaxes: list[torch.T
     if not statistics:
         return
     running, incoming = [], []
+    dtype = statistics[0].dtype
     for stats, amax in zip(statistics, amaxes):
         stats.counts[step] = stats.counts.get(step, 0) + 1
         current = stats.values.get(step)
         if current is None:
-            stats.values[step] = amax.detach().float().clone()
+            stats.values[step] = amax.detach().to(dtype, copy=True)
         else:
             running.append(current)
-            incoming.append(amax.detach().float())
+            incoming.append(amax.detach().to(dtype))
     if running:
         _FOREACH_UPDATE[statistics[0].reduction](running, incoming)
 
@@ -213,6 +220,10 @@ class ActivationRecorder:
                 statistics, amaxes = zip(*per_tensor)
                 update_all(list(statistics), step, list(amaxes))
         self._calls = []
+
+    def all_statistics(self) -> list[StepStatistics]:
+        """Every statistic, in module order (the same in every process)."""
+        return [*self.inputs.values(), *self.input_channels.values(), *self.outputs.values()]
 
     def remove(self) -> None:
         self.resolve()
@@ -310,20 +321,23 @@ def calibration_batches(prompts: list[str], batch_size: int) -> list[list[str]]:
     return [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
 
 
-def run_calibration_prompts(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> int:
-    """The real pipeline over every batch, latents only (no VAE); returns the batches run."""
-    batches = calibration_batches(prompts, block.batch_size)
+def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: QuantizeBlock, seed: int,
+                            progress: bool = True) -> int:
+    """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
+    seed + i. Returns the batches run."""
     device = pipe.unet.device
-    for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch")):
+    for index, batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
              height=block.height, width=block.width, generator=generator, output_type="latent")
     return len(batches)
 
 
-def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> CalibrationResult:
+def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int,
+                  world: World = World()) -> CalibrationResult:
     """Records activation statistics, then inserts ModelOpt quantizers into `pipe.unet` and sets
-    their ranges (and SmoothQuant's scales) from those statistics, in place."""
+    their ranges (and SmoothQuant's scales) from those statistics, in place. Under torchrun each
+    process records its share of the batches and the statistics are combined first."""
     import modelopt.torch.quantization as mtq
 
     unet = pipe.unet
@@ -333,7 +347,8 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> 
     hooks = [attach_clock(pipe, clock), unet.register_forward_pre_hook(lambda *_: unet_calls.append(1))]
     start = time.perf_counter()
     try:
-        batches = run_calibration_prompts(pipe, prompts, block, seed)
+        batches = run_calibration_prompts(pipe, shard(calibration_batches(prompts, block.batch_size), world),
+                                          block, seed, progress=world.is_main)
     except torch.OutOfMemoryError as error:
         raise UserError(
             f"the GPU ran out of memory while calibrating with quantize.batch_size="
@@ -344,6 +359,9 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> 
         for hook in hooks:
             hook.remove()
 
+    combine(recorder.all_statistics(), world)
+    batches = sum_over_ranks(batches, world, unet.device)
+    calls = sum_over_ranks(len(unet_calls), world, unet.device)
     record_seconds = time.perf_counter() - start
     mtq.quantize(unet, {"quant_cfg": quant_cfg_entries(block.format, block.quant_level),
                         "algorithm": None})
@@ -351,8 +369,7 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int) -> 
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
     mtq.calibrate(unet, algorithm, forward_loop=lambda _unet: None)
-    return CalibrationResult(time.perf_counter() - start, record_seconds, batches, len(unet_calls),
-                             algorithm)
+    return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm)
 
 
 def activation_amax(unet) -> dict[str, float]:

@@ -40,11 +40,13 @@ def fingerprint(settings: dict) -> str:
 
 
 def checkpoint_name(cfg) -> str:
-    """Readable and unique per setting, so sweep jobs never write into each other's folders."""
+    """The usual sweep keys, readable, then the settings' fingerprint: unique per setting, so
+    sweep jobs never write into each other's folders whatever they sweep."""
     q = cfg.quantize
     return (f"{q.exp_name}_{cfg.model.name}_{plain(q.format)}"
             f"_l{q.quant_level:g}_a{q.alpha:g}_{q.collect_method}_p{q.percentile:g}"
-            f"_s{q.n_steps}_c{q.calib_size}_b{q.batch_size}_seed{cfg.seed}")
+            f"_s{q.n_steps}_c{q.calib_size}_b{q.batch_size}_seed{cfg.seed}"
+            f"_{fingerprint(calibration_settings(cfg))[:8]}")
 
 
 def is_complete(folder: Path, expected_fingerprint: str) -> bool:

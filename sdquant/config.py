@@ -71,20 +71,6 @@ class QuantizeBlock:
 
 
 @dataclass
-class QuantizeApp:
-    quantize: QuantizeBlock = field(default_factory=QuantizeBlock)
-    model: ModelConfig = MISSING
-    # None takes the prompts shipped with the package.
-    prompts_file: Optional[str] = None
-    out_dir: str = "quantized"
-    seed: int = 42
-    force: bool = False
-    device: str = "auto"
-    # auto: fp16 on a GPU, fp32 on a CPU (where fp32 kernels are the fast ones).
-    dtype: str = "auto"
-
-
-@dataclass
 class InferBlock:
     """NeMo's ``infer`` block of the export config."""
 
@@ -123,6 +109,30 @@ class OnnxBlock:
     # Side of the latent the graphs are traced at; height and width stay dynamic in the graph,
     # so a small trace costs far less time and memory than the real resolution.
     trace_latent_size: int = 16
+
+
+@dataclass
+class QuantizeApp:
+    quantize: QuantizeBlock = field(default_factory=QuantizeBlock)
+    model: ModelConfig = MISSING
+    # None takes the prompts shipped with the package.
+    prompts_file: Optional[str] = None
+    out_dir: str = "quantized"
+    seed: int = 42
+    force: bool = False
+    device: str = "auto"
+    # auto: fp16 on a GPU, fp32 on a CPU (where fp32 kernels are the fast ones).
+    dtype: str = "auto"
+    # NeMo's switches: one job can calibrate, export ONNX and build engines, each step reusing
+    # what an earlier run left. run_quantization=false only takes an existing checkpoint.
+    run_quantization: bool = True
+    run_onnx_export: bool = False
+    run_trt_export: bool = False
+    # export_trt.py's blocks, for the export steps. A relative infer.out_path lands inside the
+    # checkpoint's folder, so sweep jobs never export into one another's.
+    infer: InferBlock = field(default_factory=InferBlock)
+    trt: TrtBlock = field(default_factory=TrtBlock)
+    onnx: OnnxBlock = field(default_factory=OnnxBlock)
 
 
 @dataclass
