@@ -221,6 +221,21 @@ class ActivationRecorder:
                 update_all(list(statistics), step, list(amaxes))
         self._calls = []
 
+    def take_pending(self) -> tuple[list, list]:
+        """The amaxes queued since the last call ended, leaving none queued."""
+        pending = (self._pending_tensor, self._pending_channels)
+        self._pending_tensor, self._pending_channels = [], []
+        return pending
+
+    def queue_copies(self, template: tuple[list, list]) -> None:
+        """Queues copies of a captured call's amax tensors (which the next replay overwrites), made
+        with one fused kernel per list rather than one launch per layer."""
+        per_tensor, per_channel = template
+        tensor_copies = torch._foreach_add([amax for *_, amax in per_tensor], 0) if per_tensor else []
+        channel_copies = torch._foreach_add([amax for *_, amax in per_channel], 0) if per_channel else []
+        self._pending_tensor = [(*stats, amax) for (*stats, _), amax in zip(per_tensor, tensor_copies)]
+        self._pending_channels = [(*stats, amax) for (*stats, _), amax in zip(per_channel, channel_copies)]
+
     def all_statistics(self) -> list[StepStatistics]:
         """Every statistic, in module order (the same in every process)."""
         return [*self.inputs.values(), *self.input_channels.values(), *self.outputs.values()]
@@ -238,6 +253,73 @@ class ActivationRecorder:
             return self.inputs.get(owner), self.input_channels.get(owner)
         projection = ATTENTION_QUANTIZER_SOURCES.get(kind)
         return (self.outputs.get(f"{owner}.{projection}") if projection else None), None
+
+
+class CapturedUNet:
+    """Runs the UNet, with the recorder's hooks, as one CUDA graph per input signature.
+
+    Eager, the UNet at small batches is bound by the host launching its thousands of kernels, and
+    the recording hooks add a launch per recorded layer; a replay costs the host a few launches.
+    The first call of a signature runs eagerly (it also warms cuDNN and cuBLAS up), the second is
+    captured and replayed. The amaxes a replay writes into the graph's own tensors are copied out
+    and queued for the recorder as an eager call's would be, so the statistics are the same.
+    Calls the graph cannot take (inputs off the GPU, Python floats that vary) run eagerly.
+    """
+
+    _STATIC_LEAVES = (type(None), bool, int, str)
+
+    def __init__(self, unet, recorder: ActivationRecorder):
+        self.unet = unet
+        self.recorder = recorder
+        self.eager = unet.forward
+        self.warmed: set = set()
+        self.graphs: dict = {}
+        unet.forward = self
+
+    def remove(self) -> None:
+        del self.unet.forward
+        self.graphs.clear()
+
+    def __call__(self, *args, **kwargs):
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if (any(not leaves[i].is_cuda for i in tensors)
+                or any(not isinstance(leaf, self._STATIC_LEAVES) for i, leaf in enumerate(leaves) if i not in tensors)):
+            return self.eager(*args, **kwargs)
+        key = (str(spec), tuple((tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
+                                else leaf for leaf in leaves))
+        if key not in self.graphs:
+            if key not in self.warmed:
+                self.warmed.add(key)
+                return self.eager(*args, **kwargs)
+            self.graphs[key] = self._capture(leaves, spec)
+        graph, static_leaves, output, template = self.graphs[key]
+        for index in tensors:
+            static_leaves[index].copy_(leaves[index])
+        graph.replay()
+        self.recorder.queue_copies(template)
+        return _clone_tensors(output)
+
+    def _capture(self, leaves: list, spec):
+        from torch.utils._pytree import tree_unflatten
+
+        static_leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        args, kwargs = tree_unflatten(static_leaves, spec)
+        graph = torch.cuda.CUDAGraph()
+        # The eager warm-up's cached blocks cannot serve the graph's private pool.
+        torch.cuda.empty_cache()
+        self.recorder.take_pending()
+        with torch.cuda.graph(graph):
+            output = self.eager(*args, **kwargs)
+        return graph, static_leaves, output, self.recorder.take_pending()
+
+
+def _clone_tensors(tree):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def _modelopt_calibrator_base():
@@ -334,15 +416,17 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
 
 
 def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int,
-                  world: World = World()) -> CalibrationResult:
+                  world: World = World(), cuda_graph: bool = True) -> CalibrationResult:
     """Records activation statistics, then inserts ModelOpt quantizers into `pipe.unet` and sets
     their ranges (and SmoothQuant's scales) from those statistics, in place. Under torchrun each
-    process records its share of the batches and the statistics are combined first."""
+    process records its share of the batches and the statistics are combined first. On a GPU
+    the UNet runs as a CUDA graph unless `cuda_graph` is false."""
     import modelopt.torch.quantization as mtq
 
     unet = pipe.unet
     clock = StepClock()
     recorder = ActivationRecorder(unet, block, clock)
+    captured = CapturedUNet(unet, recorder) if cuda_graph and unet.device.type == "cuda" else None
     unet_calls = []
     hooks = [attach_clock(pipe, clock), unet.register_forward_pre_hook(lambda *_: unet_calls.append(1))]
     start = time.perf_counter()
@@ -355,6 +439,8 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int,
             f"{block.batch_size}: lower quantize.batch_size"
         ) from error
     finally:
+        if captured is not None:
+            captured.remove()
         recorder.remove()
         for hook in hooks:
             hook.remove()

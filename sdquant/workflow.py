@@ -60,7 +60,7 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
     try:
         dtype = compute_dtype(device, cfg.dtype)
         pipe = load_pipeline(cfg.model, device, dtype)
-        result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world)
+        result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
         if world.is_main:
             amax = activation_amax(pipe.unet)
             sidecar = {
