@@ -43,7 +43,7 @@ def rank_device(device: torch.device, world: World) -> torch.device:
     """Each rank's own GPU (LOCAL_RANK) when the device names none."""
     if world.is_parallel and device.type == "cuda" and device.index is None:
         device = torch.device("cuda", world.local_rank)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
 
