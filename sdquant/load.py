@@ -79,7 +79,7 @@ def _resolved_source(model: ModelConfig) -> str:
     return str(ensure_tiny_model(model)) if model.tiny else model.source
 
 
-def _folder_or_hub_id(source: str) -> str:
+def folder_or_hub_id(source: str) -> str:
     """A local folder as an absolute path, anything else as given (a hub id)."""
     folder = Path(source).expanduser()
     return str(folder) if folder.is_dir() else source
@@ -93,7 +93,7 @@ def empty_unet(model: ModelConfig):
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
         return None
-    config = UNet2DConditionModel.load_config(_folder_or_hub_id(source), subfolder="unet")
+    config = UNet2DConditionModel.load_config(folder_or_hub_id(source), subfolder="unet")
     with torch.device("meta"):
         return UNet2DConditionModel.from_config(config)
 
@@ -149,7 +149,7 @@ def pipeline_parts(model: ModelConfig) -> dict:
     if source.endswith(SINGLE_FILE_SUFFIXES):
         raise UserError(f"model.source={source}: running engines needs the model's diffusers folder "
                         "(or hub id) for its tokenizers and scheduler, not a single file")
-    location = _folder_or_hub_id(source)
+    location = folder_or_hub_id(source)
     try:
         names = ["tokenizer", "tokenizer_2"] if Family(model.family) == Family.sdxl else ["tokenizer"]
         from diffusers import EulerDiscreteScheduler

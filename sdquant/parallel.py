@@ -79,11 +79,11 @@ def combine(statistics: list, world: World) -> None:
     sum). Every rank holds the same layers and steps, so flattening in one order lines them up."""
     import torch.distributed as dist
 
-    if not world.is_parallel:
-        return
     entries = [(stats, step) for stats in statistics for step in sorted(stats.values)]
-    counts = torch.tensor([stats.counts[step] for stats, step in entries], dtype=torch.int64,
-                          device=entries[0][0].values[entries[0][1]].device if entries else "cpu")
+    if not world.is_parallel or not entries:
+        return
+    device = entries[0][0].values[entries[0][1]].device
+    counts = torch.tensor([stats.counts[step] for stats, step in entries], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     for (stats, step), count in zip(entries, counts.tolist()):
         stats.counts[step] = count

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .artifacts import atomic_path, write_json
+from .load import folder_or_hub_id
 
 REFERENCE = "fp16"
 
@@ -72,7 +73,8 @@ def ssim(reference: np.ndarray, candidate: np.ndarray) -> float:
 
 @dataclass
 class OptionalMetric:
-    """A metric that needs weights: `score` is None and `note` says why when they are missing."""
+    """A metric that needs weights: `score(reference, candidate, prompts)` gives one value per image,
+    or is None, and then `note` says why."""
 
     name: str
     score: Callable | None = None
@@ -100,7 +102,7 @@ def lpips_metric(net: str | None, device: torch.device) -> OptionalMetric:
                                             "torchvision where the network is reachable")
     metric = LearnedPerceptualImagePatchSimilarity(net_type=net, normalize=True).to(device).eval()
 
-    def score(reference: torch.Tensor, candidate: torch.Tensor) -> list[float]:
+    def score(reference: torch.Tensor, candidate: torch.Tensor, _prompts: list[str]) -> list[float]:
         return [float(metric(c[None], r[None])) for r, c in zip(reference, candidate)]
 
     return OptionalMetric("lpips", score=score)
@@ -116,7 +118,7 @@ def clip_metric(model_id: str | None, device: torch.device) -> OptionalMetric:
         return OptionalMetric("clip", note="CLIP score off (metrics.clip_model=null)")
     from transformers import CLIPModel, CLIPProcessor
 
-    location = str(Path(model_id).expanduser()) if Path(model_id).expanduser().is_dir() else model_id
+    location = folder_or_hub_id(model_id)
     try:
         model = CLIPModel.from_pretrained(location, local_files_only=True).to(device).eval()
         processor = CLIPProcessor.from_pretrained(location, local_files_only=True)
@@ -125,7 +127,7 @@ def clip_metric(model_id: str | None, device: torch.device) -> OptionalMetric:
                                            "Hugging Face cache, and nothing is downloaded at run time")
 
     @torch.no_grad()
-    def score(images: torch.Tensor, prompts: list[str]) -> list[float]:
+    def score(_reference, images: torch.Tensor, prompts: list[str]) -> list[float]:
         pixels = [(image * 255).round().to(torch.uint8).cpu() for image in images]
         inputs = processor(text=prompts, images=pixels, return_tensors="pt", padding=True, truncation=True)
         outputs = model(**inputs.to(device))
@@ -164,8 +166,7 @@ def score_images(reference: torch.Tensor, candidate: torch.Tensor, prompts: list
     for metric in optional:
         if metric.score is None:
             continue
-        values = metric.score(reference, candidate) if metric.name == "lpips" else metric.score(candidate, prompts)
-        for row, value in zip(rows, values):
+        for row, value in zip(rows, metric.score(reference, candidate, prompts)):
             row[metric.name] = value
     return rows
 

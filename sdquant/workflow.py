@@ -397,8 +397,8 @@ def run_evaluate(cfg) -> dict:
         pipeline.stages[unet_name] = recorder
         references.append((settings, latents, pipeline(settings, run.StageTimer(device), latents=latents),
                            recorder.calls))
-    reference_clip = ([value for settings, _, images, _ in references for value in clip.score(images, settings.prompts)]
-                      if clip.score else None)
+    reference_clip = ([value for settings, _, images, _ in references
+                       for value in clip.score(None, images, settings.prompts)] if clip.score else None)
 
     columns = [torch.cat([images for _, _, images, _ in references])]
     scores = {}
