@@ -4,10 +4,18 @@
 vae. The UNet takes ``x``, ``timesteps``, ``context`` and (SDXL) ``y``, the pooled text
 embedding joined to the Fourier-embedded time ids, which feeds the UNet's add_embedding directly.
 Batch is dynamic on every graph, sequence length on ``context``, height and width on latents.
+
+Every graph is traced with its weights as graph inputs, which are then written once, straight
+from the model's tensors, as initializers. The UNet is traced on the meta device: the trace then
+computes nothing and copies no weight, which is what lets a full-size SDXL UNet export in well
+under a minute and a few GB on a CPU host. Its ModelOpt quantizers are switched off for that
+trace and their QuantizeLinear/DequantizeLinear pairs are written into the graph afterwards from
+their calibrated ranges, with the scales and types ModelOpt's own ONNX export gives them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -42,6 +50,12 @@ def unet_graph_name(sdxl: bool) -> str:
 
 def onnx_path(out_path: str | Path, name: str) -> Path:
     return Path(out_path).expanduser() / "onnx" / name / ONNX_FILE
+
+
+def graph_files(onnx_file: Path) -> list[Path]:
+    """The graph and, for one past protobuf's limit, its external-data file."""
+    data = onnx_file.parent / EXTERNAL_DATA_FILE
+    return [onnx_file, data] if data.is_file() else [onnx_file]
 
 
 def sdxl_y(unet, pooled: torch.Tensor, time_ids: torch.Tensor) -> torch.Tensor:
@@ -84,10 +98,18 @@ def y_conditioning(unet):
 
 
 class UNetGraph(torch.nn.Module):
+    # The Fourier time embedding builds its frequencies with arange on the timesteps' device: on
+    # the meta device they would have no values, so for a meta trace the timesteps stay on the CPU
+    # and only their embedding moves to meta.
+    host_inputs = ("timesteps",)
+
     def __init__(self, unet, sdxl: bool):
         super().__init__()
         self.unet = unet
         self.sdxl = sdxl
+
+    def host_modules(self) -> list[torch.nn.Module]:
+        return [self.unet.time_proj]
 
     def forward(self, x, timesteps, context, y=None):
         if not self.sdxl:
@@ -116,6 +138,9 @@ class GraphSpec:
     input_names: list[str]
     output_names: list[str]
     dynamic_axes: dict
+    # Traced on the meta device; the text encoders and VAE build masks and positions on their
+    # inputs' device while tracing, so they are traced on their own tensors (they are small).
+    on_meta: bool = False
 
 
 def _latent_axes() -> dict:
@@ -149,7 +174,8 @@ def graph_specs(pipe, family: Family, batch: int, latent: int, dtype: torch.dtyp
         args.append(torch.randn(batch, unet.config.projection_class_embeddings_input_dim, dtype=dtype))
         names.append("y")
         axes["y"] = {0: "B"}
-    specs.append(GraphSpec(unet_graph_name(sdxl), UNetGraph(unet, sdxl), tuple(args), names, ["out"], axes))
+    specs.append(GraphSpec(unet_graph_name(sdxl), UNetGraph(unet, sdxl), tuple(args), names, ["out"], axes,
+                           on_meta=not unsupported_quantizers(unet)))
     return specs
 
 
@@ -163,68 +189,245 @@ def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:
             module.trt_high_precision_dtype = high_precision
 
 
-def _tensors(graph):
-    """Every tensor of a graph: initializers and those held in node attributes (constants)."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
-                yield from _tensors(subgraph)
+@dataclass
+class QuantizedInput:
+    """One enabled weight or input quantizer of a Conv or Linear layer, as the graph needs it."""
+
+    layer: str       # the layer's state-dict prefix in the traced module
+    role: str        # "weight" or "input"
+    amax: torch.Tensor
+    fp8: bool
 
 
-def _save_onnx(exported: Path, final_file: Path) -> None:
-    """Moves a traced graph into place. Past protobuf's 2 GB the exporter writes one file per
-    tensor; those are streamed into one external-data file beside the graph, a tensor at a
-    time, so the weights are never held in memory at once."""
+def _weight_and_input_quantizers(module) -> dict[str, object]:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return {role: q for role in ("weight", "input")
+            if isinstance(q := getattr(module, f"{role}_quantizer", None), TensorQuantizer)}
+
+
+def unsupported_quantizers(root: torch.nn.Module) -> list[str]:
+    """Enabled quantizers other than Conv/Linear weights and inputs (FP8 attention at level 4):
+    ModelOpt writes those Q/DQ while tracing, so their graph is traced on real tensors."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return [name for name, module in root.named_modules()
+            if isinstance(module, TensorQuantizer) and module.is_enabled
+            and not name.endswith((".weight_quantizer", ".input_quantizer"))]
+
+
+def quantized_inputs(root: torch.nn.Module) -> list[QuantizedInput]:
+    sites = []
+    for name, module in root.named_modules():
+        for role, quantizer in _weight_and_input_quantizers(module).items():
+            if quantizer.is_enabled:
+                sites.append(QuantizedInput(name, role, quantizer.amax.detach().float().cpu(),
+                                            fp8=isinstance(quantizer.num_bits, tuple)))
+    return sites
+
+
+def _convolution_as_traced_op(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """The tracer records convolutions as ``_convolution``, which CPU and CUDA kernels call; the
+    meta kernel computes the shape itself, so the trace would lose the layer. This one calls it."""
+    return torch.ops.aten._convolution.default(input, weight, bias, stride, padding, dilation, transposed,
+                                               output_padding, groups, False, False, True, True)
+
+
+def _swap_tensors(root: torch.nn.Module, replace) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replaces every parameter and buffer of `root` by replace(tensor); returns the originals."""
+    originals = []
+    for module in root.modules():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is not None:
+                    originals.append((store, key, tensor))
+                    new = replace(tensor)
+                    store[key] = torch.nn.Parameter(new, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else new
+    return originals
+
+
+@contextlib.contextmanager
+def _traced_on_meta(spec: GraphSpec):
+    """Makes `spec` traceable on the meta device: weights, buffers and inputs move to meta (real
+    tensors stay untouched and come back afterwards), quantizers are switched off, and the
+    convolution kernel is made visible to the tracer. Yields the trace arguments."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    enabled = [m for m in spec.module.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    host = set(getattr(spec.module, "host_inputs", ()))
+    args = tuple(a if name in host else a.to("meta") for name, a in zip(spec.input_names, spec.args))
+    hooks = [m.register_forward_hook(lambda _m, _i, out: out.to("meta"))
+             for m in (spec.module.host_modules() if host else [])]
+    # ModelOpt's attention swaps in its FP8 attention function even with its quantizers off, and
+    # that function takes ranges from the (meta) tensors: with every quantizer off for this trace,
+    # the layer's own forward gives the same graph.
+    functional = [m for m in spec.module.modules() if hasattr(m, "functionals_to_replace") and hasattr(m, "original_cls")]
+    library = torch.library.Library("aten", "IMPL")
+    originals = []
+    try:
+        for module in functional:
+            module.forward = types.MethodType(module.original_cls.forward, module)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+            library.impl("convolution", _convolution_as_traced_op, "Meta")
+        for quantizer in enabled:
+            quantizer.disable()
+        originals = _swap_tensors(spec.module, lambda t: t.to("meta"))
+        yield args
+    finally:
+        for store, key, tensor in originals:
+            store[key] = tensor
+        for quantizer in enabled:
+            quantizer.enable()
+        for hook in hooks:
+            hook.remove()
+        for module in functional:
+            module.__dict__.pop("forward", None)
+        library._destroy()
+
+
+def _numpy(tensor: torch.Tensor):
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def _attach_weights(model, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Turns the graph inputs that name weights into initializers holding `tensors`; inputs no
+    node reads are dropped. Past 1 GB (half protobuf's limit, so the graph always fits) the
+    weights go, one tensor at a time, into one external-data file beside the graph: an inline
+    protobuf would hold them twice more, as messages and then serialized."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo
+    from onnx import numpy_helper
 
-    model = onnx.load(str(exported), load_external_data=False)
-    external = [t for t in _tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    used = {name for node in model.graph.node for name in node.input}
+    weights = [i.name for i in model.graph.input if i.name in tensors]
+    kept = [i for i in model.graph.input if i.name not in tensors]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    weights = [name for name in weights if name in used]
+    external = sum(tensors[n].numel() * tensors[n].element_size() for n in weights) > PROTOBUF_LIMIT // 2
     if not external:
-        shutil.move(str(exported), str(final_file))
+        model.graph.initializer.extend(numpy_helper.from_array(_numpy(tensors[n]), n) for n in weights)
+        return
+    with open(folder / EXTERNAL_DATA_FILE, "wb") as data:
+        for name in weights:
+            array = _numpy(tensors[name])
+            initializer = onnx.TensorProto(name=name, dims=array.shape, data_location=onnx.TensorProto.EXTERNAL,
+                                           data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
+            for key, value in (("location", EXTERNAL_DATA_FILE), ("offset", data.tell()), ("length", array.nbytes)):
+                entry = initializer.external_data.add()
+                entry.key, entry.value = key, str(value)
+            data.write(memoryview(array.reshape(-1)).cast("B"))
+            model.graph.initializer.append(initializer)
+
+
+def _qdq_constants(site: QuantizedInput, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
+    """Scale, zero point and axis as ModelOpt's ONNX export writes them: INT8 scale amax/127 in the
+    graph's precision (1 where the range is 0), per output channel for weights; FP8 amax/448."""
+    if site.fp8:
+        return torch.tensor(1.0 / (448.0 / float(site.amax))).to(dtype), None, None
+    if site.amax.numel() == 1:
+        scale, axis = site.amax.reshape(()), None
     else:
-        with open(final_file.parent / EXTERNAL_DATA_FILE, "wb") as data:
-            for tensor in external:
-                info = ExternalDataInfo(tensor)
-                with open(exported.parent / info.location, "rb") as source:
-                    source.seek(info.offset or 0)
-                    payload = source.read(info.length) if info.length else source.read()
-                offset = data.tell()
-                data.write(payload)
-                del tensor.external_data[:]
-                for key, value in (("location", EXTERNAL_DATA_FILE), ("offset", offset), ("length", len(payload))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key, str(value)
-        onnx.save_model(model, str(final_file))
-    del model
-    onnx.checker.check_model(str(final_file))
+        scale = site.amax.squeeze()
+        axis = list(site.amax.shape).index(scale.shape[0])
+    scale = scale.to(dtype) / 127
+    scale = scale.masked_fill(scale == 0, 1.0)
+    return scale, torch.zeros(scale.shape, dtype=torch.int8), axis
 
 
-def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict) -> None:
-    """Traces `spec` into `folder` atomically: everything is written beside it, then renamed."""
+def _qdq_nodes(site: QuantizedInput, source: str, dtype: torch.dtype, graph) -> tuple[list, str]:
+    """Q/DQ nodes reading `source`; their small constants are added to `graph`. Returns the nodes
+    and the dequantized tensor's name."""
+    from onnx import helper, numpy_helper
+
+    prefix = f"{site.layer}.{site.role}_quantizer"
+    scale, zero_point, axis = _qdq_constants(site, dtype)
+    graph.initializer.append(numpy_helper.from_array(_numpy(scale), f"{prefix}.scale"))
+    qdq_inputs = [f"{prefix}.scale"]
+    if zero_point is not None:
+        graph.initializer.append(numpy_helper.from_array(_numpy(zero_point), f"{prefix}.zero_point"))
+        qdq_inputs.append(f"{prefix}.zero_point")
+    ops, domain = (("TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear"), "trt") if site.fp8 else \
+        (("QuantizeLinear", "DequantizeLinear"), "")
+    attributes = {} if axis is None else {"axis": axis}
+    node_path = "/" + prefix.replace(".", "/")
+    quantize = helper.make_node(ops[0], [source, *qdq_inputs], [f"{node_path}/{ops[0]}_output_0"],
+                                name=f"{node_path}/{ops[0]}", domain=domain, **attributes)
+    dequantize = helper.make_node(ops[1], [quantize.output[0], *qdq_inputs], [f"{node_path}/{ops[1]}_output_0"],
+                                  name=f"{node_path}/{ops[1]}", domain=domain, **attributes)
+    return [quantize, dequantize], dequantize.output[0]
+
+
+def _insert_qdq(model, sites: list[QuantizedInput], dtype: torch.dtype) -> None:
+    """Puts each quantizer's Q/DQ where ModelOpt's export does: on the weight before any
+    Transpose, and on the layer's activation input (after SmoothQuant's Mul) for that layer only."""
+    from onnx import helper
+
+    nodes = list(model.graph.node)
+    readers: dict[str, list] = collections.defaultdict(list)
+    for node in nodes:
+        for name in node.input:
+            readers[name].append(node)
+    before: dict[int, list] = collections.defaultdict(list)
+    for site in sites:
+        weight_reader = _single(readers[f"{site.layer}.weight"], site)
+        layer_node = _single(readers[weight_reader.output[0]], site) if weight_reader.op_type == "Transpose" else weight_reader
+        if layer_node.op_type not in ("Conv", "MatMul", "Gemm"):
+            raise RuntimeError(f"{site.layer}: its weight feeds a {layer_node.op_type}, not a Conv, MatMul or Gemm")
+        reader, slot = (weight_reader, list(weight_reader.input).index(f"{site.layer}.weight")) if site.role == "weight" \
+            else (layer_node, 0)
+        qdq, dequantized = _qdq_nodes(site, reader.input[slot], dtype, model.graph)
+        reader.input[slot] = dequantized
+        before[id(reader)].extend(qdq)
+    del model.graph.node[:]
+    model.graph.node.extend(new for node in nodes for new in (*before.get(id(node), ()), node))
+    if any(site.fp8 for site in sites) and not any(o.domain == "trt" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("trt", 1))
+
+
+def _single(nodes: list, site: QuantizedInput):
+    if len(nodes) != 1:
+        raise RuntimeError(f"{site.layer}: expected one reader of its {site.role}, found {len(nodes)}")
+    return nodes[0]
+
+
+def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
+    """Traces `spec` with its weights as graph inputs. Constant folding would fold transposed
+    weights into new, unnamed inputs, so TensorRT and ONNX Runtime fold those when they load."""
+    import torch.onnx
+
+    tracing = _traced_on_meta(spec) if spec.on_meta else contextlib.nullcontext(spec.args)
+    with tracing as args, torch.no_grad(), warnings.catch_warnings():
+        # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.onnx.export(spec.module, args, str(onnx_file), input_names=spec.input_names,
+                          output_names=spec.output_names, dynamic_axes=spec.dynamic_axes, opset_version=opset,
+                          dynamo=False, export_params=False, keep_initializers_as_inputs=True,
+                          do_constant_folding=False)
+
+
+def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: torch.dtype) -> None:
+    """Exports `spec` into `folder` atomically: everything is written beside it, then renamed."""
+    import onnx
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        traced = staging / "trace"
-        traced.mkdir()
         start = time.perf_counter()
-        with torch.no_grad(), warnings.catch_warnings():
-            # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            torch.onnx.export(spec.module, spec.args, str(traced / ONNX_FILE), input_names=spec.input_names,
-                              output_names=spec.output_names, dynamic_axes=spec.dynamic_axes,
-                              opset_version=opset, dynamo=False, do_constant_folding=True)
-        final = staging / "final"
-        final.mkdir()
-        _save_onnx(traced / ONNX_FILE, final / ONNX_FILE)
-        write_json(final / META_FILE, {**meta, "seconds": round(time.perf_counter() - start, 2)})
+        graph = staging / "graph"  # made with the user's umask, unlike the private temp folder
+        graph.mkdir()
+        _trace(spec, graph / ONNX_FILE, opset)
+        model = onnx.load(str(graph / ONNX_FILE))
+        if spec.on_meta:
+            _insert_qdq(model, quantized_inputs(spec.module), dtype)
+        _attach_weights(model, spec.module.state_dict(keep_vars=True), graph)
+        onnx.save_model(model, str(graph / ONNX_FILE))
+        del model
+        onnx.checker.check_model(str(graph / ONNX_FILE))
+        write_json(graph / META_FILE, {**meta, "seconds": round(time.perf_counter() - start, 2)})
         if folder.exists():
             shutil.rmtree(folder)
-        os.replace(final, folder)
+        os.replace(graph, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -172,9 +172,10 @@ def export_onnx(cfg) -> list[Path]:
                 "inputs": spec.input_names, "outputs": spec.output_names,
                 "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(_is_sdxl(cfg)) else None,
                 "versions": library_versions()}
-        export.export_graph(spec, folder, cfg.onnx.opset, meta)
+        export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
         written.append(folder / export.ONNX_FILE)
-    print_summary("ONNX export", written, time.perf_counter() - start, reused=reused)
+    print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
+                  time.perf_counter() - start, reused=reused)
     return written + reused
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import onnx
@@ -182,8 +183,55 @@ def test_int8_graph_holds_one_qdq_pair_per_quantizer(quantize_cfg, tiny_pipeline
     for node in graph.node:
         if node.op_type in ("Conv", "Gemm", "MatMul") and any(part in node.name for part in EXCLUDED_NODES):
             assert not set(node.input) & dequantized, f"{node.name} must stay in high precision"
-    scales = [i for i in graph.initializer if "input_quantizer" in i.name]
+    readers = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    for name in dequantized:
+        (reader,) = readers[name]
+        if reader.op_type == "Transpose":  # a Linear weight, quantized before it is transposed
+            (reader,) = readers[reader.output[0]]
+        assert reader.op_type in ("Conv", "MatMul", "Gemm"), f"{name} feeds a {reader.op_type}"
+    scales = [i for i in graph.initializer if i.name.endswith("_quantizer.scale")]
+    assert len(scales) == ops["QuantizeLinear"]
     assert all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales), "fp16 Q/DQ scales"
+
+
+def test_export_leaves_the_quantized_unet_as_it_was(quantize_cfg, tiny_pipeline, tmp_path):
+    # The UNet is traced on the meta device with its quantizers off: afterwards the model must
+    # hold its own weights and compute exactly what it did before.
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3")
+    pipe = tiny_pipeline()
+    checkpoint.restore(pipe.unet, folder)
+    feeds = _unet_feeds(pipe.unet)
+    before, enabled = _torch_unet(pipe.unet, feeds), _enabled_quantizers(pipe.unet)
+    spec = export.graph_specs(pipe, "sdxl", 2, LATENT, torch.float32, torch.float32)[-1]
+    assert spec.on_meta
+    export.export_graph(spec, tmp_path / "unet_xl", 19, {}, torch.float32)
+    assert not any(t.is_meta for t in (*pipe.unet.parameters(), *pipe.unet.buffers()))
+    assert _enabled_quantizers(pipe.unet) == enabled > 0
+    assert np.array_equal(_torch_unet(pipe.unet, feeds), before)
+
+
+def test_qdq_written_by_the_export_match_modelopts_own(quantize_cfg, tiny_pipeline, tmp_path):
+    # The same checkpoint traced on real tensors, where ModelOpt's quantizers write their own
+    # Q/DQ, must give the same operators and the same numbers as the meta trace plus insertion.
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3")
+    pipe = tiny_pipeline()
+    checkpoint.restore(pipe.unet, folder)
+    export.prepare_quantizers_for_export(pipe.unet, torch.float32)
+    spec = export.graph_specs(pipe, "sdxl", 2, LATENT, torch.float32, torch.float32)[-1]
+    export.export_graph(spec, tmp_path / "inserted", 19, {}, torch.float32)
+    export.export_graph(dataclasses.replace(spec, on_meta=False), tmp_path / "modelopt", 19, {}, torch.float32)
+    graphs = {name: onnx.load(str(tmp_path / name / export.ONNX_FILE)).graph for name in ("inserted", "modelopt")}
+    # ModelOpt writes its zero points as Constant + Cast nodes, the export as int8 initializers.
+    ops = {name: collections.Counter(n.op_type for n in graph.node if n.op_type not in ("Constant", "Cast"))
+           for name, graph in graphs.items()}
+    assert ops["inserted"]["QuantizeLinear"] > 0
+    assert ops["inserted"] == ops["modelopt"]
+    feeds = _unet_feeds(pipe.unet)
+    inserted, modelopt = (_session(tmp_path / name / export.ONNX_FILE).run(None, feeds)[0] for name in graphs)
+    assert _rel_err(inserted, modelopt) < 1e-5
 
 
 def test_fp8_graph_uses_tensorrt_fp8_qdq(quantize_cfg, tmp_path):
