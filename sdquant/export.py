@@ -30,6 +30,7 @@ import torch
 
 from .artifacts import read_json, write_json
 from .config import Family
+from .errors import UserError
 
 ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"
@@ -199,31 +200,55 @@ class QuantizedInput:
     fp8: bool
 
 
-def _weight_and_input_quantizers(module) -> dict[str, object]:
+@dataclass
+class QuantizedAttention:
+    """An attention layer whose q/k/v quantizers are all FP8: ModelOpt's FP8 attention."""
+
+    layer: str
+    amax: dict[str, torch.Tensor]  # q, k, v
+
+
+ATTENTION_ROLES = ("q", "k", "v")
+
+
+def _quantizers(module, names: tuple[str, ...]) -> dict[str, object]:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    return {role: q for role in ("weight", "input")
-            if isinstance(q := getattr(module, f"{role}_quantizer", None), TensorQuantizer)}
+    return {name: q for name in names if isinstance(q := getattr(module, f"{name}_quantizer", None), TensorQuantizer)}
+
+
+def _fp8_attention(module) -> bool:
+    """ModelOpt's rule: FP8 attention only when the q, k and v quantizers are all on and FP8."""
+    quantizers = _quantizers(module, tuple(f"{role}_bmm" for role in ATTENTION_ROLES))
+    return len(quantizers) == 3 and all(q.is_enabled and isinstance(q.num_bits, tuple) for q in quantizers.values())
 
 
 def unsupported_quantizers(root: torch.nn.Module) -> list[str]:
-    """Enabled quantizers other than Conv/Linear weights and inputs (FP8 attention at level 4):
-    ModelOpt writes those Q/DQ while tracing, so their graph is traced on real tensors."""
+    """Enabled quantizers the export does not write itself (such as output quantizers): ModelOpt
+    writes those while tracing, so their graph is traced on real tensors."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
+    # Softmax's range is fixed at 1 in ModelOpt's FP8 attention, which ignores its quantizer.
+    written = (".weight_quantizer", ".input_quantizer", ".softmax_quantizer",
+               *(f".{role}_bmm_quantizer" for role in ATTENTION_ROLES))
     return [name for name, module in root.named_modules()
-            if isinstance(module, TensorQuantizer) and module.is_enabled
-            and not name.endswith((".weight_quantizer", ".input_quantizer"))]
+            if isinstance(module, TensorQuantizer) and module.is_enabled and not name.endswith(written)]
 
 
 def quantized_inputs(root: torch.nn.Module) -> list[QuantizedInput]:
     sites = []
     for name, module in root.named_modules():
-        for role, quantizer in _weight_and_input_quantizers(module).items():
+        for role, quantizer in _quantizers(module, ("weight", "input")).items():
             if quantizer.is_enabled:
                 sites.append(QuantizedInput(name, role, quantizer.amax.detach().float().cpu(),
                                             fp8=isinstance(quantizer.num_bits, tuple)))
     return sites
+
+
+def quantized_attention(root: torch.nn.Module) -> list[QuantizedAttention]:
+    return [QuantizedAttention(name, {role: getattr(module, f"{role}_bmm_quantizer").amax.detach().float().cpu()
+                                      for role in ATTENTION_ROLES})
+            for name, module in root.named_modules() if _fp8_attention(module)]
 
 
 def _convolution_as_traced_op(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -286,6 +311,25 @@ def _traced_on_meta(spec: GraphSpec):
         library._destroy()
 
 
+def _drop_host_hops(model, spec: GraphSpec) -> None:
+    """Removes the Cast the tracer records where a host module's output moves to meta: it casts
+    to the type the tensor already has."""
+    names = {module: name for name, module in spec.module.named_modules()}
+    scopes = [f"{names[m]}." for m in spec.module.host_modules()]
+
+    def in_host(node) -> bool:
+        return node.name.lstrip("/").replace("/", ".").startswith(tuple(scopes))
+
+    produced_in_host = {o for node in model.graph.node if in_host(node) for o in node.output}
+    hops = {node.output[0]: node.input[0] for node in model.graph.node
+            if node.op_type == "Cast" and not in_host(node) and node.input[0] in produced_in_host}
+    kept = [node for node in model.graph.node if not (node.op_type == "Cast" and node.output[0] in hops)]
+    for node in kept:
+        node.input[:] = [hops.get(name, name) for name in node.input]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+
+
 def _numpy(tensor: torch.Tensor):
     return tensor.detach().cpu().contiguous().numpy()
 
@@ -320,75 +364,159 @@ def _attach_weights(model, tensors: dict[str, torch.Tensor], folder: Path) -> No
             model.graph.initializer.append(initializer)
 
 
-def _qdq_constants(site: QuantizedInput, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
-    """Scale, zero point and axis as ModelOpt's ONNX export writes them: INT8 scale amax/127 in the
-    graph's precision (1 where the range is 0), per output channel for weights; FP8 amax/448."""
-    if site.fp8:
-        return torch.tensor(1.0 / (448.0 / float(site.amax))).to(dtype), None, None
-    if site.amax.numel() == 1:
-        scale, axis = site.amax.reshape(()), None
+def _int8_constants(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """Scale, zero point and axis as ModelOpt's INT8 export writes them: amax/127 in the graph's
+    precision (1 where the range is 0), per output channel for weights."""
+    if amax.numel() == 1:
+        scale, axis = amax.reshape(()), None
     else:
-        scale = site.amax.squeeze()
-        axis = list(site.amax.shape).index(scale.shape[0])
+        scale = amax.squeeze()
+        axis = list(amax.shape).index(scale.shape[0])
     scale = scale.to(dtype) / 127
     scale = scale.masked_fill(scale == 0, 1.0)
     return scale, torch.zeros(scale.shape, dtype=torch.int8), axis
 
 
-def _qdq_nodes(site: QuantizedInput, source: str, dtype: torch.dtype, graph) -> tuple[list, str]:
-    """Q/DQ nodes reading `source`; their small constants are added to `graph`. Returns the nodes
-    and the dequantized tensor's name."""
+def _fp8_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
+    """ModelOpt's FP8 scale, computed the way its export does: 1 / (448 / amax)."""
+    return torch.tensor(1.0 / (448.0 / float(amax))).to(dtype)
+
+
+class _GraphEdits:
+    """Reroutes tensors of a graph through new nodes, keeping the node list in topological order."""
+
+    def __init__(self, model):
+        self.model = model
+        self.nodes = list(model.graph.node)
+        self.readers: dict[str, list] = collections.defaultdict(list)
+        self.producer = {}
+        for node in self.nodes:
+            for name in node.input:
+                self.readers[name].append(node)
+            for name in node.output:
+                self.producer[name] = node
+        self.before: dict[int, list] = collections.defaultdict(list)
+        self.after: dict[int, list] = collections.defaultdict(list)
+
+    def only_reader(self, name: str, what: str):
+        if len(self.readers[name]) != 1:
+            raise RuntimeError(f"{what}: expected one reader of {name}, found {len(self.readers[name])}")
+        return self.readers[name][0]
+
+    def on_input(self, reader, slot: int, chain) -> None:
+        """reader.input[slot] now comes through the nodes chain(source) returns."""
+        nodes, output = chain(reader.input[slot])
+        reader.input[slot] = output
+        self.before[id(reader)].extend(nodes)
+
+    def on_output(self, node, chain) -> None:
+        """Whatever read node.output[0] now reads it through the nodes chain(source) returns."""
+        original = node.output[0]
+        node.output[0] = f"{original}_before_{chain.__name__}"
+        nodes, output = chain(node.output[0])
+        nodes[-1].output[0] = original
+        self.after[id(node)].extend(nodes)
+
+    def commit(self) -> None:
+        del self.model.graph.node[:]
+        self.model.graph.node.extend(new for node in self.nodes for new in
+                                     (*self.before.get(id(node), ()), node, *self.after.get(id(node), ())))
+
+
+def _qdq(model, prefix: str, scale: torch.Tensor, zero_point: torch.Tensor | None = None, axis: int | None = None):
+    """A chain(source) making a Q/DQ pair named after the quantizer `prefix`; FP8 pairs (no zero
+    point) are TensorRT's own FP8 ops, as ModelOpt writes them."""
     from onnx import helper, numpy_helper
 
-    prefix = f"{site.layer}.{site.role}_quantizer"
-    scale, zero_point, axis = _qdq_constants(site, dtype)
-    graph.initializer.append(numpy_helper.from_array(_numpy(scale), f"{prefix}.scale"))
-    qdq_inputs = [f"{prefix}.scale"]
+    model.graph.initializer.append(numpy_helper.from_array(_numpy(scale), f"{prefix}.scale"))
+    inputs = [f"{prefix}.scale"]
     if zero_point is not None:
-        graph.initializer.append(numpy_helper.from_array(_numpy(zero_point), f"{prefix}.zero_point"))
-        qdq_inputs.append(f"{prefix}.zero_point")
-    ops, domain = (("TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear"), "trt") if site.fp8 else \
-        (("QuantizeLinear", "DequantizeLinear"), "")
+        model.graph.initializer.append(numpy_helper.from_array(_numpy(zero_point), f"{prefix}.zero_point"))
+        inputs.append(f"{prefix}.zero_point")
+    ops, domain = (("QuantizeLinear", "DequantizeLinear"), "") if zero_point is not None else \
+        (("TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear"), "trt")
     attributes = {} if axis is None else {"axis": axis}
-    node_path = "/" + prefix.replace(".", "/")
-    quantize = helper.make_node(ops[0], [source, *qdq_inputs], [f"{node_path}/{ops[0]}_output_0"],
-                                name=f"{node_path}/{ops[0]}", domain=domain, **attributes)
-    dequantize = helper.make_node(ops[1], [quantize.output[0], *qdq_inputs], [f"{node_path}/{ops[1]}_output_0"],
-                                  name=f"{node_path}/{ops[1]}", domain=domain, **attributes)
-    return [quantize, dequantize], dequantize.output[0]
+    path = "/" + prefix.replace(".", "/")
+
+    def qdq(source: str):
+        quantize = helper.make_node(ops[0], [source, *inputs], [f"{path}/{ops[0]}_output_0"],
+                                    name=f"{path}/{ops[0]}", domain=domain, **attributes)
+        dequantize = helper.make_node(ops[1], [quantize.output[0], *inputs], [f"{path}/{ops[1]}_output_0"],
+                                      name=f"{path}/{ops[1]}", domain=domain, **attributes)
+        return [quantize, dequantize], dequantize.output[0]
+
+    return qdq
 
 
-def _insert_qdq(model, sites: list[QuantizedInput], dtype: torch.dtype) -> None:
-    """Puts each quantizer's Q/DQ where ModelOpt's export does: on the weight before any
-    Transpose, and on the layer's activation input (after SmoothQuant's Mul) for that layer only."""
+def _cast(to: int, after=None):
+    """A chain(source) casting to ONNX type `to`, after the nodes of chain `after` if given."""
     from onnx import helper
 
-    nodes = list(model.graph.node)
-    readers: dict[str, list] = collections.defaultdict(list)
-    for node in nodes:
-        for name in node.input:
-            readers[name].append(node)
-    before: dict[int, list] = collections.defaultdict(list)
+    def cast(source: str):
+        nodes, source = after(source) if after else ([], source)
+        node = helper.make_node("Cast", [source], [f"{source}_cast"], name=f"{source}_cast", to=to)
+        return [*nodes, node], node.output[0]
+
+    return cast
+
+
+def _insert_conv_linear_qdq(edits: _GraphEdits, site: QuantizedInput, dtype: torch.dtype) -> None:
+    """Where ModelOpt's export puts them: on the weight before any Transpose, and on the layer's
+    activation input (after SmoothQuant's Mul) for that layer only."""
+    weight = f"{site.layer}.weight"
+    weight_reader = edits.only_reader(weight, site.layer)
+    layer = edits.only_reader(weight_reader.output[0], site.layer) if weight_reader.op_type == "Transpose" \
+        else weight_reader
+    if layer.op_type not in ("Conv", "MatMul", "Gemm"):
+        raise RuntimeError(f"{site.layer}: its weight feeds a {layer.op_type}, not a Conv, MatMul or Gemm")
+    prefix = f"{site.layer}.{site.role}_quantizer"
+    constants = (_fp8_scale(site.amax, dtype),) if site.fp8 else _int8_constants(site.amax, dtype)
+    if site.role == "weight":
+        edits.on_input(weight_reader, list(weight_reader.input).index(weight), _qdq(edits.model, prefix, *constants))
+    else:
+        edits.on_input(layer, 0, _qdq(edits.model, prefix, *constants))
+
+
+def _insert_fp8_attention(edits: _GraphEdits, site: QuantizedAttention, dtype: torch.dtype) -> None:
+    """ModelOpt's FP8 attention: FP8 Q/DQ on the scaled q and k, on softmax (range 1) and on v,
+    each cast to fp32 for its MatMul, whose outputs are cast back: TensorRT's FP8 MHA pattern."""
+    import onnx
+
+    if dtype != torch.float16:
+        raise UserError("FP8 attention (quantize.quant_level=4) needs an fp16 UNet graph: set onnx.precision=fp16")
+    # Node names are the module path with "/" between modules (and "." inside "down_blocks.1").
+    softmax = [n for n in edits.nodes if n.op_type == "Softmax"
+               and n.name.lstrip("/").replace("/", ".") == f"{site.layer}.Softmax"]
+    if len(softmax) != 1:
+        raise RuntimeError(f"{site.layer}: expected one attention Softmax, found {len(softmax)}")
+    scores = edits.producer[softmax[0].input[0]]
+    mix = edits.only_reader(softmax[0].output[0], site.layer)
+    if (scores.op_type, mix.op_type) != ("MatMul", "MatMul"):
+        raise RuntimeError(f"{site.layer}: its Softmax sits between {scores.op_type} and {mix.op_type}, not two MatMuls")
+    to_float, to_half = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    quantizer = {role: f"{site.layer}.{role}_bmm_quantizer" for role in ATTENTION_ROLES}
+    for slot, role in ((0, "q"), (1, "k")):
+        edits.on_input(scores, slot, _cast(to_float, _qdq(edits.model, quantizer[role], _fp8_scale(site.amax[role], dtype))))
+    edits.on_output(scores, _cast(to_half))
+    edits.on_input(mix, 0, _cast(to_float, _qdq(edits.model, f"{site.layer}.softmax_quantizer", _fp8_scale(1.0, dtype))))
+    edits.on_input(mix, 1, _cast(to_float, _qdq(edits.model, quantizer["v"], _fp8_scale(site.amax["v"], dtype))))
+    edits.on_output(mix, _cast(to_half))
+
+
+def _insert_qdq(model, module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Writes the Q/DQ of `module`'s enabled quantizers into its meta-traced graph."""
+    from onnx import helper
+
+    edits = _GraphEdits(model)
+    sites = quantized_inputs(module)
+    attention = quantized_attention(module)
     for site in sites:
-        weight_reader = _single(readers[f"{site.layer}.weight"], site)
-        layer_node = _single(readers[weight_reader.output[0]], site) if weight_reader.op_type == "Transpose" else weight_reader
-        if layer_node.op_type not in ("Conv", "MatMul", "Gemm"):
-            raise RuntimeError(f"{site.layer}: its weight feeds a {layer_node.op_type}, not a Conv, MatMul or Gemm")
-        reader, slot = (weight_reader, list(weight_reader.input).index(f"{site.layer}.weight")) if site.role == "weight" \
-            else (layer_node, 0)
-        qdq, dequantized = _qdq_nodes(site, reader.input[slot], dtype, model.graph)
-        reader.input[slot] = dequantized
-        before[id(reader)].extend(qdq)
-    del model.graph.node[:]
-    model.graph.node.extend(new for node in nodes for new in (*before.get(id(node), ()), node))
-    if any(site.fp8 for site in sites) and not any(o.domain == "trt" for o in model.opset_import):
+        _insert_conv_linear_qdq(edits, site, dtype)
+    for site in attention:
+        _insert_fp8_attention(edits, site, dtype)
+    edits.commit()
+    if (attention or any(site.fp8 for site in sites)) and not any(o.domain == "trt" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("trt", 1))
-
-
-def _single(nodes: list, site: QuantizedInput):
-    if len(nodes) != 1:
-        raise RuntimeError(f"{site.layer}: expected one reader of its {site.role}, found {len(nodes)}")
-    return nodes[0]
 
 
 def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
@@ -419,7 +547,8 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
         _trace(spec, graph / ONNX_FILE, opset)
         model = onnx.load(str(graph / ONNX_FILE))
         if spec.on_meta:
-            _insert_qdq(model, quantized_inputs(spec.module), dtype)
+            _drop_host_hops(model, spec)
+            _insert_qdq(model, spec.module, dtype)
         _attach_weights(model, spec.module.state_dict(keep_vars=True), graph)
         onnx.save_model(model, str(graph / ONNX_FILE))
         del model
