@@ -311,6 +311,12 @@ def _traced_on_meta(spec: GraphSpec):
         library._destroy()
 
 
+def _module_path(node) -> str:
+    """A traced node's name as a state-dict path: the exporter puts "/" between modules (and
+    keeps the "." inside "down_blocks.1"), so both read as "."."""
+    return node.name.lstrip("/").replace("/", ".")
+
+
 def _drop_host_hops(model, spec: GraphSpec) -> None:
     """Removes the Cast the tracer records where a host module's output moves to meta: it casts
     to the type the tensor already has."""
@@ -318,7 +324,7 @@ def _drop_host_hops(model, spec: GraphSpec) -> None:
     scopes = [f"{names[m]}." for m in spec.module.host_modules()]
 
     def in_host(node) -> bool:
-        return node.name.lstrip("/").replace("/", ".").startswith(tuple(scopes))
+        return _module_path(node).startswith(tuple(scopes))
 
     produced_in_host = {o for node in model.graph.node if in_host(node) for o in node.output}
     hops = {node.output[0]: node.input[0] for node in model.graph.node
@@ -484,9 +490,7 @@ def _insert_fp8_attention(edits: _GraphEdits, site: QuantizedAttention, dtype: t
 
     if dtype != torch.float16:
         raise UserError("FP8 attention (quantize.quant_level=4) needs an fp16 UNet graph: set onnx.precision=fp16")
-    # Node names are the module path with "/" between modules (and "." inside "down_blocks.1").
-    softmax = [n for n in edits.nodes if n.op_type == "Softmax"
-               and n.name.lstrip("/").replace("/", ".") == f"{site.layer}.Softmax"]
+    softmax = [n for n in edits.nodes if n.op_type == "Softmax" and _module_path(n) == f"{site.layer}.Softmax"]
     if len(softmax) != 1:
         raise RuntimeError(f"{site.layer}: expected one attention Softmax, found {len(softmax)}")
     scores = edits.producer[softmax[0].input[0]]
