@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from .artifacts import atomic_path, read_json, write_json
 from .config import plain
 from .errors import UserError
+from .load import calibration_prompts_file
 
 UNET_FILE = "unet.mto"
 SIDECAR_FILE = "unet.json"
@@ -30,7 +31,7 @@ def calibration_settings(cfg) -> dict:
     return {
         "quantize": OmegaConf.to_container(cfg.quantize, resolve=True),
         "model": model_identity(cfg.model),
-        "prompts_file": cfg.prompts_file,
+        "prompts_file": calibration_prompts_file(cfg),
         "seed": cfg.seed,
     }
 

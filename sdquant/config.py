@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+from pathlib import Path
+
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from .errors import UserError
 
@@ -49,6 +51,9 @@ class ModelConfig:
     # Offline config folder for single-file checkpoints (diffusers otherwise fetches it).
     single_file_config: Optional[str] = None
     variant: Optional[str] = None
+    # The prompts quantize.py calibrates with when its prompts_file is null: a model trained on
+    # its own captions (scenes_sdxl) ships them; null takes the package's SDXL-style prompts.
+    calib_prompts: Optional[str] = None
 
 
 @dataclass
@@ -115,7 +120,7 @@ class OnnxBlock:
 class QuantizeApp:
     quantize: QuantizeBlock = field(default_factory=QuantizeBlock)
     model: ModelConfig = MISSING
-    # None takes the prompts shipped with the package.
+    # None takes the model's own calibration prompts (model.calib_prompts), else the package's.
     prompts_file: Optional[str] = None
     out_dir: str = "quantized"
     seed: int = 42
@@ -219,8 +224,65 @@ class EvaluateApp:
     dtype: str = "auto"
 
 
+@dataclass
+class SceneArchitecture:
+    """Widths of the scene model; every UNet and VAE width must divide by norm_groups (32)."""
+
+    unet_channels: list[int] = field(default_factory=lambda: [64, 96, 128])
+    text_widths: list[int] = field(default_factory=lambda: [64, 128])
+    text_layers: int = 3
+    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    vae_layers: int = 2
+    norm_groups: int = 32
+
+
+@dataclass
+class VaeTraining:
+    steps: int = 3000
+    batch_size: int = 64
+    learning_rate: float = 5e-4
+    # Weight of the KL term: small, so the latent keeps detail, as in Stable Diffusion's VAE.
+    kl_weight: float = 1e-6
+
+
+@dataclass
+class DenoiserTraining:
+    steps: int = 3000
+    batch_size: int = 256
+    learning_rate: float = 4e-4
+    # Share of captions replaced by zeros, the SDXL pipeline's empty negative prompt.
+    empty_caption_rate: float = 0.1
+    ema_decay: float = 0.999
+
+
+@dataclass
+class TrainSceneApp:
+    """The built-in scene model, trained from scratch (tools/train_scene_model.py)."""
+
+    out_dir: str = "scenes_sdxl"
+    # Rendered training scenes (jittered); each is seen many times over the steps.
+    dataset_size: int = 65536
+    seed: int = 0
+    device: str = "auto"
+    force: bool = False
+    architecture: SceneArchitecture = field(default_factory=SceneArchitecture)
+    vae: VaeTraining = field(default_factory=VaeTraining)
+    unet: DenoiserTraining = field(default_factory=DenoiserTraining)
+    # Held-out prompts scored at the end (0 skips it), sampled as the README's figures are.
+    eval_prompts: int = 64
+    eval_steps: int = 20
+    guidance_scale: float = 5.0
+
+
+def shipped_model_folder(name: str) -> str:
+    """Where a model shipped inside the package lives, wherever the package is installed."""
+    return str(Path(__file__).resolve().parent / "models" / name)
+
+
 def register_schemas() -> None:
+    OmegaConf.register_new_resolver("sdquant_model", shipped_model_folder, replace=True)
     store = ConfigStore.instance()
+    store.store(name="train_scene_schema", node=TrainSceneApp)
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
@@ -308,6 +370,23 @@ def validate_evaluate(cfg) -> None:
     if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
         raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")
+
+
+def validate_train_scene(cfg) -> None:
+    arch = cfg.architecture
+    for key in ("unet_channels", "vae_channels"):
+        if not arch[key] or any(width < arch.norm_groups or width % arch.norm_groups for width in arch[key]):
+            raise UserError(f"architecture.{key}={list(arch[key])}: every width must be a positive multiple of "
+                            f"architecture.norm_groups={arch.norm_groups}")
+    if len(arch.text_widths) != 2 or any(width < 32 or width % 32 for width in arch.text_widths):
+        raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
+    for key in ("vae", "unet"):
+        if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
+            raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
+    if not 0 <= cfg.unet.empty_caption_rate < 1:
+        raise UserError(f"unet.empty_caption_rate={cfg.unet.empty_caption_rate} is outside [0, 1)")
+    if cfg.dataset_size < 1 or cfg.eval_prompts < 0 or cfg.eval_steps < 1:
+        raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 
 
 def validate_sampling(sampling: SamplingBlock) -> None:

@@ -170,6 +170,12 @@ def builtin_prompts_path() -> Path:
     return Path(__file__).parent / "data" / "calib_prompts.txt"
 
 
+def calibration_prompts_file(cfg) -> str | None:
+    """The prompts file quantize.py calibrates with: its own setting, else the model's, else
+    None for the package's prompts."""
+    return cfg.prompts_file or cfg.model.calib_prompts
+
+
 def load_prompts(prompts_file: str | None, count: int) -> list[str]:
     """The first `count` non-empty lines of the prompts file (the shipped one when None)."""
     path = Path(prompts_file).expanduser() if prompts_file else builtin_prompts_path()

@@ -5,6 +5,10 @@ is scored against the reference's with PSNR and SSIM (scikit-image), LPIPS (torc
 CLIP score of image and prompt (a CLIP model through transformers), the last two only where their
 weights are already on this machine: nothing is downloaded at run time.
 
+Prompt adherence: for scene captions ("a small red circle on the left, white background", the
+built-in scene model's language), a detector reads the shape, colour, place, size and background
+back from each image and compares them with the prompt, for the fp16 reference and every variant.
+
 Steps: with teacher forcing the variant's UNet is called on exactly the inputs the fp16 UNet saw
 along the fp16 trajectory, so each step's error belongs to the UNet at that step and is not carried
 over from earlier steps: it shows where in the denoising quantization hurts.
@@ -137,13 +141,32 @@ def clip_metric(model_id: str | None, device: torch.device) -> OptionalMetric:
     return OptionalMetric("clip", score=score)
 
 
+def adherence(images: torch.Tensor, prompts: list[str]) -> list[dict]:
+    """Per image, which of the prompt's attributes the image shows (see scenes.score)."""
+    from .scenes import score
+
+    return [score(pixels, prompt) for pixels, prompt in zip(to_pixels(images), prompts)]
+
+
+def adherence_summary(rows: list[dict]) -> dict:
+    """Share of scorable prompts with each attribute right, and with all of them right."""
+    from .scenes import ATTRIBUTES
+
+    scored = [row for row in rows if row["scorable"]]
+    means = {name: (statistics.fmean(float(row[name]) for row in scored) if scored else None)
+             for name in (*ATTRIBUTES, "all")}
+    return {"scored": len(scored), "not_scorable": len(rows) - len(scored), "mean": means, "per_prompt": rows}
+
+
 @dataclass
 class VariantScores:
-    """One variant's scores: per prompt, and the teacher-forced error per step (per batch)."""
+    """One variant's scores: per prompt, the teacher-forced error per step (per batch), and
+    per image the prompt adherence."""
 
     source: str
     per_prompt: list[dict] = field(default_factory=list)
     step_errors: list[list[float]] = field(default_factory=list)
+    adherence: list[dict] = field(default_factory=list)
 
     def step_error(self) -> list[float]:
         """Per step, the mean over prompt batches."""
@@ -193,15 +216,51 @@ def _jsonable(data):
     return _json_number(data)
 
 
-def build_report(variants: dict[str, VariantScores], reference_clip: list[float] | None, notes: list[str],
-                 settings: dict) -> dict:
+def build_report(variants: dict[str, VariantScores], reference_clip: list[float] | None,
+                 reference_adherence: list[dict], notes: list[str], settings: dict) -> dict:
+    adherence_by_model = {REFERENCE: adherence_summary(reference_adherence),
+                          **{name: adherence_summary(scores.adherence) for name, scores in variants.items()}}
+    if not adherence_by_model[REFERENCE]["scored"]:
+        notes = notes + ["prompt adherence not scored: no prompt is a scene caption such as "
+                         "'a small red circle on the left, white background' (model=scenes_sdxl's language)"]
     return {
         "reference": {"name": REFERENCE, "clip": reference_clip},
         "variants": {name: {"source": scores.source, "mean": scores.means(), "per_prompt": scores.per_prompt,
                             "step_error": scores.step_error()} for name, scores in variants.items()},
+        "adherence": adherence_by_model,
         "notes": notes,
         "settings": settings,
     }
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _adherence_lines(adherence: dict) -> list[str]:
+    """The adherence table (share of prompts with each attribute right) and, per prompt, what
+    each model got wrong."""
+    from .scenes import ATTRIBUTES
+
+    reference = adherence[REFERENCE]
+    if not reference["scored"]:
+        return []
+    lines = ["", "## Prompt adherence", "",
+             f"Attributes read back from each image by the scene detector, on {reference['scored']} scene prompts"
+             + (f" ({reference['not_scorable']} not scorable)" if reference["not_scorable"] else "") + ".", "",
+             "| model | " + " | ".join(ATTRIBUTES) + " | all attributes |", "| --- |" + " --- |" * (len(ATTRIBUTES) + 1)]
+    for name, summary in adherence.items():
+        lines.append(f"| {name} | " + " | ".join(_percent(summary["mean"][key]) for key in (*ATTRIBUTES, "all")) + " |")
+    lines += ["", "| prompt | " + " | ".join(adherence) + " |", "| --- |" + " --- |" * len(adherence)]
+    for index, row in enumerate(reference["per_prompt"]):
+        cells = []
+        for summary in adherence.values():
+            result = summary["per_prompt"][index]
+            wrong = [key for key in ATTRIBUTES if not result.get(key)]
+            cells.append("not scorable" if not result["scorable"] else ("right" if not wrong else
+                                                                        "wrong " + ", ".join(wrong)))
+        lines.append(f"| {row.get('prompt', index)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _cell(value) -> str:
@@ -246,6 +305,7 @@ def markdown(report: dict) -> str:
     for step in range(steps):
         lines.append(f"| {step} | " + " | ".join(_cell(v["step_error"][step]) for v in report["variants"].values())
                      + " |")
+    lines += _adherence_lines(report["adherence"])
     if report["notes"]:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -263,10 +323,13 @@ def write_outputs(out: Path, report: dict, grid) -> list[Path]:
 
 
 def print_means(report: dict) -> None:
-    print(f"\n{'variant':<16} {'PSNR dB':>9} {'SSIM':>7} {'LPIPS':>7} {'CLIP':>7} {'step err':>9}")
+    adherence = report["adherence"]
+    print(f"\n{'variant':<16} {'PSNR dB':>9} {'SSIM':>7} {'LPIPS':>7} {'CLIP':>7} {'step err':>9} {'adherence':>10}")
+    print(f"{REFERENCE:<16} {'':>9} {'':>7} {'':>7} {'':>7} {'':>9} {_percent(adherence[REFERENCE]['mean']['all']):>10}")
     for name, variant in report["variants"].items():
         mean = variant["mean"]
         print(f"{name:<16} " + " ".join(f"{_cell(mean.get(key)):>{width}}" for key, width in
-                                        (("psnr", 9), ("ssim", 7), ("lpips", 7), ("clip", 7), ("step_error", 9))))
+                                        (("psnr", 9), ("ssim", 7), ("lpips", 7), ("clip", 7), ("step_error", 9)))
+              + f" {_percent(adherence[name]['mean']['all']):>10}")
     for note in report["notes"]:
         print(f"note: {note}")

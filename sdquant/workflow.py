@@ -14,9 +14,10 @@ import torch
 from . import build, checkpoint, export, load, parallel, report, run
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
-from .config import Family, plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block
+from .config import (Family, plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block,
+                     validate_train_scene)
 from .errors import UserError
-from .load import compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
+from .load import calibration_prompts_file, compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
 from .report import library_versions, print_engine_table, print_summary
 from .recipe import uses_smoothquant
 
@@ -54,7 +55,7 @@ def run_quantize(cfg) -> Path:
 def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> None:
     """Calibration proper; under torchrun every process calibrates its share and rank 0 saves."""
     world = parallel.current_world()
-    prompts = load_prompts(cfg.prompts_file, cfg.quantize.calib_size)
+    prompts = load_prompts(calibration_prompts_file(cfg), cfg.quantize.calib_size)
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
     try:
@@ -400,6 +401,8 @@ def run_evaluate(cfg) -> dict:
                            recorder.calls))
     reference_clip = ([value for settings, _, images, _ in references
                        for value in clip.score(None, images, settings.prompts)] if clip.score else None)
+    reference_adherence = [row for settings, _, images, _ in references
+                           for row in quality.adherence(images, settings.prompts)]
 
     columns = [torch.cat([images for _, _, images, _ in references])]
     scores = {}
@@ -412,13 +415,31 @@ def run_evaluate(cfg) -> dict:
             images = pipeline(settings, run.StageTimer(device), latents=latents)
             variant.per_prompt += quality.score_images(reference, images, settings.prompts, [lpips, clip])
             variant.step_errors.append(quality.teacher_forced_errors(calls, stage))
+            variant.adherence += quality.adherence(images, settings.prompts)
             images_per_batch.append(images)
         columns.append(torch.cat(images_per_batch))
         scores[name] = variant
     settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
                 "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
-    result = quality.build_report(scores, reference_clip, [m.note for m in (lpips, clip) if m.note], settings)
+    result = quality.build_report(scores, reference_clip, reference_adherence,
+                                  [m.note for m in (lpips, clip) if m.note], settings)
     written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
     quality.print_means(result)
     print_summary("quality evaluation", written, time.perf_counter() - start)
     return result
+
+
+def run_train_scene_model(cfg) -> Path:
+    """tools/train_scene_model.py: trains the scene model and writes its diffusers folder."""
+    from .train import train_scene_model
+
+    start = time.perf_counter()
+    validate_train_scene(cfg)
+    out, record = train_scene_model(cfg, resolve_device(cfg.device))
+    adherence = record["held_out_adherence"]
+    if adherence["prompts"]:
+        print(f"held-out prompts, all attributes right: {adherence['all']:.1%} of {adherence['prompts']} "
+              f"({', '.join(f'{name} {adherence[name]:.0%}' for name in ('shape', 'colour', 'position', 'size', 'background'))})")
+    print_summary("scene model training", sorted(p for p in out.rglob("*") if p.is_file()),
+                  time.perf_counter() - start)
+    return out

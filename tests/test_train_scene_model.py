@@ -1,0 +1,59 @@
+"""tools/train_scene_model.py: a CPU smoke run writes a folder that loads like any SDXL folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from sdquant.config import ModelConfig
+from sdquant.errors import EXIT_USER_ERROR
+from sdquant.load import load_pipeline
+
+from conftest import REPO
+
+SMOKE = ["device=cpu", "dataset_size=32", "vae.steps=2", "vae.batch_size=4", "unet.steps=3", "unet.batch_size=4",
+         "eval_prompts=2", "eval_steps=2", "architecture.unet_channels=[32,32,32]",
+         "architecture.vae_channels=[32,32,32]", "architecture.vae_layers=1", "architecture.text_layers=2"]
+
+
+def _train(tmp_path, *overrides):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "train_scene_model.py"), *SMOKE, *overrides,
+                           f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_run_writes_a_loadable_fp16_sdxl_folder_with_its_training_record(tmp_path):
+    out = tmp_path / "scenes"
+    result = _train(tmp_path, f"out_dir={out}")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((out / "training.json").read_text())
+    assert record["config"]["unet"]["steps"] == 3 and record["config"]["seed"] == 0
+    assert set(record["final_loss"]) == {"vae", "unet"} and all(v > 0 for v in record["final_loss"].values())
+    assert record["held_out_adherence"]["prompts"] == 2 and "torch" in record["versions"]
+    assert (out / "loss_log.csv").read_text().startswith("phase,step,loss\n")
+    assert len((out / "heldout_prompts.txt").read_text().splitlines()) == 64
+
+    pipe = load_pipeline(ModelConfig(name="scenes", family="sdxl", source=str(out)), torch.device("cpu"),
+                         torch.float32)
+    assert pipe.text_encoder_2.config.projection_dim == 128 and pipe.unet.config.addition_embed_type == "text_time"
+    stored = {t.dtype for part in ("unet", "vae", "text_encoder", "text_encoder_2")
+              for t in load_file(next((out / part).glob("*.safetensors"))).values()}
+    assert stored == {torch.float16}
+    # Every caption word is one token of the shipped tokenizer.
+    ids = pipe.tokenizer("a small red circle on the left, white background").input_ids
+    assert len(ids) == 2 + 10
+
+
+def test_an_existing_folder_is_kept_unless_forced_and_bad_widths_are_refused(tmp_path):
+    out = tmp_path / "scenes"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    refused = _train(tmp_path, f"out_dir={out}")
+    assert refused.returncode == EXIT_USER_ERROR and "force=true" in refused.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    bad = _train(tmp_path, f"out_dir={tmp_path / 'other'}", "architecture.unet_channels=[48,64]")
+    assert bad.returncode == EXIT_USER_ERROR and "architecture.unet_channels" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "other").exists()
