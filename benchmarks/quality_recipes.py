@@ -1,11 +1,12 @@
-"""Compares calibration recipes by image quality against the fp16 UNet, with evaluate.py's metrics.
+"""Compares calibration recipes by image quality and prompt adherence against the fp16 UNet,
+with evaluate.py's metrics.
 
-Quantizes the model once per recipe (INT8 level 3: plain max calibration vs Percentile Quant
-min-mean, SmoothQuant alpha 0.5 / 0.8 / 1.0; FP8 level 4), then evaluates them all against one fp16
-reference and copies the markdown report to benchmarks/results/. On the tiny random model this
-shows that the tool works end to end, not how a real SDXL fares.
+Quantizes the model once per recipe (NeMo's defaults, then one setting changed at a time: INT8
+levels 1, 2, 2.5, 3; FP8 levels 3 and 4; plain max calibration against min-mean Percentile Quant;
+SmoothQuant alpha 0.5 / 0.8 / 1.0; percentile 1.0 and 0.5), evaluates them all against one fp16
+reference on the scene model's held-out prompts, and copies the report to benchmarks/results/.
 
-    python benchmarks/quality_recipes.py --model tiny_sdxl
+    python benchmarks/quality_recipes.py                 # the trained scene model, on a CPU
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from sdquant.config import register_schemas
+from sdquant.config import register_schemas, shipped_model_folder
 from sdquant.workflow import run_evaluate, run_quantize
 
 REPO = Path(__file__).resolve().parents[1]
+# NeMo's defaults (min-mean Percentile Quant, alpha 0.8, percentile 1.0) unless a recipe says
+# otherwise. Names become config keys, so they hold no dots: l25 is level 2.5, a05 alpha 0.5.
 RECIPES = {
-    # Names become config keys, so they hold no dots: a05 is alpha 0.5.
-    "int8_max_a08": ["quantize.collect_method=max", "quantize.alpha=0.8"],
-    "int8_minmean_a05": ["quantize.alpha=0.5"],
-    "int8_minmean_a08": ["quantize.alpha=0.8"],
-    "int8_minmean_a10": ["quantize.alpha=1.0"],
-    "fp8_l4_minmean": ["quantize.format=fp8", "quantize.quant_level=4"],
+    "int8_l1": ["quantize.quant_level=1"],
+    "int8_l2": ["quantize.quant_level=2"],
+    "int8_l25": ["quantize.quant_level=2.5"],
+    "int8_l3": ["quantize.quant_level=3"],
+    "int8_l3_max": ["quantize.quant_level=3", "quantize.collect_method=max"],
+    "int8_l3_a05": ["quantize.quant_level=3", "quantize.alpha=0.5"],
+    "int8_l3_a10": ["quantize.quant_level=3", "quantize.alpha=1.0"],
+    "int8_l3_p05": ["quantize.quant_level=3", "quantize.percentile=0.5"],
+    "fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
+    "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
+    "fp8_l4_max": ["quantize.format=fp8", "quantize.quant_level=4", "quantize.collect_method=max"],
 }
 
 
@@ -37,22 +45,24 @@ def compose_app(config_name: str, overrides: list[str]):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny_sdxl")
+    parser.add_argument("--model", default="scenes_sdxl")
     parser.add_argument("--work", default=".scratch/quality_recipes", help="checkpoints and reports")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
-    parser.add_argument("--prompts-file", default=str(REPO / "benchmarks" / "quality_prompts.txt"))
+    parser.add_argument("--prompts-file", default=str(Path(shipped_model_folder("scenes_sdxl")) / "heldout_prompts.txt"))
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     register_schemas()
     work = Path(args.work)
-    common = [f"model={args.model}", "device=cpu", f"out_dir={work / 'quantized'}", "quantize.quant_level=3"]
+    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}"]
     variants = {}
     for name, overrides in RECIPES.items():
         folder = run_quantize(compose_app("sd_xl_quantize", common + overrides))
         variants[name] = folder
     report_dir = work / "report"
     run_evaluate(compose_app("sd_xl_evaluate", [
-        f"model={args.model}", "device=cpu", f"out_path={report_dir}", f"sampling.prompts_file={args.prompts_file}",
+        f"model={args.model}", f"device={args.device}", f"out_path={report_dir}",
+        f"sampling.prompts_file={args.prompts_file}", "sampling.batch_size=16",
         f"sampling.steps={args.steps}", f"sampling.width={args.size}", f"sampling.height={args.size}",
         *[f"+variants.{name}={folder}" for name, folder in variants.items()]]))
     results = REPO / "benchmarks" / "results"

@@ -172,6 +172,25 @@ class SamplingBlock:
     scheduler: str = "euler"
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+TORCH_QUANTIZED = ("fake", "fp8")
+
+
+@dataclass
+class TorchBackendBlock:
+    """How backend=torch runs the diffusers modules."""
+
+    # torch.compile the UNet and the VAE decoder (channels-last, and for an unquantized UNet
+    # fused q/k/v projections, as diffusers' own speed recipe does). Each new input shape
+    # compiles again (one to three minutes for a full-size SDXL) unless dynamic is true.
+    compile: bool = False
+    compile_mode: str = "default"
+    dynamic: bool = False
+    # quantized_unet as ModelOpt's fake quantization (any checkpoint), or fp8: its Linear layers
+    # as FP8 GEMMs and its convolutions on FP8-rounded values (format=fp8, quant_level 1-3).
+    quantized: str = "fake"
+
+
 @dataclass
 class InferApp:
     """NeMo's inference config: engine paths and out_path, plus sampling and timing."""
@@ -190,6 +209,7 @@ class InferApp:
     num_warmup_runs: int = 1
     num_timed_runs: int = 1
     cuda_graph: bool = False
+    torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
     model: ModelConfig = MISSING
     device: str = "auto"
 
@@ -357,6 +377,17 @@ INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 def validate_infer(cfg) -> None:
     if cfg.backend not in INFER_BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
+    torch_block = cfg.torch_backend
+    if torch_block.compile_mode not in COMPILE_MODES:
+        raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
+                        f"{', '.join(COMPILE_MODES)}")
+    if torch_block.quantized not in TORCH_QUANTIZED:
+        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose fake or fp8")
+    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or cfg.quantized_unet):
+        raise UserError(f"torch_backend.compile, torch_backend.quantized and quantized_unet apply to backend=torch, "
+                        f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
+    if torch_block.quantized == "fp8" and not cfg.quantized_unet:
+        raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_unet=<folder>")
     validate_sampling(cfg.sampling)
     if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
         raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")

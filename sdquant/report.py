@@ -121,6 +121,9 @@ def print_latency(report: dict) -> None:
     for key, label in labels.items():
         print(f"  {label:<18} {report['ms'][key]:10.2f} ms")
     print(f"  {'images per second':<18} {report['images_per_second']:10.3f}")
+    if "first_call_seconds" in report:
+        print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  (compiling and setting up: "
+              f"{report['setup_seconds']:.1f} s once per shape)")
 
 
 def write_report(out: Path, report: dict) -> Path:

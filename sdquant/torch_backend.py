@@ -1,0 +1,214 @@
+"""The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
+CUDA graph per input shape, and a quantize.py checkpoint's FP8 Linear layers run as FP8
+tensor-core GEMMs.
+
+FP8 here follows ModelOpt's fake quantization number for number: a tensor is multiplied by
+448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
+goes into the GEMM (``torch._scaled_mm``) instead of a dequantize. Activation scales are the
+checkpoint's calibrated ranges (static), so quantizing an activation is one pointwise op that the
+compiler fuses into the kernel producing it. Convolutions have no FP8 kernel in torch: they run
+in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake quantization computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+
+FP8_MAX = 448.0
+# torch._scaled_mm wants every matrix dimension divisible by 16.
+GEMM_ALIGNMENT = 16
+
+
+def fp8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(448 / amax, its reciprocal) in fp32, computed as ModelOpt's FP8 quantizer does, so the
+    rounded values are bit for bit its own (a zero range counts as 1)."""
+    amax = amax.detach().float().reshape(())
+    inverse = FP8_MAX / torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
+    return inverse, 1 / inverse
+
+
+def to_fp8(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fake_fp8(x: torch.Tensor, inverse_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize, as ModelOpt's FP8 fake quantization does."""
+    return (to_fp8(x, inverse_scale).float() * scale).to(x.dtype)
+
+
+class _KeepsExactTensors:
+    """Moving the module to another device moves these buffers too, but casting the module to
+    another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
+    numbers, which a `.half()` would round."""
+
+    exact: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: getattr(self, name) for name in self.exact}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            setattr(self, name, tensor.to(getattr(self, name).device))
+        return self
+
+
+class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
+    """A calibrated Linear layer as one FP8 GEMM with the bias and both scales in its epilogue."""
+
+    exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
+
+    def __init__(self, linear: torch.nn.Linear, weight_amax: torch.Tensor, input_amax: torch.Tensor):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        weight_inverse, weight_scale = fp8_scales(weight_amax)
+        input_inverse, input_scale = fp8_scales(input_amax)
+        self.register_buffer("weight_scale", weight_scale.to(weight.device))
+        self.register_buffer("input_scale", input_scale.to(weight.device))
+        self.register_buffer("input_inverse_scale", input_inverse.to(weight.device))
+        self.register_buffer("weight_fp8", to_fp8(weight, weight_inverse.to(weight.device)))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.out_dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        pad = -rows.shape[0] % GEMM_ALIGNMENT
+        if pad:
+            rows = F.pad(rows, (0, 0, 0, pad))
+        out = torch._scaled_mm(to_fp8(rows, self.input_inverse_scale), self.weight_fp8.t(), scale_a=self.input_scale,
+                               scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype)
+        if pad:
+            out = out[:-pad]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Fp8RoundedConv2d(_KeepsExactTensors, torch.nn.Conv2d):
+    """A calibrated convolution in the model's own precision on FP8-rounded weights and inputs."""
+
+    exact = ("input_scale", "input_inverse_scale")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(fake_fp8(x, self.input_inverse_scale, self.input_scale))
+
+
+def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
+    """A plain torch Linear or Conv2d (or `kind`, a subclass) sharing `layer`'s weights, in place
+    of ModelOpt's quantized class, which torch.compile cannot trace through."""
+    if isinstance(layer, torch.nn.Linear):
+        plain = (kind or torch.nn.Linear)(layer.in_features, layer.out_features, layer.bias is not None, device="meta")
+    else:
+        plain = (kind or torch.nn.Conv2d)(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                                          layer.padding, layer.dilation, layer.groups, layer.bias is not None,
+                                          layer.padding_mode, device="meta")
+    plain.weight, plain.bias = layer.weight, layer.bias
+    return plain
+
+
+def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if isinstance(layer, torch.nn.Linear):
+        return Fp8Linear(layer, amax["weight"], amax["input"])
+    conv = _plain(layer, Fp8RoundedConv2d)
+    device = layer.weight.device
+    weight_inverse, weight_scale = (scale.to(device) for scale in fp8_scales(amax["weight"]))
+    conv.weight = torch.nn.Parameter(fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
+                                     requires_grad=False)
+    input_inverse, input_scale = fp8_scales(amax["input"])
+    conv.register_buffer("input_inverse_scale", input_inverse.to(device))
+    conv.register_buffer("input_scale", input_scale.to(device))
+    return conv
+
+
+def runs_as_fp8(unet: torch.nn.Module) -> list[str]:
+    """Why the checkpoint in `unet` cannot run with FP8 GEMMs: one reason per kind of quantizer
+    this path has no kernel for; empty when it can."""
+    from .export import quantized_attention, quantized_inputs, unsupported_quantizers
+
+    reasons = []
+    sites = quantized_inputs(unet)
+    if any(not site.fp8 for site in sites):
+        reasons.append("INT8 layers (format=int8)")
+    if quantized_attention(unet):
+        reasons.append("FP8 attention (quant_level=4)")
+    if unsupported_quantizers(unet):
+        reasons.append(f"quantizers on {', '.join(unsupported_quantizers(unet)[:3])}")
+    if not sites:
+        reasons.append("no calibrated layer")
+    return reasons
+
+
+def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
+    """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
+    Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
+    module class with its plain torch layer; returns how many layers run in FP8."""
+    from modelopt.torch.quantization.nn import QuantModule
+
+    from .export import quantized_inputs
+
+    reasons = runs_as_fp8(unet)
+    if reasons:
+        raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
+                        "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
+                        "that, or quantize with format=fp8 at quant_level 1 to 3")
+    amax: dict[str, dict[str, torch.Tensor]] = {}
+    for site in quantized_inputs(unet):
+        amax.setdefault(site.layer, {})[site.role] = site.amax
+    for name, layer in list(unet.named_modules()):
+        if not isinstance(layer, QuantModule):
+            continue
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+            parent_name, _, child = name.rpartition(".")
+            setattr(unet.get_submodule(parent_name), child,
+                    _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
+        else:
+            # Norms and attention blocks whose quantizers the recipe left off: back to diffusers' class.
+            layer.export()
+    return len(amax)
+
+
+class GraphReplayStage:
+    """A stage replayed as one CUDA graph per input signature: the first call of a signature runs
+    as it is (compiling, warming cuDNN and cuBLAS up), the second is captured, later ones replay
+    it, so the host launches one graph instead of every kernel of the UNet."""
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.seen: set = set()
+        self.graphs: dict = {}
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.stage(**inputs)
+            self.graphs[key] = self._capture(inputs)
+        graph, static_inputs, static_outputs = self.graphs[key]
+        for name, tensor in inputs.items():
+            static_inputs[name].copy_(tensor)
+        graph.replay()
+        # The graph writes into the same outputs at every replay: hand out copies.
+        return {name: tensor.clone() for name, tensor in static_outputs.items()}
+
+    def _capture(self, inputs: dict[str, torch.Tensor]):
+        static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_outputs = self.stage(**static_inputs)
+        return graph, static_inputs, static_outputs
+
+
+def speed_up(pipe, stages: dict, block, cuda_graph: bool, unet_name: str, quantized: bool) -> dict:
+    """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
+    if block.compile:
+        # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v.
+        pipe.unet.to(memory_format=torch.channels_last)
+        pipe.vae.to(memory_format=torch.channels_last)
+        if not quantized:
+            pipe.unet.fuse_qkv_projections()
+        for name in (unet_name, "vae"):
+            stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
+    if cuda_graph and pipe.device.type == "cuda":
+        stages[unet_name] = GraphReplayStage(stages[unet_name])
+    return stages
