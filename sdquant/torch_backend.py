@@ -168,21 +168,16 @@ def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
 
 
 class GraphReplayStage:
-    """A stage replayed as one CUDA graph per input signature: the first call of a signature runs
-    as it is (compiling, warming cuDNN and cuBLAS up), the second is captured, later ones replay
-    it, so the host launches one graph instead of every kernel of the UNet."""
+    """A stage replayed as one CUDA graph per input signature, so the host launches one graph
+    instead of every kernel of the UNet."""
 
     def __init__(self, stage):
         self.stage = stage
-        self.seen: set = set()
         self.graphs: dict = {}
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
         if key not in self.graphs:
-            if key not in self.seen:
-                self.seen.add(key)
-                return self.stage(**inputs)
             self.graphs[key] = self._capture(inputs)
         graph, static_inputs, static_outputs = self.graphs[key]
         for name, tensor in inputs.items():
@@ -193,6 +188,14 @@ class GraphReplayStage:
 
     def _capture(self, inputs: dict[str, torch.Tensor]):
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        # Warm up on a side stream with the very tensors the graph will read (same strides, so
+        # no recompile): compiling, autotuning and library set-up must all happen before capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.stage(**static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_outputs = self.stage(**static_inputs)
@@ -210,5 +213,8 @@ def speed_up(pipe, stages: dict, block, cuda_graph: bool, unet_name: str, quanti
         for name in (unet_name, "vae"):
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
     if cuda_graph and pipe.device.type == "cuda":
-        stages[unet_name] = GraphReplayStage(stages[unet_name])
+        # The text encoders stay as they are: they build masks from host tensors, which a
+        # capture cannot take.
+        for name in (unet_name, "vae"):
+            stages[name] = GraphReplayStage(stages[name])
     return stages

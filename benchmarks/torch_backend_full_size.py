@@ -1,0 +1,192 @@
+"""infer_trt.py's torch backend against diffusers' own compiled SDXL pipeline, on the full-size SDXL
+architecture (random fp16 weights), 1024x1024, in one process: eager, compiled fp16, compiled with
+FP8 GEMMs, and the peer, each timed end to end, with the UNet per step, peak GPU memory and the
+compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+
+    python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
+        --out benchmarks/results/torch_backend_h100_b1.json
+
+The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels-last UNet and
+VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
+mode. Its VAE runs in fp16 as ours does (force_upcast off), which only makes the peer faster.
+The FP8 variant quantizes the UNet with this project's recipe (format=fp8, quant_level=3),
+calibrated on two random UNet calls (the GEMMs' speed does not depend on the values), and runs it
+with torch_backend.quantized=fp8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from sdquant import report, run, torch_backend
+from sdquant.config import QuantFormat, TorchBackendBlock
+from sdquant.load import quiet_libraries
+from sdquant.synthetic import full_size_sdxl_on_gpu
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+SIZE = 1024
+# NeMo's published H100 latencies (seed 001), ms at batch 1 / 2 / 4, 20 steps as in its defaults.
+NEMO_H100_MS = {"framework fp16": [3056.01, 4832.24, 8433.71], "TensorRT fp16": [1723.97, 3004.47, 5657.19],
+                "TensorRT INT8": [1406.68, 2403.29, 4252.6]}
+# One UNet call at batch 2 and 1024x1024: 13.5 TFLOP.
+UNET_TFLOP_BATCH2 = 13.5
+
+
+def timed(fn, runs: int) -> list[float]:
+    seconds = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def peer_pipeline(pipe):
+    """diffusers' SDXL pipeline with its documented torch.compile recipe."""
+    pipe.fuse_qkv_projections()
+    pipe.unet.to(memory_format=torch.channels_last)
+    pipe.vae.to(memory_format=torch.channels_last)
+    pipe.vae.register_to_config(force_upcast=False)
+    pipe.unet = torch.compile(pipe.unet, fullgraph=True)
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True)
+    return pipe
+
+
+def fp8_unet(pipe) -> int:
+    """Quantizes the UNet with the project's FP8 level-3 recipe on two random calls, then turns it
+    into FP8 GEMMs; returns how many layers run in FP8."""
+    import modelopt.torch.quantization as mtq
+
+    from sdquant.recipe import quant_cfg_entries
+
+    config = {"quant_cfg": quant_cfg_entries(QuantFormat.fp8, 3.0), "algorithm": "max"}
+    generator = torch.Generator("cuda").manual_seed(0)
+    inputs = dict(sample=torch.randn(2, 4, 128, 128, device="cuda", dtype=torch.float16, generator=generator),
+                  timestep=torch.tensor([500.0, 500.0], device="cuda"),
+                  encoder_hidden_states=torch.randn(2, 77, 2048, device="cuda", dtype=torch.float16,
+                                                    generator=generator),
+                  added_cond_kwargs={"text_embeds": torch.randn(2, 1280, device="cuda", dtype=torch.float16),
+                                     "time_ids": torch.tensor([[1024.0, 1024, 0, 0, 1024, 1024]] * 2,
+                                                              device="cuda", dtype=torch.float16)})
+
+    def forward_loop(unet):
+        for _ in range(2):
+            unet(**inputs)
+
+    with torch.no_grad():
+        mtq.quantize(pipe.unet, config, forward_loop)
+    return torch_backend.convert_to_fp8(pipe.unet, "the benchmark's FP8 level-3 UNet")
+
+
+def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool) -> run.TextToImage:
+    stages = torch_backend.speed_up(pipe, run.torch_stages(pipe, True, torch.float16), block, cuda_graph,
+                                    "unet_xl", quantized)
+    scheduler = run.make_scheduler("euler", dict(pipe.scheduler.config))
+    return run.TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
+                           types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)
+
+
+def measure_ours(pipeline: run.TextToImage, batch: int, steps_list: list[int], runs: int) -> dict:
+    result = {}
+    for steps in steps_list:
+        settings = run.SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
+                                        guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
+        first = timed(lambda: pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False), 1)[0]
+        pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
+        seconds = timed(lambda: pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False), runs)
+        timer = run.StageTimer(torch.device("cuda"))
+        pipeline(settings, timer, progress=False)
+        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps)
+        result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+                                    "unet_ms_per_step": stage["ms"]["unet_per_step"], "vae_ms": stage["ms"]["vae"],
+                                    "text_ms": stage["ms"]["text_encoders"]}
+    return result
+
+
+def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
+    result = {}
+    for steps in steps_list:
+        def call():
+            pipe(PROMPT, num_images_per_prompt=batch, num_inference_steps=steps, guidance_scale=5.0, height=SIZE,
+                 width=SIZE, output_type="pt", generator=torch.Generator("cuda").manual_seed(42))
+        first = timed(call, 1)[0]
+        seconds = timed(call, runs)
+        result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds)}
+    return result
+
+
+def unet_profile(pipeline: run.TextToImage, batch: int, top: int = 12) -> list[dict]:
+    """GPU time per kernel over one UNet call (after warm-up), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    unet = pipeline.stages["unet_xl"]
+    inputs = {"x": torch.randn(2 * batch, 4, 128, 128, device="cuda", dtype=torch.float16),
+              "timesteps": torch.full((2 * batch,), 500.0, device="cuda"),
+              "context": torch.randn(2 * batch, 77, 2048, device="cuda", dtype=torch.float16),
+              "y": torch.randn(2 * batch, 2816, device="cuda", dtype=torch.float16)}
+    for _ in range(3):
+        unet(**inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        unet(**inputs)
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1000, e.count) for e in trace.key_averages()
+                   if e.device_time_total > 0), key=lambda row: -row[1])
+    total = sum(ms for _, ms, _ in rows)
+    return [{"kernel": name[:120], "ms": ms, "calls": count} for name, ms, count in rows[:top]] + \
+        [{"kernel": "total", "ms": total, "calls": sum(c for _, _, c in rows)}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="peer,eager,compiled,fp8")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", default="20,30")
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--profile", action="store_true", help="kernel time of one UNet call per torch variant")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    quiet_libraries()
+    steps_list = [int(s) for s in args.steps.split(",")]
+    # Variants may run in separate processes (a compile each); they add to one file per batch.
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {
+        "benchmark": "torch_backend_full_size", "device": torch.cuda.get_device_name(),
+        "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
+        "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
+    for variant in args.variants.split(","):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        pipe = full_size_sdxl_on_gpu()
+        start = time.perf_counter()
+        if variant == "peer":
+            row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
+        else:
+            fp8_layers = fp8_unet(pipe) if variant == "fp8" else 0
+            block = TorchBackendBlock(compile=variant != "eager")
+            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=variant == "fp8")
+            row = measure_ours(pipeline, args.batch, steps_list, args.runs)
+            row["fp8_layers"] = fp8_layers
+            if args.profile:
+                row["unet_profile"] = unet_profile(pipeline, args.batch)
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["wall_s"] = time.perf_counter() - start
+        results["variants"][variant] = row
+        summary = {k: round(v["best_s"], 3) for k, v in row.items() if k.endswith("_steps")}
+        print(f"{variant}: best end to end {summary}, first call {row[f'{steps_list[0]}_steps']['first_call_s']:.1f} s, "
+              f"peak {row['peak_gib']:.1f} GiB", flush=True)
+        del pipe, row
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
