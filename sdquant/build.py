@@ -3,23 +3,26 @@
 Works with ``tensorrt`` 10.x/11.x and with ``tensorrt_rtx`` (TensorRT for RTX GPUs, which
 builds without a GPU for Ampere/Ada/Blackwell targets but cannot run on Hopper). They share one
 Python API; the few differences live in ``Flavour``. Engines go to ``<out_path>/plan/<name>.plan``
-with ``engines.json`` beside them describing each one.
+with ``engines.json`` beside them describing each one, including the TensorRT that built it (the
+one that must load it).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import re
 import shlex
 import shutil
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
-from .export import TOKENS, graph_names, onnx_path
+from .export import TOKENS, graph_names, onnx_path, unet_graph_name
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
@@ -44,7 +47,9 @@ def batch_range(infer, trt, graph: str) -> BatchRange:
     Images: min = trt.min_batch_size, opt = infer.batch_size, max = trt.max_batch_size (or all
     three infer.batch_size with static_batch). With guidance the text encoders and the UNet see
     twice as many samples (negative and positive prompt), so their opt and max are doubled; min
-    stays in images, so a run without guidance at the smallest batch still fits.
+    stays in images, so a run without guidance at the smallest batch still fits. A static UNet
+    takes exactly the doubled batch; the text encoders keep min in images even then, because
+    SDXL's empty negative prompt (zeros, not encoded) gives them only the prompts.
     """
     if trt.static_batch:
         images = BatchRange(infer.batch_size, infer.batch_size, infer.batch_size)
@@ -52,7 +57,8 @@ def batch_range(infer, trt, graph: str) -> BatchRange:
         images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
     if graph == "vae":
         return images
-    low = images.min * GUIDANCE_FACTOR if trt.static_batch else images.min
+    unet = graph in (unet_graph_name(True), unet_graph_name(False))
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch and unet else images.min
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
@@ -94,12 +100,44 @@ def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list]) -> dict[
     return shapes
 
 
-def onnx_input_dims(onnx_file: Path) -> dict[str, list]:
+def _onnx_graph(onnx_file: Path):
     import onnx
 
-    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    return onnx.load(str(onnx_file), load_external_data=False).graph
+
+
+def onnx_input_dims(onnx_file: Path) -> dict[str, list]:
     return {i.name: [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
-            for i in graph.input}
+            for i in _onnx_graph(onnx_file).input}
+
+
+def uses_fp8(onnx_file: Path) -> bool:
+    """Whether the graph holds FP8 Q/DQ (written, as ModelOpt writes them, with TensorRT's own ops)."""
+    return any(node.op_type in ("TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear")
+               for node in _onnx_graph(onnx_file).node)
+
+
+# The oldest TensorRT each task works with. TensorRT for RTX has had all of it since its first release.
+MINIMUM_TENSORRT = {
+    "building strongly typed engines": (10, 0),  # 8.x has no strong typing
+    "running engines": (10, 1),                  # set_device_memory(ptr, size) and device_memory_size_v2
+    "FP8 engines": (10, 2),                      # ModelOpt's FP8 Q/DQ (its deployment documentation)
+}
+
+
+def version_numbers(version: str) -> tuple[int, int, int]:
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        raise UserError(f"cannot read the TensorRT version {version!r}")
+    return tuple(int(part or 0) for part in found.groups())
+
+
+def require_tensorrt(found: str, version: str, task: str) -> None:
+    """Refuses in one line a TensorRT older than `task` needs; `found` names what has that version."""
+    needed = MINIMUM_TENSORRT[task]
+    if version_numbers(version)[:2] < needed:
+        raise UserError(f"{task} needs TensorRT >= {needed[0]}.{needed[1]}, but {found} is {version}: install a "
+                        "newer TensorRT (pip install tensorrt --extra-index-url https://pypi.nvidia.com)")
 
 
 @dataclass
@@ -114,9 +152,12 @@ class Flavour:
     has_timing_cache: bool = field(init=False)
 
     def __post_init__(self):
-        major = int(self.version.split(".")[0])
-        self.needs_strongly_typed_flag = self.name == "tensorrt" and major < 11
+        self.needs_strongly_typed_flag = self.name == "tensorrt" and version_numbers(self.version)[0] < 11
         self.has_timing_cache = self.name == "tensorrt"
+
+    def require(self, task: str) -> None:
+        if self.name == "tensorrt":
+            require_tensorrt(self.name, self.version, task)
 
     def network_flags(self) -> int:
         if self.needs_strongly_typed_flag:
@@ -155,14 +196,90 @@ def load_flavour(backend: str) -> Flavour:
             continue
         return Flavour(module, name, module.__version__)
     raise UserError(
-        f"trt.backend={backend}: no TensorRT is installed. Install TensorRT 10/11 from NVIDIA "
+        f"trt.backend={backend}: no TensorRT is installed. Install TensorRT >= 10.1 from NVIDIA "
         "(pip install tensorrt --extra-index-url https://pypi.nvidia.com) or TensorRT for RTX "
         "(pip install 'sdquant[trt-rtx]')"
     )
 
 
+def engine_record(plan: Path) -> dict:
+    """What engines.json beside `plan` says of it; empty for a plan this tool did not build."""
+    return (read_json(Path(plan).parent / ENGINES_FILE) or {}).get(Path(plan).stem, {})
+
+
+def built_by(record: dict) -> str:
+    return f"{record['flavour']} {record.get('version') or '(version not recorded)'}"
+
+
+def engine_flavour(plan: Path) -> Flavour:
+    """The TensorRT that built `plan`, as engines.json records it: only that one can load it.
+    A plan without a record is loaded by whichever TensorRT is installed."""
+    record = engine_record(plan)
+    if record.get("flavour") not in BACKENDS:
+        flavour = load_flavour("auto")
+    else:
+        try:
+            flavour = load_flavour(record["flavour"])
+        except UserError:
+            raise UserError(f"{plan} was built by {built_by(record)}, which is not installed here "
+                            f"({_installed_tensorrt()}): install it, or rebuild the engine with "
+                            "export_trt.py force=true") from None
+    flavour.require("running engines")
+    if record.get("fp8"):
+        flavour.require("FP8 engines")
+    return flavour
+
+
+def _installed_tensorrt() -> str:
+    try:
+        flavour = load_flavour("auto")
+    except UserError:
+        return "no TensorRT is"
+    return f"{flavour.name} {flavour.version} is"
+
+
 def plan_path(out_path, graph: str) -> Path:
     return Path(out_path).expanduser() / PLAN_DIR / f"{graph}.plan"
+
+
+@dataclass(frozen=True)
+class EngineBuilder:
+    """What builds the engines: trtexec or TensorRT's Python API, and the TensorRT behind it, which
+    engines.json records as the one that must load them."""
+
+    tool: str                    # python | trtexec
+    flavour: str                 # tensorrt | tensorrt_rtx
+    version: str | None          # None: trtexec is not on PATH, so its commands are only printed
+    api: Flavour | None = None   # the module, for tool=python
+
+
+def engine_builder(trt_cfg, fp8: bool) -> EngineBuilder:
+    """The builder trt.builder names, refused in one line if its TensorRT is too old for the graphs."""
+    tasks = ("building strongly typed engines", "FP8 engines") if fp8 else ("building strongly typed engines",)
+    if trt_cfg.builder == "trtexec":
+        version = trtexec_version()
+        if version is not None:
+            for task in tasks:
+                require_tensorrt("trtexec", version, task)
+        return EngineBuilder("trtexec", "tensorrt", version)
+    flavour = load_flavour(trt_cfg.backend)
+    for task in tasks:
+        flavour.require(task)
+    return EngineBuilder("python", flavour.name, flavour.version, flavour)
+
+
+def free_gpu_memory_for_builder() -> None:
+    """Hands PyTorch's cached GPU memory back before a build, as NVIDIA's demo does, and says what
+    the builder then has: after calibration or export on the GPU in this process, the cache would
+    hide gigabytes from TensorRT's tactics (or make it run out of memory on a 24 GB card)."""
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_initialized():
+        return  # PyTorch holds no GPU memory
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    print(f"GPU memory free for the TensorRT builder: {free / 1024**3:.1f} of {total / 1024**3:.1f} GiB")
 
 
 def _parse(flavour: Flavour, network, logger, onnx_file: Path) -> None:
@@ -174,6 +291,18 @@ def _parse(flavour: Flavour, network, logger, onnx_file: Path) -> None:
         f"TensorRT cannot parse {onnx_file}: node {error.node_name() or error.node()} "
         f"(op {error.node_operator() or '?'}): {error.desc()}"
     )
+
+
+def _attach_timing_cache(config, timing_cache: Path):
+    """The timing cache in `timing_cache` attached to `config`; one made on another GPU or TensorRT
+    is refused by TensorRT, which is said in one line, and a new one is started in its place."""
+    cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
+    if config.set_timing_cache(cache, ignore_mismatch=False):
+        return cache
+    warnings.warn(f"TensorRT refused the timing cache {timing_cache} (made on another GPU or TensorRT "
+                  "version): building without it, and a new one replaces it")
+    fresh = config.create_timing_cache(b"")
+    return fresh if config.set_timing_cache(fresh, ignore_mismatch=False) else None
 
 
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
@@ -195,8 +324,7 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
     config.add_optimization_profile(profile)
     cache = None
     if flavour.has_timing_cache and timing_cache is not None:
-        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        cache = _attach_timing_cache(config, timing_cache)
 
     start = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
@@ -229,7 +357,7 @@ def _shape_arg(shapes: dict, which: int) -> str:
     return ",".join(f"{name}:{'x'.join(str(d) for d in dims[which])}" for name, dims in shapes.items())
 
 
-def trtexec_command(onnx_file: Path, plan_file: Path, shapes: dict, trt_cfg, trt_major: int,
+def trtexec_command(onnx_file: Path, plan_file: Path, shapes: dict, trt_cfg,
                     timing_cache: Path | None) -> list[str]:
     """The trtexec command line for the same build; precision comes from the graph itself."""
     command = ["trtexec", f"--onnx={onnx_file}", f"--saveEngine={plan_file}",
@@ -240,21 +368,34 @@ def trtexec_command(onnx_file: Path, plan_file: Path, shapes: dict, trt_cfg, trt
         command.append(f"--timingCacheFile={timing_cache}")
     if trt_cfg.workspace_gb:
         command.append(f"--memPoolSize=workspace:{int(trt_cfg.workspace_gb * 1024)}M")
-    if trt_major < 11:
-        command.append("--stronglyTyped")
+    # Every trtexec engine_builder accepts (10.0 on) takes --stronglyTyped: 10 needs it to keep
+    # the graph's fp16 and Q/DQ types, 11 is strongly typed anyway. --skipInference: build only,
+    # no benchmark after it (time, and a failure there would discard the engine just built).
+    command += ["--stronglyTyped", "--skipInference"]
     return command
 
 
-def trtexec_major_version(flavour_version: str | None) -> int:
-    """TensorRT's major version for trtexec's flags: the Python package's, else trtexec's banner."""
-    if flavour_version:
-        return int(flavour_version.split(".")[0])
-    if shutil.which("trtexec"):
-        banner = subprocess.run(["trtexec", "--help"], capture_output=True, text=True).stdout
-        found = re.search(r"TensorRT v(\d+?)(\d{2})(\d{2})", banner)
-        if found:
-            return int(found.group(1))
-    return 10
+# trtexec's first line: "&&&& RUNNING TensorRT.trtexec [TensorRT v101300] [b35] # trtexec ...".
+_TRTEXEC_BANNER = re.compile(r"\[TensorRT v(\d+)\]")
+
+
+def trtexec_version() -> str | None:
+    """The TensorRT version of the trtexec on PATH, from its banner; None when there is none.
+
+    The banner holds NV_TENSORRT_VERSION: major*10000 + minor*100 + patch since 10.0 (101300 is
+    10.13.0), major*1000 + minor*100 + patch before (8601 is 8.6.1).
+    """
+    path = shutil.which("trtexec")
+    if path is None:
+        return None
+    result = subprocess.run([path, "--help"], capture_output=True, text=True)
+    found = _TRTEXEC_BANNER.search(result.stdout + result.stderr)
+    if found is None:
+        raise UserError(f"{path} --help printed no '[TensorRT vNNNNNN]' banner, so its TensorRT version is "
+                        "unknown: put NVIDIA's trtexec on PATH, or use trt.builder=python")
+    number = int(found.group(1))
+    major, rest = divmod(number, 10000 if number >= 100000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def run_trtexec(command: list[str], plan_file: Path) -> bool:

@@ -89,7 +89,8 @@ def unet_stage(unet: torch.nn.Module, sdxl: bool, dtype: torch.dtype) -> TorchSt
 
 class StageTimer:
     """Time per stage call. On a GPU it records CUDA events around each stage and reads them
-    once at the end of the run, so timing never makes the host wait inside the loop."""
+    once at the end of the run, so timing never makes the host wait inside the loop. The events
+    go on the current stream, which is the one every stage runs on (TensorRT engines included)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -169,10 +170,29 @@ class TextToImage:
             # The Fourier features of the time ids have no weights, so they need no graph.
             self.add_time_proj = Timesteps(unet_config.addition_time_embed_dim, True, 0)
 
+    def zero_negative(self, settings: SamplingSettings) -> bool:
+        """SDXL's empty negative prompt is zeros, not encoded: the text encoders see only the prompts."""
+        return self.sdxl and self.force_zeros and not settings.negative_prompt
+
+    @staticmethod
+    def guided(settings: SamplingSettings) -> bool:
+        return settings.guidance_scale > 1.0
+
+    def stage_batches(self, settings: SamplingSettings) -> dict[str, int]:
+        """Samples per call of each stage with these settings, as encode and __call__ batch them,
+        for checking them against the engines' profiles before any work."""
+        images = len(settings.prompts)
+        text = images if self.zero_negative(settings) else 2 * images
+        batches = {"clip1": text, unet_graph_name(self.sdxl): 2 * images if self.guided(settings) else images,
+                   "vae": images}
+        if self.sdxl:
+            batches["clip2"] = text
+        return batches
+
     def encode(self, settings: SamplingSettings, timer: StageTimer):
         """Embeddings for [negative..., positive...], as the diffusers pipelines batch them."""
         batch = len(settings.prompts)
-        zero_negative = self.sdxl and self.force_zeros and not settings.negative_prompt
+        zero_negative = self.zero_negative(settings)
         texts = settings.prompts if zero_negative else [settings.negative_prompt] * batch + settings.prompts
         hidden = [timer.time("clip1", self.stages["clip1"],
                              input_ids=tokenize(self.tokenizers[0], texts).to(self.device))["hidden_states"]]
@@ -225,7 +245,7 @@ class TextToImage:
         latents = latents * self.scheduler.init_noise_sigma
         step_kwargs = self._step_kwargs(generator)
         unet_name = unet_graph_name(self.sdxl)
-        guided = settings.guidance_scale > 1.0
+        guided = self.guided(settings)
         steps = tqdm(self.scheduler.timesteps, desc="denoising", unit="step", disable=not progress, leave=False)
         for t in steps:
             x = torch.cat([latents] * 2) if guided else latents
@@ -252,16 +272,3 @@ def warn_if_not_finite(latents: torch.Tensor, images: torch.Tensor) -> None:
         warnings.warn("the VAE produced NaN or inf pixels: an fp16 VAE overflowing is the usual cause; "
                       "export it with onnx.vae_precision=fp32")
 
-
-def check_within_profiles(record: dict, stage_batches: dict[str, int], height: int, width: int) -> None:
-    """Refuses, before any work, a batch or resolution the built engines' profiles cannot take."""
-    for name, batch in stage_batches.items():
-        inputs = record.get(name, {}).get("inputs", {})
-        for input_name, spec in inputs.items():
-            low, _, high = spec.get("profile", [[0], [0], [0]])
-            if not low[0] <= batch <= high[0]:
-                raise UserError(f"{name} engine takes {low[0]}..{high[0]} samples per call but this run needs "
-                                f"{batch}: change infer batch_size or rebuild with trt.min/max_batch_size")
-            if input_name in ("x", "latent") and (low[2:] != [height // 8, width // 8]):
-                raise UserError(f"{name} engine was built for {low[3] * 8}x{low[2] * 8} images, not {width}x{height}: "
-                                "use that resolution or rebuild with infer.width/height")

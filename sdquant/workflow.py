@@ -185,47 +185,41 @@ def build_engines(cfg) -> list[Path]:
     start = time.perf_counter()
     out = cfg.infer.out_path
     onnx_files = build.required_onnx(out, cfg.model.family)
-    use_trtexec = cfg.trt.builder == "trtexec"
-    flavour = None if use_trtexec and not _importable_tensorrt() else build.load_flavour(cfg.trt.backend)
+    fp8 = {name: build.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
+    builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
     record = build.engines_record(out)
+    build.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
         shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file))
         plan = build.plan_path(out, name)
         fingerprint = checkpoint.fingerprint({
             "onnx": (read_json(onnx_file.parent / export.META_FILE) or {}).get("fingerprint"),
-            "shapes": shapes, "flavour": flavour and [flavour.name, flavour.version], "builder": cfg.trt.builder,
+            "shapes": shapes, "flavour": [builder.flavour, builder.version], "builder": builder.tool,
             "level": cfg.trt.builder_optimization_level, "targets": list(cfg.trt.rtx_compute_capabilities)})
         if not cfg.force and plan.is_file() and record.get(name, {}).get("fingerprint") == fingerprint:
             reused.append(plan)
             continue
         print(f"building {plan} ...", flush=True)
-        if use_trtexec:
-            major = build.trtexec_major_version(flavour.version if flavour else None)
-            command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, major, timing_cache)
+        if builder.tool == "trtexec":
+            command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
             if not build.run_trtexec(command, plan):
                 continue
             info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
                     "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
         else:
-            info = build.build_engine(flavour, onnx_file, shapes, cfg.trt, plan, timing_cache)
-        record[name] = {**info, "fingerprint": fingerprint,
-                        "flavour": flavour.name if flavour else "trtexec",
-                        "version": flavour.version if flavour else None}
+            info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache)
+        # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
+        record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
+                        "version": builder.version, "builder": builder.tool, "fp8": fp8[name]}
         written.append(plan)
     if written:
         written.append(build.save_engines_record(out, record))
     print_engine_table(record)
     print_summary("TensorRT build", written, time.perf_counter() - start, reused=reused)
     return written + reused
-
-
-def _importable_tensorrt() -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(name) for name in build.BACKENDS)
 
 
 def _stage_files(cfg) -> dict[str, Path]:
@@ -261,15 +255,19 @@ def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
     for name, plan in files.items():
         if not plan.is_file():
             raise UserError(f"{name}={plan}: no such engine; build it with export_trt.py")
-    records = {}
-    for name, plan in files.items():
-        records[name] = build.engines_record(plan.parent.parent).get(plan.stem, {})
-    guided = cfg.sampling.guidance_scale > 1.0
-    batch = cfg.sampling.batch_size
-    run.check_within_profiles(records, {name: batch if name == "vae" else batch * (2 if guided else 1)
-                                        for name in files}, cfg.sampling.height, cfg.sampling.width)
+    flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
     unet_name = export.unet_graph_name(sdxl)
-    return trt_stages(build.load_flavour("auto"), files, (unet_name,) if cfg.cuda_graph else ())
+    return trt_stages(flavours, files, (unet_name,) if cfg.cuda_graph else ())
+
+
+def _check_engine_profiles(pipeline: run.TextToImage, runs: list[run.SamplingSettings]) -> None:
+    """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
+    from .trt_runtime import check_within_profiles
+
+    profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
+    for settings in runs:
+        check_within_profiles(profiles, pipeline.stage_batches(settings),
+                              (settings.height // pipeline.vae_scale, settings.width // pipeline.vae_scale))
 
 
 def _prompt_batches(cfg) -> list[list[str]]:
@@ -291,31 +289,12 @@ def run_infer(cfg) -> dict:
     start = time.perf_counter()
     validate_infer(cfg)
     device = resolve_device(cfg.device)
-    sdxl = _is_sdxl(cfg)
-    batches = _prompt_batches(cfg)
-    pipeline = _text_to_image(cfg, _load_stages(cfg, device, sdxl), device)
-
-    out = Path(cfg.out_path).expanduser()
-    written = []
-    first_call_seconds = None
-    for index, prompts in enumerate(batches):
-        settings = _settings(cfg, prompts, cfg.sampling.seed + index)
-        call_start = time.perf_counter()
-        images = pipeline(settings, run.StageTimer(device))
-        first_call_seconds = first_call_seconds or time.perf_counter() - call_start
-        written += report.save_images(images, out, index, settings, _stage_files(cfg), cfg.backend)
-
-    settings = _settings(cfg, batches[0], cfg.sampling.seed)
-    for _ in range(cfg.num_warmup_runs):
-        pipeline(settings, run.StageTimer(device), progress=False)
-    timings = []
-    for _ in range(cfg.num_timed_runs):
-        timer = run.StageTimer(device)
-        run_start = time.perf_counter()
-        pipeline(settings, timer, progress=False)
-        stage_seconds = timer.finish()
-        timings.append((time.perf_counter() - run_start, stage_seconds))
-    latency = report.latency_report(timings, len(batches[0]), cfg.sampling.steps)
+    # Every stage runs on the current stream (TensorRT engines included), so one stream of the
+    # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
+    # would synchronize extra on the legacy default stream.
+    with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
+        written, timings, images_per_run, first_call_seconds = _images_and_timings(cfg, device)
+    latency = report.latency_report(timings, images_per_run, cfg.sampling.steps)
     # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
     # over a timed run is what a user waits once per process and shape.
     latency["first_call_seconds"] = first_call_seconds
@@ -323,9 +302,38 @@ def run_infer(cfg) -> dict:
     latency.update({"backend": cfg.backend, "device": report.device_name(device), "versions": library_versions(),
                     "settings": OmegaConf.to_container(cfg, resolve=True)})
     report.print_latency(latency)
-    written.append(report.write_report(out, latency))
+    written.append(report.write_report(Path(cfg.out_path).expanduser(), latency))
     print_summary("inference", written, time.perf_counter() - start)
     return latency
+
+
+def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, int, float]:
+    """The images of every prompt batch, then the warm-up and timed runs of the first batch; also
+    the first call's seconds."""
+    batches = _prompt_batches(cfg)
+    pipeline = _text_to_image(cfg, _load_stages(cfg, device, _is_sdxl(cfg)), device)
+    runs = [_settings(cfg, prompts, cfg.sampling.seed + index) for index, prompts in enumerate(batches)]
+    if cfg.backend == "trt":
+        _check_engine_profiles(pipeline, runs)
+
+    written = []
+    first_call_seconds = None
+    for index, settings in enumerate(runs):
+        call_start = time.perf_counter()
+        images = pipeline(settings, run.StageTimer(device))
+        first_call_seconds = first_call_seconds or time.perf_counter() - call_start
+        written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings, _stage_files(cfg),
+                                      cfg.backend)
+    for _ in range(cfg.num_warmup_runs):
+        pipeline(runs[0], run.StageTimer(device), progress=False)
+    timings = []
+    for _ in range(cfg.num_timed_runs):
+        timer = run.StageTimer(device)
+        run_start = time.perf_counter()
+        pipeline(runs[0], timer, progress=False)
+        stage_seconds = timer.finish()
+        timings.append((time.perf_counter() - run_start, stage_seconds))
+    return written, timings, len(batches[0]), first_call_seconds
 
 
 def _text_to_image(cfg, stages: dict, device: torch.device) -> run.TextToImage:
@@ -376,7 +384,8 @@ def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dt
         from .trt_runtime import trt_stages
 
         unet_name = export.unet_graph_name(sdxl)
-        return trt_stages(build.load_flavour("auto"), {unet_name: Path(source).expanduser()}, ())[unet_name]
+        plan = Path(source).expanduser()
+        return trt_stages(build.engine_flavour(plan), {unet_name: plan}, ())[unet_name]
     unet = empty_unet(cfg.model)
     _restore_quantized_unet(cfg.model, f"variants.{name}", source, unet)
     return run.unet_stage(unet.to(device=device, dtype=dtype), sdxl, dtype)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
 
 import onnx
 import pytest
@@ -13,6 +16,7 @@ from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.workflow import build_engines, run_export, run_quantize
 
+import standin_tensorrt
 from conftest import compose_config
 
 SDXL_UNET_DIMS = {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048], "y": [None, 2816]}
@@ -52,7 +56,7 @@ def test_impossible_batch_range_is_refused(infer, trt):
 def test_trtexec_command_golden(tmp_path):
     infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
     shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
-    command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt, 10,
+    command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
                                     tmp_path / "timing.cache")
     assert command == [
         "trtexec", f"--onnx={tmp_path}/unet_xl.onnx", f"--saveEngine={tmp_path}/unet_xl.plan",
@@ -60,9 +64,81 @@ def test_trtexec_command_golden(tmp_path):
         "--optShapes=x:4x4x96x64,timesteps:4,context:4x77x2048,y:4x2816",
         "--maxShapes=x:8x4x96x64,timesteps:8,context:8x154x2048,y:8x2816",
         "--builderOptimizationLevel=4", f"--timingCacheFile={tmp_path}/timing.cache",
-        "--memPoolSize=workspace:8192M", "--stronglyTyped",
+        "--memPoolSize=workspace:8192M", "--stronglyTyped", "--skipInference",
     ]
-    assert "--stronglyTyped" not in build.trtexec_command(tmp_path / "a.onnx", tmp_path / "a.plan", shapes, trt, 11, None)
+
+
+FAKE_TRTEXEC = """#!{python}
+# Stands in for NVIDIA's trtexec: prints its banner as trtexec does, records its arguments and writes
+# the engine file it is asked for.
+import json, sys
+print("&&&& RUNNING TensorRT.trtexec [TensorRT v{number}] [b35] # trtexec " + " ".join(sys.argv[1:]))
+if "--help" in sys.argv:
+    print("=== Model Options ===")
+    sys.exit(0)
+with open({log!r}, "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+for arg in sys.argv[1:]:
+    if arg.startswith("--saveEngine="):
+        open(arg.split("=", 1)[1], "wb").write(b"engine")
+"""
+
+
+@pytest.fixture
+def fake_trtexec(tmp_path, monkeypatch):
+    """Puts a trtexec printing the banner of TensorRT `number` (NV_TENSORRT_VERSION) first on PATH;
+    returns the file its command lines go to, one JSON list a line."""
+
+    def install(number: int):
+        folder, log = tmp_path / "bin", tmp_path / "trtexec_args.jsonl"
+        folder.mkdir(exist_ok=True)
+        script = folder / "trtexec"
+        script.write_text(FAKE_TRTEXEC.format(python=sys.executable, number=number, log=str(log)))
+        script.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        return log
+
+    return install
+
+
+@pytest.mark.parametrize("number,version", [(101300, "10.13.0"), (100000, "10.0.0"), (101602, "10.16.2"),
+                                            (110100, "11.1.0"), (8601, "8.6.1")])
+def test_trtexec_version_is_read_from_its_banner(fake_trtexec, number, version):
+    fake_trtexec(number)
+    assert build.trtexec_version() == version
+
+
+@pytest.mark.parametrize("number,fp8,message", [
+    (8601, False, "building strongly typed engines needs TensorRT >= 10.0, but trtexec is 8.6.1"),
+    (100100, True, "FP8 engines needs TensorRT >= 10.2, but trtexec is 10.1.0")])
+def test_old_trtexec_is_refused_in_one_line(fake_trtexec, number, fp8, message):
+    fake_trtexec(number)
+    with pytest.raises(UserError, match=message):
+        build.engine_builder(TrtBlock(builder="trtexec"), fp8)
+
+
+def test_trtexec_builder_is_trtexecs_own_tensorrt(fake_trtexec):
+    fake_trtexec(101000)
+    assert build.engine_builder(TrtBlock(builder="trtexec"), True) == \
+        build.EngineBuilder("trtexec", "tensorrt", "10.10.0")
+
+
+def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_engines, fake_trtexec, tmp_path,
+                                                                        monkeypatch):
+    # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
+    monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
+    log = fake_trtexec(101300)
+    shutil.copytree(export.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
+    run_export(cfg)
+    commands = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(commands) == 4 and all("--stronglyTyped" in c and "--skipInference" in c for c in commands)
+    saved = [arg.split("=", 1)[1] for c in commands for arg in c if arg.startswith("--saveEngine=")]
+    assert all(".partial" in path for path in saved), "trtexec writes a temp file, renamed once it succeeds"
+    assert build.plan_path(tmp_path, "unet_xl").read_bytes() == b"engine"
+    record = build.engines_record(tmp_path)["unet_xl"]
+    assert (record["flavour"], record["version"], record["builder"], record["fp8"]) == \
+        ("tensorrt", "10.13.0", "trtexec", False)
 
 
 def _export_cfg(out, *overrides, model="tiny_sdxl"):
@@ -114,6 +190,7 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)
     assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0
+    assert build.uses_fp8(onnx_file) == (fmt == "fp8")
     assert info["inputs"]["context"]["profile"] == [[1, 77, 64], [4, 77, 64], [8, 154, 64]]
 
 
@@ -144,7 +221,7 @@ def test_parser_error_names_node_op_and_file(tmp_path):
 
 def test_backend_choice_and_install_hint():
     assert build.load_flavour("auto").name == "tensorrt_rtx", "auto falls back to TensorRT for RTX here"
-    with pytest.raises(UserError, match="no TensorRT is installed. Install TensorRT 10/11"):
+    with pytest.raises(UserError, match=r"no TensorRT is installed. Install TensorRT >= 10.1"):
         build.load_flavour("tensorrt")
     with pytest.raises(UserError, match="trt.backend='tensorrt8' is unknown"):
         build.load_flavour("tensorrt8")

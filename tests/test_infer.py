@@ -100,15 +100,6 @@ def test_sd15_runs_with_onnxruntime(tmp_path, model_cache):
     assert (tmp_path / "out/image_000_00.png").is_file()
 
 
-def test_engine_profile_limits_are_enforced_before_work():
-    record = {"unet_xl": {"inputs": {"x": {"profile": [[1, 4, 128, 128], [4, 4, 128, 128], [16, 4, 128, 128]]}}}}
-    run.check_within_profiles(record, {"unet_xl": 8}, 1024, 1024)
-    with pytest.raises(UserError, match="takes 1..16 samples per call but this run needs 18"):
-        run.check_within_profiles(record, {"unet_xl": 18}, 1024, 1024)
-    with pytest.raises(UserError, match="built for 1024x1024 images, not 768x1024"):
-        run.check_within_profiles(record, {"unet_xl": 2}, 1024, 768)
-
-
 @pytest.mark.parametrize("override,message", [
     ("backend=tensorrt", "backend='tensorrt' is unknown"),
     ("sampling.width=100", "sampling.width=100 must be a positive multiple of 64"),
