@@ -1,0 +1,48 @@
+"""The built-in scene model on the CPU: loading it plus one 20-step image, as a new user's first
+run does it (target: under 10 s on the 2-core CPU host), in a fresh process.
+
+    python benchmarks/scene_model_cpu.py --out benchmarks/results/scene_model_cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+
+import torch  # noqa: E402
+
+from sdquant.config import ModelConfig, shipped_model_folder  # noqa: E402
+from sdquant.load import load_pipeline  # noqa: E402
+from sdquant.report import library_versions  # noqa: E402
+
+TARGET_S = 10.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    imported = time.perf_counter() - START
+    pipe = load_pipeline(ModelConfig(name="scenes_sdxl", family="sdxl", source=shipped_model_folder("scenes_sdxl")),
+                         torch.device("cpu"), torch.float32)
+    loaded = time.perf_counter() - START
+    pipe("a large purple triangle at the bottom, white background", num_inference_steps=20, guidance_scale=5.0,
+         generator=torch.Generator().manual_seed(0))
+    total = time.perf_counter() - START
+    result = {"benchmark": "scene_model_cpu", "device": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores", "threads": torch.get_num_threads(), "versions": library_versions(),
+              "seconds": {"imports": imported, "load": loaded - imported, "image_20_steps": total - loaded,
+                          "total": total}, "target_s": TARGET_S, "meets_target": total < TARGET_S}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["seconds"]), "meets target" if result["meets_target"] else "misses target")
+
+
+if __name__ == "__main__":
+    main()
