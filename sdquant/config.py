@@ -258,18 +258,18 @@ class SceneArchitecture:
 
 @dataclass
 class VaeTraining:
-    steps: int = 3000
-    batch_size: int = 64
-    learning_rate: float = 5e-4
+    steps: int = 4000
+    batch_size: int = 128
+    learning_rate: float = 1e-3
     # Weight of the KL term: small, so the latent keeps detail, as in Stable Diffusion's VAE.
     kl_weight: float = 1e-6
 
 
 @dataclass
 class DenoiserTraining:
-    steps: int = 3000
-    batch_size: int = 256
-    learning_rate: float = 4e-4
+    steps: int = 4500
+    batch_size: int = 512
+    learning_rate: float = 5e-4
     # Share of captions replaced by zeros, the SDXL pipeline's empty negative prompt.
     empty_caption_rate: float = 0.1
     ema_decay: float = 0.999

@@ -239,15 +239,17 @@ def train_denoiser(pipe, latents: torch.Tensor, data: Dataset, block, generator:
 @torch.no_grad()
 def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int) -> dict:
     """The trained pipeline's prompt adherence on held-out scenes, with diffusers' own sampler."""
+    from .quality import adherence, adherence_summary
+
     rows = []
     batch = 16
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         generator = torch.Generator(pipe.device).manual_seed(seed + start)
-        images = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance_scale, output_type="np",
+        images = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance_scale, output_type="pt",
                       height=scenes.IMAGE_SIZE, width=scenes.IMAGE_SIZE, generator=generator).images
-        rows += [scenes.score(image, prompt) for image, prompt in zip(images, chunk)]
-    return {name: float(np.mean([row[name] for row in rows])) for name in (*scenes.ATTRIBUTES, "all")}
+        rows += adherence(images.float(), chunk)
+    return adherence_summary(rows)["mean"]
 
 
 def held_out_prompts(count: int) -> list[str]:
