@@ -242,7 +242,7 @@ def build_engines(cfg) -> list[Path]:
         plan = build.plan_path(out, name)
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
         # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
-        refittable = cfg.trt.refittable and not graph_meta.get("quantized_unet")
+        refittable = cfg.trt.refittable and lora.carried_by(name) and not graph_meta.get("quantized_unet")
         fingerprint = checkpoint.fingerprint({
             "onnx": graph_meta.get("fingerprint"),
             "shapes": shapes, "flavour": flavour and [flavour.name, flavour.version], "builder": cfg.trt.builder,

@@ -106,6 +106,31 @@ def test_fused_unet_equals_diffusers_fuse_lora_and_differs_from_base(lora_files)
     assert not any("lora" in name for name in ours.unet.state_dict())
 
 
+def _as_kohya(diffusers_file, folder):
+    """The same adapter under kohya/A1111 key names (lora_unet_*, lora_te1_*, with alphas)."""
+    from safetensors.torch import load_file, save_file
+
+    kohya = {}
+    for key, tensor in load_file(diffusers_file).items():
+        component, rest = key.split(".", 1)
+        path, role = rest.rsplit(".lora.", 1) if component == "unet" else rest.rsplit(".lora_linear_layer.", 1)
+        prefix = "lora_unet_" if component == "unet" else "lora_te1_text_model_"
+        name = prefix + path.replace(".", "_")
+        kohya[f"{name}.lora_{role.split('.')[0]}.weight"] = tensor
+        kohya[f"{name}.alpha"] = torch.tensor(float(RANK))
+    folder.mkdir()
+    save_file(kohya, folder / "adapter.safetensors")
+    return folder
+
+
+def test_kohya_keys_fuse_like_diffusers_keys(lora_files, tmp_path):
+    kohya_folder = _as_kohya(lora_files["a"], tmp_path / "kohya")
+    ours, kohya = _pipeline(_loras((lora_files["a"], 0.7))), _pipeline(_loras((kohya_folder, 0.7)))
+    for component in ("unet", "text_encoder"):
+        expected, got = getattr(ours, component).state_dict(), getattr(kohya, component).state_dict()
+        assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
 def test_scale_zero_gives_the_base_model(lora_files):
     fused = _pipeline(_loras((lora_files["a"], 0))).unet.state_dict()
     base = _pipeline().unet.state_dict()
