@@ -349,3 +349,35 @@ def test_script_refuses_a_scale_that_is_no_number(run_script, lora_files, tmp_pa
     assert result.stderr.strip() == ("error: model.loras[0].scale='strong' is not a number: give the adapter's "
                                      "weight, e.g. 0.8 (0 leaves the model as it is)")
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a refit runs on the GPU its engines are for")
+def test_gpu_refit_gives_the_engines_a_rebuild_would(lora_files, tmp_path):
+    """Engines built with A and refitted with B make B's images; a second refit has nothing to do.
+    TensorRT-RTX engines do not load on Hopper: there only the refittable build is checked."""
+    flavour = build.load_flavour("auto")
+    on_hopper = flavour.name == "tensorrt_rtx" and torch.cuda.get_device_capability()[0] == 9
+    common = ["model=tiny_sdxl", "device=cpu", "infer.batch_size=1", "trt.max_batch_size=1", "infer.width=64",
+              "infer.height=64", "trt.refittable=true", *(["trt.rtx_compute_capabilities=[SM89]"] if on_hopper else [])]
+    adapters = {"a": (lora_files["a"], 0.7), "b": (lora_files["b"], 1.0)}
+    for name, adapter in adapters.items():
+        run_export(compose_config("sd_xl_export", [*common, f"infer.out_path={tmp_path / name}", _loras(adapter)]))
+    record = build.engines_record(tmp_path / "a")
+    assert [graph for graph, info in record.items() if info["refittable"]] == ["clip1", "clip2", "unet_xl"]
+    unet_plan = build.plan_path(tmp_path / "a", "unet_xl")
+    built = unet_plan.read_bytes()
+    refit_cfg = compose_config("sd_xl_export", [*common, f"infer.out_path={tmp_path / 'a'}", "run_refit=true",
+                                                _loras(adapters["b"])])
+    try:
+        refitted = run_export(refit_cfg)
+    except UserError as error:
+        if not on_hopper:
+            raise
+        pytest.skip(f"refittable engines built; the refit cannot run here: {error}")
+    assert refitted == [build.plan_path(tmp_path / "a", graph) for graph in ("clip1", "clip2", "unet_xl")]
+    assert unet_plan.read_bytes() != built
+    assert build.engines_record(tmp_path / "a")["unet_xl"]["loras"] == lora.identities([{"path": str(lora_files["b"])}])
+    assert run_export(refit_cfg) == []
+    for name in adapters:
+        run_infer(_infer_cfg(tmp_path / name, tmp_path / f"images_{name}", "backend=trt", "device=cuda"))
+    assert _psnr(_read_png(tmp_path / "images_a/image_000_00.png"), _read_png(tmp_path / "images_b/image_000_00.png")) >= 40
