@@ -311,20 +311,49 @@ def test_refit_refuses_engines_that_cannot_take_other_adapters(tmp_path):
     assert not refit.refit_plan({"loras": held, "quantized_unet": "q/int8"}, plan, held)
 
 
+def _graphs_of(source, out):
+    """A fresh export folder whose ONNX graphs are those in `source`."""
+    (out / "onnx").mkdir(parents=True)
+    for name in export.graph_names("sdxl"):
+        (out / "onnx" / name).symlink_to(export.onnx_path(source, name).parent)
+    return out
+
+
+def _engine_cfg(out, *overrides):
+    return compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
+                                           "run_onnx_export=false", "trt.backend=tensorrt_rtx", "infer.batch_size=1",
+                                           "trt.max_batch_size=1", "infer.width=64", "infer.height=64", *overrides])
+
+
+def _refused(cfg, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        exits_cleanly(run_export)(cfg)
+    assert exit_info.value.code == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    return err
+
+
 def test_refittable_build_needs_a_gpu_with_tensorrt_rtx(fp16_graphs, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on a host without a GPU")
-    out = tmp_path / "engines"
-    (out / "onnx").mkdir(parents=True)
-    for name in export.graph_names("sdxl"):
-        (out / "onnx" / name).symlink_to(export.onnx_path(fp16_graphs["a"], name).parent)
-    cfg = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
-                                          "run_onnx_export=false", "trt.refittable=true", "trt.backend=tensorrt_rtx"])
-    with pytest.raises(SystemExit):
-        exits_cleanly(run_export)(cfg)
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "builds refittable engines only on a machine with a GPU" in err
+    out = _graphs_of(fp16_graphs["a"], tmp_path / "engines")
+    err = _refused(_engine_cfg(out, "trt.refittable=true"), capsys)
+    assert "builds refittable engines only on a machine with a GPU" in err
     assert not list(out.glob("plan/*.plan"))
+
+
+def test_refit_of_engines_built_without_refit_is_refused_untouched(fp16_graphs, lora_files, tmp_path, capsys):
+    out = _graphs_of(fp16_graphs["a"], tmp_path / "engines")
+    assert _refused(_engine_cfg(out, "run_refit=true"), capsys).endswith(
+        "does not exist: build the engines first (export_trt.py trt.refittable=true)")
+    run_export(_engine_cfg(out))
+    plans = {plan: plan.read_bytes() for plan in out.glob("plan/*.plan")}
+    same = _engine_cfg(out, "run_refit=true", _loras((lora_files["a"], 0.7)))
+    assert run_export(same) == []
+    err = _refused(_engine_cfg(out, "run_refit=true", _loras((lora_files["b"], 1.0))), capsys)
+    assert "clip1.plan was built without trt.refittable=true" in err
+    assert {plan: plan.read_bytes() for plan in out.glob("plan/*.plan")} == plans
 
 
 @pytest.mark.parametrize("lora,message", [
