@@ -41,6 +41,7 @@ def adapters(loras) -> list[Adapter]:
 
 
 def identities(loras) -> list[dict]:
+    """What fingerprints and records hold of `model.loras`."""
     return [adapter.identity() for adapter in adapters(loras)]
 
 
@@ -52,8 +53,9 @@ def carried_by(graph: str) -> bool:
 
 def describe(identity: list[dict]) -> str:
     """A recorded adapter list, short enough for one line."""
-    return "[" + ", ".join(f"{item['sha256'][:12]} x{item['scale']:g}" for item in identity) + "]" if identity \
-        else "no LoRA"
+    if not identity:
+        return "no LoRA"
+    return "[" + ", ".join(f"sha256 {item['sha256'][:12]} at scale {item['scale']:g}" for item in identity) + "]"
 
 
 def _adapter(key: str, entry) -> Adapter:
@@ -79,9 +81,9 @@ def weights_file(key: str, path: Path) -> Path:
         return path
     if not path.is_dir():
         raise UserError(f"{key}.path={path}: no such LoRA file or folder")
-    candidates = sorted(path.glob("*.safetensors"))
     if (path / DEFAULT_WEIGHT_NAME).is_file():
         return path / DEFAULT_WEIGHT_NAME
+    candidates = sorted(path.glob("*.safetensors"))
     if len(candidates) != 1:
         raise UserError(f"{key}.path={path} holds {len(candidates)} .safetensors files: name the adapter's file "
                         "itself")
@@ -116,13 +118,13 @@ def _libraries_silent():
         diffusers.logging.set_verbosity(verbosity)
 
 
-def fuse(pipe, loras) -> list[Adapter]:
+def fuse(pipe, loras) -> None:
     """Loads every adapter of `loras` into `pipe` with diffusers' loader, fuses them at their scales
-    and removes the adapter layers; returns the adapters. A UNet on the meta device (one whose
-    weights a checkpoint made with these adapters will bring) takes them as shapes only."""
+    and removes the adapter layers. A UNet on the meta device (one whose weights a checkpoint made
+    with these adapters will bring) takes them as shapes only."""
     found = adapters(loras)
     if not found:
-        return found
+        return
     names = [f"lora{index}" for index in range(len(found))]
     with _libraries_silent():
         for name, adapter in zip(names, found):
@@ -130,7 +132,6 @@ def fuse(pipe, loras) -> list[Adapter]:
         pipe.set_adapters(names, adapter_weights=[adapter.scale for adapter in found])
         pipe.fuse_lora(adapter_names=names)
         pipe.unload_lora_weights()
-    return found
 
 
 def _load(pipe, adapter: Adapter, name: str) -> None:
@@ -138,14 +139,15 @@ def _load(pipe, adapter: Adapter, name: str) -> None:
         pipe.load_lora_weights(str(adapter.file.parent), weight_name=adapter.file.name, adapter_name=name)
     except (OSError, RuntimeError, ValueError, KeyError) as error:
         raise UserError(f"{adapter.key}.path={adapter.file} does not fit this model "
-                        f"({type(error).__name__}: {_first_line(error)}): is it a LoRA for another "
+                        f"({type(error).__name__}: {_gist(error)}): is it a LoRA for another "
                         "architecture or a corrupt file?") from error
     if not any(name in present for present in pipe.get_list_adapters().values()):
         raise UserError(f"{adapter.key}.path={adapter.file}: none of its weights name a layer of this model's "
                         "UNet or text encoders: is it a LoRA for another architecture?")
 
 
-def _first_line(error: Exception) -> str:
+def _gist(error: Exception) -> str:
+    """An error's message on one line: PyTorch's size-mismatch report names its first mismatch on
+    the second line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    # PyTorch's size-mismatch report puts its first mismatch on the second line.
     return " ".join(lines[:2])[:300]

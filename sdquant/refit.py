@@ -55,7 +55,7 @@ def mark_refittable(flavour, network, config, names) -> None:
         raise RuntimeError(f"TensorRT knows no weights named {unknown[:3]} in this graph")
 
 
-def refit_plan(record: dict, plan: Path, wanted: list[dict]) -> bool:
+def needs_refit(record: dict, plan: Path, wanted: list[dict]) -> bool:
     """Whether the engine at `plan` (described by its engines.json `record`) needs a refit to hold
     the adapters `wanted`; refuses an engine that cannot take them, before anything is written."""
     held = record.get("loras", [])

@@ -114,7 +114,8 @@ def _restore_quantized_unet(model, key: str, value: str, unet) -> dict:
     if made_for is not None and made_for != plain(model.family):
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({plain(model.family)}): choose its own model")
-    made_with, named = sidecar.get("settings", {}).get("model", {}).get("loras", []), lora.identities(model.loras)
+    made_with = sidecar.get("settings", {}).get("model", {}).get("loras", [])
+    named = lora.identities(model.loras)
     if made_for is not None and made_with != named:
         raise UserError(f"{key}={path} was calibrated with {lora.describe(made_with)}, but model.loras gives "
                         f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
@@ -197,16 +198,18 @@ def refit_engines(cfg) -> list[Path]:
     out = cfg.infer.out_path
     record = build.engines_record(out)
     wanted = lora.identities(cfg.model.loras)
-    plans = {name: build.plan_path(out, name) for name in export.graph_names(cfg.model.family) if lora.carried_by(name)}
+    plans = {name: build.plan_path(out, name) for name in export.graph_names(cfg.model.family)
+             if lora.carried_by(name)}
     for name, plan in plans.items():
         if name not in record or not plan.is_file():
             raise UserError(f"{plan} does not exist: build the engines first (export_trt.py trt.refittable=true)")
     # Every engine is checked before any is changed, so a refusal leaves them all as they were.
-    stale = [name for name, plan in plans.items() if refit.refit_plan(record[name], plan, wanted)]
+    stale = [name for name, plan in plans.items() if refit.needs_refit(record[name], plan, wanted)]
     if not stale:
         print_summary("TensorRT refit", [], time.perf_counter() - start, reused=list(plans.values()))
         return []
     flavour = build.load_flavour(cfg.trt.backend)
+    # As the export loaded it, so the fused weights round as in a graph exported with them.
     dtype = _graph_dtype(cfg)
     pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
     modules = {spec.name: spec.module for spec in export.graph_specs(

@@ -304,11 +304,11 @@ def test_refit_refuses_engines_that_cannot_take_other_adapters(tmp_path):
     held, wanted = [{"sha256": "a" * 64, "scale": 1.0}], [{"sha256": "b" * 64, "scale": 1.0}]
     plan = tmp_path / "unet_xl.plan"
     with pytest.raises(UserError, match="8-bit UNet .* needs quantize.py with them"):
-        refit.refit_plan({"loras": held, "refittable": False, "quantized_unet": "q/int8"}, plan, wanted)
+        refit.needs_refit({"loras": held, "refittable": False, "quantized_unet": "q/int8"}, plan, wanted)
     with pytest.raises(UserError, match="built without trt.refittable=true"):
-        refit.refit_plan({"loras": held, "refittable": False, "quantized_unet": None}, plan, wanted)
-    assert refit.refit_plan({"loras": held, "refittable": True}, plan, wanted)
-    assert not refit.refit_plan({"loras": held, "quantized_unet": "q/int8"}, plan, held)
+        refit.needs_refit({"loras": held, "refittable": False, "quantized_unet": None}, plan, wanted)
+    assert refit.needs_refit({"loras": held, "refittable": True}, plan, wanted)
+    assert not refit.needs_refit({"loras": held, "quantized_unet": "q/int8"}, plan, held)
 
 
 def _graphs_of(source, out):
