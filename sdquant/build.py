@@ -306,8 +306,9 @@ def _attach_timing_cache(config, timing_cache: Path):
 
 
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
-                 timing_cache: Path | None) -> dict:
-    """Builds one engine with the Python API; returns what engines.json records of it."""
+                 timing_cache: Path | None, refittable_weights=()) -> dict:
+    """Builds one engine with the Python API, with `refittable_weights` (names) refittable;
+    returns what engines.json records of it."""
     trt = flavour.module
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -318,6 +319,10 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
     if trt_cfg.workspace_gb:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_cfg.workspace_gb * 1024**3))
     targets = flavour.set_targets(config, list(trt_cfg.rtx_compute_capabilities))
+    if refittable_weights:
+        from .refit import make_refittable
+
+        make_refittable(flavour, network, config, refittable_weights)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in shapes.items():
         profile.set_shape(name, low, opt, high)
@@ -344,6 +349,7 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
         "outputs": {t.name: {"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape)}
                     for t in (network.get_output(i) for i in range(network.num_outputs))},
         "targets": targets or [_current_gpu()],
+        "refittable": bool(refittable_weights),
     }
 
 

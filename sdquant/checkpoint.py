@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from . import lora
 from .artifacts import atomic_path, read_json, write_json
 from .config import plain
 from .errors import UserError
@@ -21,9 +22,14 @@ UNET_FILE = "unet.mto"
 SIDECAR_FILE = "unet.json"
 
 
-def model_identity(model) -> dict:
-    """What names a model's weights, for fingerprints of everything made from them."""
-    return {"family": plain(model.family), "source": model.source, "variant": model.variant}
+def model_identity(model, with_loras: bool = True) -> dict:
+    """What names a model's weights, for fingerprints of everything made from them; without the
+    LoRA adapters for what they never touch (the VAE)."""
+    identity = {"family": plain(model.family), "source": model.source, "variant": model.variant}
+    adapters = lora.identities(model.loras) if with_loras else []
+    # Absent rather than empty without adapters, so the fingerprints made before LoRA support
+    # still name the same artifacts.
+    return {**identity, "loras": adapters} if adapters else identity
 
 
 def calibration_settings(cfg) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 from pathlib import Path
 
@@ -41,6 +41,15 @@ COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max", "max")
 
 
 @dataclass
+class LoraAdapter:
+    # A LoRA .safetensors file (diffusers, PEFT or kohya keys), or a folder holding one.
+    path: str = MISSING
+    # Its weight when fused: 0 leaves the model as it is. Typed Any so that a value that is no
+    # number gets sdquant's one-line refusal naming the key, not Hydra's conversion trace.
+    scale: Any = 1.0
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     family: Family = MISSING
@@ -54,6 +63,9 @@ class ModelConfig:
     # The prompts quantize.py calibrates with when its prompts_file is null: a model trained on
     # its own captions (scenes_sdxl) ships them; null takes the package's SDXL-style prompts.
     calib_prompts: Optional[str] = None
+    # Adapters fused into the UNet (and the text encoders, where they have weights for them)
+    # before calibration, export and inference.
+    loras: list[LoraAdapter] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +114,9 @@ class TrtBlock:
     # TensorRT for RTX only: the GPU generations to compile for (SM75 ... SM121); empty takes
     # the GPU at hand, or SM89 where there is none.
     rtx_compute_capabilities: list[str] = field(default_factory=list)
+    # Engines whose weights a refit (export_trt.py run_refit=true) can replace with those of
+    # other LoRA adapters; 8-bit UNets stay fixed (their scales need recalibration).
+    refittable: bool = False
 
 
 @dataclass
@@ -155,6 +170,9 @@ class ExportApp:
     # NeMo-style switches: one job can export and build, or only one of them.
     run_onnx_export: bool = True
     run_trt_export: bool = True
+    # Instead of both: write the weights of model.loras into the refittable engines in
+    # infer.out_path (built with trt.refittable=true), without exporting or rebuilding.
+    run_refit: bool = False
 
 
 @dataclass
@@ -357,6 +375,9 @@ def validate_export(cfg) -> None:
     validate_profile(cfg.infer, cfg.trt)
     if cfg.trt.builder not in ("python", "trtexec"):
         raise UserError(f"trt.builder={cfg.trt.builder!r} is unknown: choose python or trtexec")
+    if cfg.trt.refittable and cfg.trt.builder == "trtexec":
+        raise UserError("trt.refittable=true marks each weight refittable through the Python API: set "
+                        "trt.builder=python")
     if not 0 <= cfg.trt.builder_optimization_level <= 5:
         raise UserError(f"trt.builder_optimization_level={cfg.trt.builder_optimization_level} is outside 0..5")
     for key in ("precision", "vae_precision"):

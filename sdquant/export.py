@@ -538,6 +538,11 @@ def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
                           do_constant_folding=False)
 
 
+def graph_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The graph's weights by initializer name: the traced module's state-dict keys."""
+    return module.state_dict(keep_vars=True)
+
+
 def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: torch.dtype) -> None:
     """Exports `spec` into `folder` atomically: everything is written beside it, then renamed."""
     import onnx
@@ -553,7 +558,7 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
         if spec.on_meta:
             _drop_host_hops(model, spec)
             _insert_qdq(model, spec.module, dtype)
-        _attach_weights(model, spec.module.state_dict(keep_vars=True), graph)
+        _attach_weights(model, graph_weights(spec.module), graph)
         onnx.save_model(model, str(graph / ONNX_FILE))
         del model
         onnx.checker.check_model(str(graph / ONNX_FILE))

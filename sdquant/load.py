@@ -12,6 +12,7 @@ import torch
 
 from .config import Family, ModelConfig
 from .errors import UserError
+from .lora import fuse as fuse_loras
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -99,8 +100,8 @@ def empty_unet(model: ModelConfig):
 
 
 def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, unet=None):
-    """Returns the diffusers pipeline that `model` names, on `device` in `dtype`; `unet`, when
-    given, is used instead of loading the pipeline's own."""
+    """Returns the diffusers pipeline that `model` names, with its LoRA adapters fused in, on
+    `device` in `dtype`; `unet`, when given, is used instead of loading the pipeline's own."""
     quiet_libraries()
     cls = _pipeline_class(model.family)
     source = _resolved_source(model)
@@ -122,9 +123,11 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     if Family(model.family) == Family.sdxl and getattr(pipe, "text_encoder_2", None) is None:
         raise UserError(f"model.source={source} is not an SDXL pipeline but model.family=sdxl")
     pipe.set_progress_bar_config(disable=True)
-    if unet is not None:
-        return pipe  # still on the meta device: moved once its weights are restored
-    return pipe.to(device)
+    # A given UNet stays where it is, on the meta device, until its weights are restored: a
+    # checkpoint made with these adapters holds them fused already.
+    pipe = pipe if unet is not None else pipe.to(device)
+    fuse_loras(pipe, model.loras)
+    return pipe
 
 
 def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):

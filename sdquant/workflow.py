@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import torch
 
-from . import build, checkpoint, export, load, parallel, report, run
+from . import build, checkpoint, export, load, lora, parallel, refit, report, run
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
 from .config import (Family, plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block,
@@ -115,6 +115,11 @@ def _restore_quantized_unet(model, key: str, value: str, unet) -> dict:
     if made_for is not None and made_for != plain(model.family):
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({plain(model.family)}): choose its own model")
+    made_with = sidecar.get("settings", {}).get("model", {}).get("loras", [])
+    named = lora.identities(model.loras)
+    if made_for is not None and made_with != named:
+        raise UserError(f"{key}={path} was calibrated with {lora.describe(made_with)}, but model.loras gives "
+                        f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
     restored = checkpoint.restore(unet, path)
     if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
         raise UserError(f"{key}={path} does not hold every UNet weight: quantize the model again")
@@ -124,15 +129,17 @@ def _restore_quantized_unet(model, key: str, value: str, unet) -> dict:
 def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
     return checkpoint.fingerprint({
         "graph": name,
-        "model": checkpoint.model_identity(cfg.model),
+        "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
         "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(_is_sdxl(cfg)) else None,
     })
 
 
 def run_export(cfg) -> list[Path]:
-    """export_trt.py: the ONNX export, then the engines, as the switches say."""
+    """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
     validate_export(cfg)
+    if cfg.run_refit:
+        return refit_engines(cfg)
     written = export_onnx(cfg) if cfg.run_onnx_export else []
     if cfg.run_trt_export:
         written += build_engines(cfg)
@@ -143,7 +150,7 @@ def export_onnx(cfg) -> list[Path]:
     """Exports every graph of the pipeline to ONNX; returns the ONNX files."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
-    dtype = torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
+    dtype = _graph_dtype(cfg)
     # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
     # trace it on a 24 GB host.
     quantized = None
@@ -172,12 +179,56 @@ def export_onnx(cfg) -> list[Path]:
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
                 "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(_is_sdxl(cfg)) else None,
+                "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
                 "versions": library_versions()}
         export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
         written.append(folder / export.ONNX_FILE)
     print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
                   time.perf_counter() - start, reused=reused)
     return written + reused
+
+
+def _graph_dtype(cfg) -> torch.dtype:
+    return torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
+
+
+def refit_engines(cfg) -> list[Path]:
+    """export_trt.py run_refit=true: writes the weights of the model with model.loras fused in into
+    the refittable engines in infer.out_path, without exporting or building; returns the plans."""
+    start = time.perf_counter()
+    out = cfg.infer.out_path
+    record = build.engines_record(out)
+    wanted = lora.identities(cfg.model.loras)
+    plans = {name: build.plan_path(out, name) for name in export.graph_names(cfg.model.family)
+             if lora.carried_by(name)}
+    for name, plan in plans.items():
+        if name not in record or not plan.is_file():
+            raise UserError(f"{plan} does not exist: build the engines first (export_trt.py trt.refittable=true)")
+    # Every engine is checked before any is changed, so a refusal leaves them all as they were.
+    stale = [name for name, plan in plans.items() if refit.needs_refit(record[name], plan, wanted)]
+    if not stale:
+        print_summary("TensorRT refit", [], time.perf_counter() - start, reused=list(plans.values()))
+        return []
+    # As the export loaded it, so the fused weights round as in a graph exported with them.
+    dtype = _graph_dtype(cfg)
+    pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
+    modules = {spec.name: spec.module for spec in export.graph_specs(
+        pipe, cfg.model.family, 1, cfg.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
+    refitted = []
+    for name in stale:
+        print(f"refitting {plans[name]} ...", flush=True)
+        # Only the TensorRT that built an engine can load it, and so refit it.
+        count = refit.refit_engine(build.engine_flavour(plans[name]), plans[name],
+                                   export.graph_weights(modules[name]))
+        # The engine no longer holds what its ONNX file does: a build from that file is not reused.
+        record[name] = {**record[name], "loras": wanted, "refit_weights": count,
+                        "fingerprint": checkpoint.fingerprint({"refit_of": record[name]["fingerprint"],
+                                                               "loras": wanted})}
+        # Saved after each engine, so the record describes every plan even if a later refit fails.
+        record_file = build.save_engines_record(out, record)
+        refitted.append(plans[name])
+    print_summary("TensorRT refit", [*refitted, record_file], time.perf_counter() - start)
+    return refitted
 
 
 def build_engines(cfg) -> list[Path]:
@@ -195,10 +246,14 @@ def build_engines(cfg) -> list[Path]:
     for name, onnx_file in onnx_files.items():
         shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file))
         plan = build.plan_path(out, name)
+        graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
+        # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
+        refittable = cfg.trt.refittable and lora.carried_by(name) and not graph_meta.get("quantized_unet")
         fingerprint = checkpoint.fingerprint({
-            "onnx": (read_json(onnx_file.parent / export.META_FILE) or {}).get("fingerprint"),
+            "onnx": graph_meta.get("fingerprint"),
             "shapes": shapes, "flavour": [builder.flavour, builder.version], "builder": builder.tool,
-            "level": cfg.trt.builder_optimization_level, "targets": list(cfg.trt.rtx_compute_capabilities)})
+            "level": cfg.trt.builder_optimization_level, "targets": list(cfg.trt.rtx_compute_capabilities),
+            **({"refittable": True} if refittable else {})})
         if not cfg.force and plan.is_file() and record.get(name, {}).get("fingerprint") == fingerprint:
             reused.append(plan)
             continue
@@ -210,10 +265,12 @@ def build_engines(cfg) -> list[Path]:
             info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
                     "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
         else:
-            info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache)
+            info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
+                                      list(refit.refittable_weights(onnx_file)) if refittable else ())
         # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
         record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
-                        "version": builder.version, "builder": builder.tool, "fp8": fp8[name]}
+                        "version": builder.version, "builder": builder.tool, "fp8": fp8[name],
+                        "loras": graph_meta.get("loras", []), "quantized_unet": graph_meta.get("quantized_unet")}
         written.append(plan)
     if written:
         written.append(build.save_engines_record(out, record))
