@@ -24,3 +24,5 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     assert set(quality["variants"]) == {"int8", "int8_onnx"}
     for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout
+    # The build loaded TensorRT for RTX, and its summary says so.
+    assert "tensorrt_rtx 1." in result.stdout.split("TensorRT build finished in")[1].split("\n\n")[0]

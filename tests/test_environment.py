@@ -14,6 +14,7 @@ from packaging.requirements import Requirement
 import sdquant
 from sdquant.environment import MODELOPT_NAMES, installed_version, missing_names, require_supported, version_problem
 from sdquant.errors import EXIT_USER_ERROR, UserError
+from sdquant.report import print_summary
 
 from conftest import REPO
 
@@ -83,3 +84,15 @@ def test_version_comes_from_the_installed_metadata():
     result = subprocess.run([sys.executable, "-c", "import sdquant; print(sdquant.__version__)"],
                             capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == installed_version("sdquant") == sdquant.__version__
+
+
+def test_closing_summary_names_the_versions_that_ran(capsys):
+    import diffusers
+    import tensorrt_rtx
+    import torch
+
+    print_summary("quantize", [], 1.0)
+    last_line = capsys.readouterr().out.splitlines()[-1].strip()
+    assert last_line == (f"versions: sdquant {sdquant.__version__}, torch {torch.__version__}, "
+                         f"diffusers {diffusers.__version__}, ModelOpt {installed_version('nvidia-modelopt')}, "
+                         f"tensorrt_rtx {tensorrt_rtx.__version__}")
