@@ -2,8 +2,7 @@
 # Installs sdquant from its pyproject ranges alone (no constraints) into a venv that holds torch
 # already, as a GPU image or an NVIDIA container does, then checks that pip kept that torch, that
 # `pip check` is clean and that the scripts' start-up check accepts what pip chose. pip's cache
-# serves the wheels: 95 s on the 2-core CI machine once it is warm (about half of it importing
-# ModelOpt for the check).
+# serves the wheels: 95 s on the 2-core CI machine once it is warm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
