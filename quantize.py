@@ -7,7 +7,6 @@ import hydra
 
 from sdquant.config import register_schemas
 from sdquant.errors import exits_cleanly
-from sdquant.workflow import run_quantize
 
 register_schemas()
 
@@ -15,6 +14,9 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path="conf", config_name="sd_xl_quantize")
 @exits_cleanly
 def main(cfg) -> None:
+    # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
+    from sdquant.workflow import run_quantize
+
     run_quantize(cfg)
 
 

@@ -13,11 +13,15 @@ class UserError(Exception):
 
 
 def exits_cleanly(main):
-    """Wraps a script's body so a UserError ends the run with its message and exit code 2."""
+    """Wraps a script's body: refuses an environment the code cannot run on before any work, and
+    ends a UserError with its message and exit code 2."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        from .environment import require_supported
+
         try:
+            require_supported()
             return main(*args, **kwargs)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)

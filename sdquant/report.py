@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import platform
+import sys
 from importlib import metadata
 from pathlib import Path
+
+from . import __version__
 
 PROVENANCE_PACKAGES = ("torch", "diffusers", "transformers", "nvidia-modelopt", "onnx",
                        "onnxruntime", "tensorrt", "tensorrt-rtx-cu13")
 
 
 def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
+    versions = {"python": platform.python_version(), "sdquant": __version__}
     for package in PROVENANCE_PACKAGES:
         try:
             versions[package] = metadata.version(package)
@@ -29,12 +32,27 @@ def _size(path: Path) -> str:
     return ""
 
 
+# The packages a bug report needs, with the names the summary gives them.
+SUMMARY_PACKAGES = {"sdquant": "sdquant", "torch": "torch", "diffusers": "diffusers", "nvidia-modelopt": "ModelOpt"}
+
+
+def versions_line() -> str:
+    """What ran: sdquant, torch, diffusers, ModelOpt and the TensorRT flavour this process loaded."""
+    from .build import BACKENDS
+
+    versions = library_versions()
+    parts = [f"{label} {versions[name]}" for name, label in SUMMARY_PACKAGES.items() if name in versions]
+    parts += [f"{name} {sys.modules[name].__version__}" for name in BACKENDS if name in sys.modules]
+    return "versions: " + ", ".join(parts)
+
+
 def print_summary(title: str, written: list[Path], seconds: float, reused: list[Path] = ()) -> None:
     print(f"\n{title} finished in {seconds:.1f} s")
     for path in written:
         print(f"  wrote   {path}  ({_size(path)})")
     for path in reused:
         print(f"  reused  {path}  (force=true rebuilds it)")
+    print(f"  {versions_line()}")
 
 
 def print_engine_table(record: dict) -> None:

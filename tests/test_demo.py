@@ -29,3 +29,5 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     assert adherence["int8"] >= adherence["fp16"] - 0.10 and adherence["int8_onnx"] >= adherence["fp16"] - 0.10
     for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout
+    # The build loaded TensorRT for RTX, and its summary says so.
+    assert "tensorrt_rtx 1." in result.stdout.split("TensorRT build finished in")[1].split("\n\n")[0]

@@ -8,7 +8,6 @@ import hydra
 
 from sdquant.config import register_schemas
 from sdquant.errors import exits_cleanly
-from sdquant.workflow import run_train_scene_model
 
 register_schemas()
 
@@ -16,6 +15,9 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_scene_model")
 @exits_cleanly
 def main(cfg) -> None:
+    # Imported once exits_cleanly has checked the installed packages.
+    from sdquant.workflow import run_train_scene_model
+
     run_train_scene_model(cfg)
 
 
