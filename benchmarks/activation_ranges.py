@@ -27,7 +27,8 @@ from sdquant.load import load_pipeline
 REPO = Path(__file__).resolve().parents[1]
 KINDS = (("attention q/k/v", ("to_q", "to_k", "to_v")), ("attention out", ("to_out",)),
          ("feed-forward in", ("ff.net.0",)), ("feed-forward out", ("ff.net.2",)),
-         ("transformer proj in/out", ("proj_in", "proj_out")), ("time/text embedding", ("embedding",)),
+         ("transformer proj in/out", ("proj_in", "proj_out")), ("resnet time projection", ("time_emb_proj",)),
+         ("time/text embedding", ("embedding",)),
          ("resnet/sampler conv", ("conv",)))
 # Elements drawn from a layer's input to estimate its 99.9th percentile.
 SAMPLE = 1 << 16
