@@ -1,6 +1,10 @@
 """The built-in scene model on the CPU: loading it plus one 20-step image, as a new user's first
 run does it (target: under 10 s on the 2-core CPU host), in a fresh process.
 
+On a 2-core host where another process holds a core, OpenMP's spinning threads stall each other:
+the same image took 77 s with torch's default two threads and 1.3 s with OMP_NUM_THREADS=1 or
+2.2 s with OMP_WAIT_POLICY=PASSIVE, so the environment is recorded with the figures.
+
     python benchmarks/scene_model_cpu.py --out benchmarks/results/scene_model_cpu2.json
 """
 
@@ -37,6 +41,7 @@ def main() -> None:
     total = time.perf_counter() - START
     result = {"benchmark": "scene_model_cpu", "device": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "threads": torch.get_num_threads(), "versions": library_versions(),
+              "environment": {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
               "seconds": {"imports": imported, "load": loaded - imported, "image_20_steps": total - loaded,
                           "total": total}, "target_s": TARGET_S, "meets_target": total < TARGET_S}
     args.out.parent.mkdir(parents=True, exist_ok=True)

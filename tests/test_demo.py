@@ -13,7 +13,7 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     result = subprocess.run(["bash", str(REPO / "demo_tiny.sh")], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    [checkpoint] = (tmp_path / "quantized").glob("nemo_scenes_sdxl_int8_l3_a0.8_min-mean_p1_s20_c8_b1_seed42_*")
+    [checkpoint] = (tmp_path / "quantized").glob("nemo_scenes_sdxl_int8_l3_a0.8_max_p1_s20_c8_b1_seed42_*")
     assert (checkpoint / "unet.mto").is_file()
     engines = json.loads((tmp_path / "sdxl_export/plan/engines.json").read_text())
     assert set(engines) == {"clip1", "clip2", "unet_xl", "vae"}
