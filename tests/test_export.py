@@ -144,19 +144,21 @@ def _quantized_checkpoint(quantize_cfg, *overrides, model="tiny_sdxl"):
 
 
 def test_int8_unet_matches_fake_quant(quantize_cfg, tiny_pipeline, tmp_path):
-    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3")
-    run_export(_export_cfg(tmp_path, "onnx.precision=fp32", f"quantized_unet={folder}"))
-    reference = tiny_pipeline().unet
-    quantized = tiny_pipeline().unet
+    # The trained scene UNet: through random weights, the few values that round to the other side
+    # of a boundary (ModelOpt rounds x * (127 / amax), ONNX x / (amax / 127)) grew to ~10%
+    # depending on the thread count; a trained network does not amplify them.
+    model = "scenes_sdxl"
+    folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3", model=model)
+    run_export(_export_cfg(tmp_path, "onnx.precision=fp32", f"quantized_unet={folder}", model=model))
+    reference = tiny_pipeline(model).unet
+    quantized = tiny_pipeline(model).unet
     checkpoint.restore(quantized, folder)
     feeds = _unet_feeds(reference)
     onnx_out = _session(export.onnx_path(tmp_path, "unet_xl")).run(None, feeds)[0]
     fake_quant = _torch_unet(quantized, feeds)
     full_precision = _torch_unet(reference, feeds)
-    # ModelOpt rounds x * (127 / amax), ONNX x / (amax / 127): a few values land on the other
-    # side of a rounding boundary and the difference grows through a random network. So the
-    # graph must agree with the fake-quant model to within a few percent and be no further from
-    # the unquantized model than the fake-quant model itself is.
+    # The graph must agree with the fake-quant model to within a few percent and be no further
+    # from the unquantized model than the fake-quant model itself is.
     quantization_error = _rel_err(fake_quant, full_precision)
     assert quantization_error > 1e-3, "8-bit must differ from fp32"
     assert _rel_err(onnx_out, fake_quant) < 0.05
