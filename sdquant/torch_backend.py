@@ -6,7 +6,8 @@ FP8 here follows ModelOpt's fake quantization number for number: a tensor is mul
 448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
 goes into the GEMM (``torch._scaled_mm``) instead of a dequantize. Activation scales are the
 checkpoint's calibrated ranges (static), so quantizing an activation is one pointwise op that the
-compiler fuses into the kernel producing it. Convolutions have no FP8 kernel in torch: they run
+compiler fuses into the kernel producing it where that is a pointwise or norm kernel (not after
+attention, whose kernel is an external one). Convolutions have no FP8 kernel in torch: they run
 in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake quantization computes.
 """
 
