@@ -6,8 +6,8 @@ teacher-forced noise-prediction error per step, an image grid and markdown/JSON 
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 

@@ -5,8 +5,8 @@
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
-from .export import TOKENS, graph_names, onnx_path, unet_graph_name
+from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, graph_names, onnx_path, sized, unet_graph_name
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
@@ -62,41 +62,20 @@ def batch_range(infer, trt, graph: str) -> BatchRange:
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def validate_profile(infer, trt) -> None:
-    """Refuses a batch range that no profile can hold, before any work."""
-    if infer.batch_size < 1:
-        raise UserError(f"infer.batch_size={infer.batch_size} must be at least 1")
-    if not trt.static_batch and not 1 <= trt.min_batch_size <= infer.batch_size <= trt.max_batch_size:
-        raise UserError(
-            f"batch sizes must satisfy 1 <= trt.min_batch_size ({trt.min_batch_size}) <= "
-            f"infer.batch_size ({infer.batch_size}) <= trt.max_batch_size ({trt.max_batch_size})"
-        )
-
-
 def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list]) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
     batch from batch_range, latent height and width from infer, context length from
     CONTEXT_TOKENS; static dims as the graph has them."""
     batch = batch_range(infer, trt, graph)
-    latent = {2: infer.height // VAE_SCALE, 3: infer.width // VAE_SCALE}
+    sizes = [{BATCH: samples, HEIGHT: infer.height // VAE_SCALE, WIDTH: infer.width // VAE_SCALE,
+              CONTEXT: CONTEXT_TOKENS[which]} for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
-        per_profile = []
-        for which, samples in enumerate((batch.min, batch.opt, batch.max)):
-            shape = []
-            for axis, dim in enumerate(dims):
-                if axis == 0:
-                    shape.append(samples)
-                elif dim is not None:
-                    shape.append(dim)
-                elif name == "context" and axis == 1:
-                    shape.append(CONTEXT_TOKENS[which])
-                elif axis in latent:
-                    shape.append(latent[axis])
-                else:
-                    raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
-            per_profile.append(tuple(shape))
-        shapes[name] = tuple(per_profile)
+        per_profile = tuple(sized(graph, name, dims, each) for each in sizes)
+        if None in per_profile[0]:
+            axis = per_profile[0].index(None)
+            raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
+        shapes[name] = per_profile
     return shapes
 
 
@@ -305,6 +284,26 @@ def _attach_timing_cache(config, timing_cache: Path):
     return fresh if config.set_timing_cache(fresh, ignore_mismatch=False) else None
 
 
+def make_refittable(flavour, network, config, names) -> None:
+    """Makes exactly `names` refittable in the build of `network` (TensorRT's REFIT_INDIVIDUAL)."""
+    import torch
+
+    if flavour.name == "tensorrt_rtx" and not torch.cuda.is_available():
+        # Its compiler runs CUDA code for refittable weights (seen with TensorRT-RTX 1.7).
+        raise UserError("trt.refittable=true: TensorRT-RTX builds refittable engines only on a machine with a "
+                        "GPU; build there, or set trt.refittable=false")
+    mark_refittable(flavour, network, config, names)
+
+
+def mark_refittable(flavour, network, config, names) -> None:
+    """The marking itself: a name TensorRT knows no weights by would leave the refit without a
+    source for them, so it is an error."""
+    config.set_flag(flavour.module.BuilderFlag.REFIT_INDIVIDUAL)
+    unknown = [name for name in names if not network.mark_weights_refittable(name)]
+    if unknown:
+        raise RuntimeError(f"TensorRT knows no weights named {unknown[:3]} in this graph")
+
+
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
                  timing_cache: Path | None, refittable_weights=()) -> dict:
     """Builds one engine with the Python API, with `refittable_weights` (names) refittable;
@@ -320,8 +319,6 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_cfg.workspace_gb * 1024**3))
     targets = flavour.set_targets(config, list(trt_cfg.rtx_compute_capabilities))
     if refittable_weights:
-        from .refit import make_refittable
-
         make_refittable(flavour, network, config, refittable_weights)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in shapes.items():

@@ -18,12 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .errors import UserError
-
-
-class Family(str, Enum):
-    sdxl = "sdxl"
-    sd15 = "sd15"
-    sd2 = "sd2"
+from .networks import Family
 
 
 class QuantFormat(str, Enum):
@@ -369,9 +364,18 @@ def validate_quantize_block(block: QuantizeBlock) -> None:
 PRECISIONS = ("fp16", "fp32")
 
 
-def validate_export(cfg) -> None:
-    from .build import validate_profile
+def validate_profile(infer: InferBlock, trt: TrtBlock) -> None:
+    """Refuses a batch range that no engine profile can hold, before any work."""
+    if infer.batch_size < 1:
+        raise UserError(f"infer.batch_size={infer.batch_size} must be at least 1")
+    if not trt.static_batch and not 1 <= trt.min_batch_size <= infer.batch_size <= trt.max_batch_size:
+        raise UserError(
+            f"batch sizes must satisfy 1 <= trt.min_batch_size ({trt.min_batch_size}) <= "
+            f"infer.batch_size ({infer.batch_size}) <= trt.max_batch_size ({trt.max_batch_size})"
+        )
 
+
+def validate_export(cfg) -> None:
     validate_profile(cfg.infer, cfg.trt)
     if cfg.trt.builder not in ("python", "trtexec"):
         raise UserError(f"trt.builder={cfg.trt.builder!r} is unknown: choose python or trtexec")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .config import Family, ModelConfig
+from .config import ModelConfig
+from .networks import Family
 from .errors import UserError
 from .lora import fuse as fuse_loras
 

@@ -18,11 +18,9 @@ import numpy as np
 import torch
 
 from .errors import UserError
-from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph, unet_graph_name
-
-STAGES_SDXL = ("clip1", "clip2", "unet_xl", "vae")
-STAGES_SD = ("clip1", "unet", "vae")
-
+from . import networks
+from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .networks import Network, unet_graph_name
 
 class OnnxRuntimeStage:
     """Runs an exported ONNX file; tensors cross as numpy on the host."""
@@ -54,37 +52,33 @@ def _to_numpy(tensor: torch.Tensor, onnx_type: str) -> np.ndarray:
 class TorchStage:
     """A diffusers module wrapped as its graph, called with the graph's input names."""
 
-    def __init__(self, graph: torch.nn.Module, input_names: list[str], output_names: list[str],
-                 dtype: torch.dtype):
+    def __init__(self, graph: torch.nn.Module, network: Network, dtype: torch.dtype):
         self.graph = graph
-        self.input_names = input_names
-        self.output_names = output_names
+        self.network = network
         self.dtype = dtype
 
     @torch.no_grad()
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         args = [inputs[name].to(self.dtype) if inputs[name].is_floating_point() and name != "timesteps"
-                else inputs[name] for name in self.input_names]
+                else inputs[name] for name in self.network.input_names]
         outputs = self.graph(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return dict(zip(self.output_names, outputs))
+        return dict(zip(self.network.output_names, outputs))
 
 
 def torch_stages(pipe, sdxl: bool, dtype: torch.dtype) -> dict:
     stages = {"clip1": TorchStage(TextEncoderGraph(pipe.text_encoder, penultimate=sdxl, pooled=False),
-                                  ["input_ids"], ["hidden_states"], dtype),
-              "vae": TorchStage(VaeDecoderGraph(pipe.vae), ["latent"], ["images"],
-                                next(pipe.vae.parameters()).dtype)}
+                                  networks.text_encoder("clip1", pooled=False), dtype),
+              "vae": TorchStage(VaeDecoderGraph(pipe.vae), networks.VAE, next(pipe.vae.parameters()).dtype)}
     if sdxl:
         stages["clip2"] = TorchStage(TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True),
-                                     ["input_ids"], ["hidden_states", "pooled"], dtype)
+                                     networks.text_encoder("clip2", pooled=True), dtype)
     stages[unet_graph_name(sdxl)] = unet_stage(pipe.unet, sdxl, dtype)
     return stages
 
 
 def unet_stage(unet: torch.nn.Module, sdxl: bool, dtype: torch.dtype) -> TorchStage:
-    unet_inputs = ["x", "timesteps", "context"] + (["y"] if sdxl else [])
-    return TorchStage(UNetGraph(unet, sdxl), unet_inputs, ["out"], dtype)
+    return TorchStage(UNetGraph(unet, sdxl), networks.unet(sdxl), dtype)
 
 
 class StageTimer:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UserError
+from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 FP8_MAX = 448.0
 # torch._scaled_mm wants every matrix dimension divisible by 16.
@@ -123,8 +124,6 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
 def runs_as_fp8(unet: torch.nn.Module) -> list[str]:
     """Why the checkpoint in `unet` cannot run with FP8 GEMMs: one reason per kind of quantizer
     this path has no kernel for; empty when it can."""
-    from .export import quantized_attention, quantized_inputs, unsupported_quantizers
-
     reasons = []
     sites = quantized_inputs(unet)
     if any(not site.fp8 for site in sites):
@@ -143,8 +142,6 @@ def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
     Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
     module class with its plain torch layer; returns how many layers run in FP8."""
     from modelopt.torch.quantization.nn import QuantModule
-
-    from .export import quantized_inputs
 
     reasons = runs_as_fp8(unet)
     if reasons:

@@ -11,10 +11,10 @@ from omegaconf import OmegaConf
 
 import torch
 
-from . import build, checkpoint, export, load, lora, parallel, refit, report, run
+from . import build, checkpoint, export, load, lora, networks, parallel, refit, report, run
 from .artifacts import read_json
 from .calibrate import activation_amax, amax_summary, quantize_unet
-from .config import (Family, plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block,
+from .config import (plain, validate_evaluate, validate_export, validate_infer, validate_quantize_block,
                      validate_train_scene)
 from .errors import UserError
 from .load import calibration_prompts_file, compute_dtype, empty_unet, load_pipeline, load_prompts, resolve_device
@@ -23,7 +23,7 @@ from .recipe import uses_smoothquant
 
 
 def _is_sdxl(cfg) -> bool:
-    return Family(cfg.model.family) == Family.sdxl
+    return networks.is_sdxl(cfg.model.family)
 
 
 def quantized_checkpoint_dir(cfg) -> Path:
@@ -131,7 +131,7 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         "graph": name,
         "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
-        "quantized": (quantized or {}).get("fingerprint") if name == export.unet_graph_name(_is_sdxl(cfg)) else None,
+        "quantized": (quantized or {}).get("fingerprint") if name == networks.unet_graph_name(_is_sdxl(cfg)) else None,
     })
 
 
@@ -169,20 +169,20 @@ def export_onnx(cfg) -> list[Path]:
     specs = export.graph_specs(pipe, cfg.model.family, cfg.infer.batch_size, latent, dtype, vae_dtype)
     written, reused = [], []
     for spec in specs:
-        folder = export.onnx_path(cfg.infer.out_path, spec.name).parent
+        folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
         graph_dtype = vae_dtype if spec.name == "vae" else dtype
         fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized)
         if not cfg.force and export.is_current(folder, fingerprint):
-            reused.append(folder / export.ONNX_FILE)
+            reused.append(folder / networks.ONNX_FILE)
             continue
         print(f"exporting {spec.name} to {folder} ...", flush=True)
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name == export.unet_graph_name(_is_sdxl(cfg)) else None,
+                "quantized_unet": cfg.quantized_unet if spec.name == networks.unet_graph_name(_is_sdxl(cfg)) else None,
                 "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
                 "versions": library_versions()}
         export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
-        written.append(folder / export.ONNX_FILE)
+        written.append(folder / networks.ONNX_FILE)
     print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
                   time.perf_counter() - start, reused=reused)
     return written + reused
@@ -199,7 +199,7 @@ def refit_engines(cfg) -> list[Path]:
     out = cfg.infer.out_path
     record = build.engines_record(out)
     wanted = lora.identities(cfg.model.loras)
-    plans = {name: build.plan_path(out, name) for name in export.graph_names(cfg.model.family)
+    plans = {name: build.plan_path(out, name) for name in networks.graph_names(cfg.model.family)
              if lora.carried_by(name)}
     for name, plan in plans.items():
         if name not in record or not plan.is_file():
@@ -281,13 +281,13 @@ def build_engines(cfg) -> list[Path]:
 
 def _stage_files(cfg) -> dict[str, Path]:
     """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
-    names = run.STAGES_SDXL if _is_sdxl(cfg) else run.STAGES_SD
+    names = networks.graph_names(cfg.model.family)
     keys = {"clip1": cfg.clip1, "clip2": cfg.clip2, "unet_xl": cfg.unet_xl, "unet": cfg.unet_xl, "vae": cfg.vae}
     return {name: Path(keys[name]).expanduser() for name in names}
 
 
 def _onnx_beside(plan: Path) -> Path:
-    return plan.parent.parent / "onnx" / plan.stem / export.ONNX_FILE
+    return plan.parent.parent / "onnx" / plan.stem / networks.ONNX_FILE
 
 
 def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
@@ -306,14 +306,14 @@ def _load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
             if cfg.torch_backend.quantized == "fp8":
                 torch_backend.convert_to_fp8(pipe.unet, cfg.quantized_unet)
         return torch_backend.speed_up(pipe, run.torch_stages(pipe, sdxl, dtype), cfg.torch_backend, cfg.cuda_graph,
-                                      export.unet_graph_name(sdxl), quantized=bool(cfg.quantized_unet))
+                                      networks.unet_graph_name(sdxl), quantized=bool(cfg.quantized_unet))
     from .trt_runtime import trt_stages
 
     for name, plan in files.items():
         if not plan.is_file():
             raise UserError(f"{name}={plan}: no such engine; build it with export_trt.py")
     flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
-    unet_name = export.unet_graph_name(sdxl)
+    unet_name = networks.unet_graph_name(sdxl)
     return trt_stages(flavours, files, (unet_name,) if cfg.cuda_graph else ())
 
 
@@ -440,7 +440,7 @@ def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dt
     if kind == "engine":
         from .trt_runtime import trt_stages
 
-        unet_name = export.unet_graph_name(sdxl)
+        unet_name = networks.unet_graph_name(sdxl)
         plan = Path(source).expanduser()
         return trt_stages(build.engine_flavour(plan), {unet_name: plan}, ())[unet_name]
     unet = empty_unet(cfg.model)
@@ -464,7 +464,7 @@ def run_evaluate(cfg) -> dict:
     pipe = load_pipeline(cfg.model, device, dtype)
     stages = run.torch_stages(pipe, sdxl, dtype)
     pipeline = _text_to_image(cfg, stages, device)
-    unet_name = export.unet_graph_name(sdxl)
+    unet_name = networks.unet_graph_name(sdxl)
     fp16_unet = stages[unet_name]
     lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
                    quality.clip_metric(cfg.metrics.clip_model, device))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sdquant.errors import EXIT_USER_ERROR, exits_cleanly
+from sdquant.cli import exits_cleanly
+from sdquant.errors import EXIT_USER_ERROR
 from sdquant.workflow import run_quantize
 
 BAD_QUANTIZE = [

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from sdquant import build, export
+from sdquant import build, config, export, networks
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.workflow import build_engines, run_export, run_quantize
@@ -50,7 +50,7 @@ def test_guidance_doubles_unet_and_text_encoders_not_vae():
                                        (InferBlock(batch_size=0), TrtBlock(static_batch=True))])
 def test_impossible_batch_range_is_refused(infer, trt):
     with pytest.raises(UserError, match="batch"):
-        build.validate_profile(infer, trt)
+        config.validate_profile(infer, trt)
 
 
 def test_trtexec_command_golden(tmp_path):
@@ -128,7 +128,7 @@ def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_en
     # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
     log = fake_trtexec(101300)
-    shutil.copytree(export.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    shutil.copytree(networks.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
     cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
     run_export(cfg)
     commands = [json.loads(line) for line in log.read_text().splitlines()]
@@ -185,7 +185,7 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
-    onnx_file = export.onnx_path(tmp_path, "unet_xl")
+    onnx_file = networks.onnx_path(tmp_path, "unet_xl")
     shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)

@@ -11,8 +11,9 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant import torch_backend
 from sdquant.errors import UserError
-from sdquant.export import UNetGraph, quantized_inputs
+from sdquant.export import UNetGraph
 from sdquant.load import empty_unet
+from sdquant.quantizers import quantized_inputs
 from sdquant.workflow import _restore_quantized_unet, run_infer, run_quantize
 
 from conftest import compose_config
