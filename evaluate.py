@@ -16,7 +16,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_evaluate
+    from sdquant.workflow.evaluate import run_evaluate
 
     run_evaluate(cfg)
 

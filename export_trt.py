@@ -15,7 +15,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_export
+    from sdquant.workflow.export_trt import run_export
 
     run_export(cfg)
 

@@ -15,7 +15,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_quantize
+    from sdquant.workflow.quantize import run_quantize
 
     run_quantize(cfg)
 

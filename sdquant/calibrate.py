@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from .config import QuantizeBlock
+from .cuda_graphs import CapturedGraph, clone_tensors
 from .errors import UserError
 from .parallel import World, combine, shard, sum_over_ranks
 from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
@@ -295,17 +296,16 @@ class CapturedUNet:
                 self.warmed.add(key)
                 return self.eager(*args, **kwargs)
             self.graphs[key] = self._capture(leaves, spec)
-        graph, static_leaves, output, template = self.graphs[key]
-        for index in tensors:
-            static_leaves[index].copy_(leaves[index])
-        graph.replay()
+        captured, template = self.graphs[key]
+        output = captured.replay({index: leaves[index] for index in tensors})
         self.recorder.queue_copies(template)
-        return _clone_tensors(output)
+        return output
 
-    def _capture(self, leaves: list, spec):
+    def _capture(self, leaves: list, spec) -> tuple[CapturedGraph, tuple[list, list]]:
+        """The graph of one call, with the amaxes its replays write (the recorder's template)."""
         from torch.utils._pytree import tree_unflatten
 
-        static_leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        static_leaves = clone_tensors(leaves)
         args, kwargs = tree_unflatten(static_leaves, spec)
         graph = torch.cuda.CUDAGraph()
         # The eager warm-up's cached blocks cannot serve the graph's private pool.
@@ -313,13 +313,8 @@ class CapturedUNet:
         self.recorder.take_pending()
         with torch.cuda.graph(graph):
             output = self.eager(*args, **kwargs)
-        return graph, static_leaves, output, self.recorder.take_pending()
-
-
-def _clone_tensors(tree):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
+        inputs = {index: leaf for index, leaf in enumerate(static_leaves) if isinstance(leaf, torch.Tensor)}
+        return CapturedGraph(graph, inputs, output), self.recorder.take_pending()
 
 
 def _modelopt_calibrator_base():

@@ -73,7 +73,7 @@ def refit_sources(expected: dict[str, tuple[torch.dtype, int]],
 def refit_engine(flavour, plan: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Writes `tensors` into the engine at `plan` with TensorRT's Refitter and saves it in place;
     returns how many weights were refitted. Needs the GPU the engine was built for."""
-    from .trt_runtime import deserialize
+    from .trt_stages import deserialize
 
     trt = flavour.module
     logger = trt.Logger(trt.Logger.WARNING)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
 from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
@@ -173,17 +174,12 @@ class GraphReplayStage:
         self.graphs: dict = {}
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+        key = signature(inputs)
         if key not in self.graphs:
             self.graphs[key] = self._capture(inputs)
-        graph, static_inputs, static_outputs = self.graphs[key]
-        for name, tensor in inputs.items():
-            static_inputs[name].copy_(tensor)
-        graph.replay()
-        # The graph writes into the same outputs at every replay: hand out copies.
-        return {name: tensor.clone() for name, tensor in static_outputs.items()}
+        return self.graphs[key].replay(inputs)
 
-    def _capture(self, inputs: dict[str, torch.Tensor]):
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> CapturedGraph:
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         # Warm up on a side stream with the very tensors the graph will read (same strides, so
         # no recompile): compiling, autotuning and library set-up must all happen before capture.
@@ -196,7 +192,7 @@ class GraphReplayStage:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_outputs = self.stage(**static_inputs)
-        return graph, static_inputs, static_outputs
+        return CapturedGraph(graph, static_inputs, static_outputs)
 
 
 def speed_up(pipe, stages: dict, block, cuda_graph: bool, unet_name: str, quantized: bool) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR
-from sdquant.workflow import run_quantize
+from sdquant.workflow.quantize import run_quantize
 
 BAD_QUANTIZE = [
     (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is unknown"),

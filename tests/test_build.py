@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 from sdquant import build, config, export, networks
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.workflow import build_engines, run_export, run_quantize
+from sdquant.workflow.export_trt import build_engines, run_export
+from sdquant.workflow.quantize import run_quantize
 
 import standin_tensorrt
 from conftest import compose_config

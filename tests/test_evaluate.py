@@ -10,7 +10,9 @@ import torch
 from PIL import Image
 
 from sdquant.errors import EXIT_USER_ERROR, UserError
-from sdquant.workflow import run_evaluate, run_export, run_quantize
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 

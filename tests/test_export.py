@@ -14,7 +14,8 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant import checkpoint, export, networks
 from sdquant.errors import UserError
-from sdquant.workflow import run_export, run_quantize
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 

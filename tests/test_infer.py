@@ -9,9 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from sdquant import run
 from sdquant.errors import UserError
-from sdquant.workflow import run_export, run_infer, run_quantize
+from sdquant.pipeline import warn_if_not_finite
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 
@@ -131,6 +133,6 @@ def test_missing_engine_is_named(tmp_path, model_cache):
 
 def test_non_finite_vae_output_warns_naming_the_vae():
     with pytest.warns(UserWarning, match="the VAE produced NaN"):
-        run.warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
+        warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
     with pytest.warns(UserWarning, match="the UNet produced NaN"):
-        run.warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))
+        warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))

@@ -16,7 +16,10 @@ from sdquant import build, checkpoint, export, lora, networks, refit
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
 from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device
-from sdquant.workflow import quantized_checkpoint_dir, run_evaluate, run_export, run_infer, run_quantize
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import quantized_checkpoint_dir, run_quantize
 
 from conftest import compose_config
 from test_export import _rel_err, _session, _torch_unet, _unet_feeds

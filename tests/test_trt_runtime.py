@@ -13,11 +13,13 @@ import tensorrt_rtx
 import torch
 
 import standin_tensorrt
-from sdquant import build, run
+from sdquant import build
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.trt_runtime import check_within_profiles, trt_stages
-from sdquant.workflow import _text_to_image
+from sdquant.pipeline import SamplingSettings, TextToImage
+from sdquant.stages import StageTimer, torch_stages
+from sdquant.trt_stages import check_within_profiles, trt_stages
+from sdquant.workflow.common import text_to_image
 
 from conftest import compose_config
 
@@ -27,9 +29,9 @@ SDXL_DIMS = {"clip1": {"input_ids": [None, 77]}, "clip2": {"input_ids": [None, 7
              "vae": {"latent": [None, 4, None, None]}}
 
 
-def _settings(images: int, negative_prompt: str, guidance_scale: float) -> run.SamplingSettings:
-    return run.SamplingSettings(prompts=[f"prompt {i}" for i in range(images)], negative_prompt=negative_prompt,
-                                steps=1, guidance_scale=guidance_scale, height=64, width=64, seed=0)
+def _settings(images: int, negative_prompt: str, guidance_scale: float) -> SamplingSettings:
+    return SamplingSettings(prompts=[f"prompt {i}" for i in range(images)], negative_prompt=negative_prompt,
+                            steps=1, guidance_scale=guidance_scale, height=64, width=64, seed=0)
 
 
 class _BatchRecorder:
@@ -51,10 +53,10 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
     sdxl = model == "tiny_sdxl"
     seen = {}
     stages = {name: _BatchRecorder(stage, name, seen)
-              for name, stage in run.torch_stages(pipe, sdxl, torch.float32).items()}
-    pipeline = _text_to_image(compose_config("sd_xl_trt_inference", [f"model={model}"]), stages, torch.device("cpu"))
+              for name, stage in torch_stages(pipe, sdxl, torch.float32).items()}
+    pipeline = text_to_image(compose_config("sd_xl_trt_inference", [f"model={model}"]), stages, torch.device("cpu"))
     settings = _settings(2, negative_prompt, guidance_scale)
-    pipeline(settings, run.StageTimer(torch.device("cpu")), progress=False)
+    pipeline(settings, StageTimer(torch.device("cpu")), progress=False)
     assert {name: sizes.pop() for name, sizes in seen.items() if len(sizes) == 1} == pipeline.stage_batches(settings)
     if sdxl:
         zero_negative = negative_prompt == ""
@@ -62,9 +64,9 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
             "SDXL's empty negative prompt is zeros: the text encoders see the prompts only"
 
 
-def _sdxl_pipeline() -> run.TextToImage:
-    return run.TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
-                           torch.device("cpu"), sdxl=True)
+def _sdxl_pipeline() -> TextToImage:
+    return TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
+                       torch.device("cpu"), sdxl=True)
 
 
 @pytest.mark.parametrize("trt", [TrtBlock(), TrtBlock(static_batch=True)], ids=["dynamic", "static"])
