@@ -9,12 +9,15 @@ one that must load it).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -304,6 +307,45 @@ def mark_refittable(flavour, network, config, names) -> None:
         raise RuntimeError(f"TensorRT knows no weights named {unknown[:3]} in this graph")
 
 
+@contextlib.contextmanager
+def _stopped_by_ctrl_c(flavour: Flavour, config, logger):
+    """Ctrl-C during a build stops it at TensorRT's next step, through its progress monitor, instead
+    of after the whole build (minutes for a full-size UNet), and is raised once the builder returns;
+    TensorRT's own report of the cancelled build is not printed."""
+    if (not hasattr(flavour.module, "IProgressMonitor") or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = []
+
+    class CancelOnCtrlC(flavour.module.IProgressMonitor):
+        def __init__(self):
+            flavour.module.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            pass
+
+        def phase_finish(self, phase_name):
+            pass
+
+        def step_complete(self, phase_name, step):
+            return not pressed  # False asks TensorRT to cancel the build
+
+    monitor = CancelOnCtrlC()
+    config.progress_monitor = monitor
+    def on_ctrl_c(*_):
+        pressed.append(True)
+        logger.min_severity = flavour.module.Logger.INTERNAL_ERROR
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
                  timing_cache: Path | None, refittable_weights=()) -> dict:
     """Builds one engine with the Python API, with `refittable_weights` (names) refittable;
@@ -329,7 +371,8 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
         cache = _attach_timing_cache(config, timing_cache)
 
     start = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
+    with _stopped_by_ctrl_c(flavour, config, logger):
+        serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise UserError(f"TensorRT could not build {onnx_file}: see the errors above")
     with atomic_path(plan_file) as temp:

@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
-
 from .config import QuantizeBlock
 from .cuda_graphs import CapturedGraph, clone_tensors
 from .errors import UserError
 from .parallel import World, combine, shard, sum_over_ranks
+from .progress import Progress
 from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
                      uses_smoothquant)
 
@@ -403,7 +402,7 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
     device = pipe.unet.device
-    for index, batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+    for index, batch in Progress(batches, "calibrating", "batches", show=progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
              height=block.height, width=block.width, generator=generator, output_type="latent")

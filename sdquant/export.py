@@ -15,9 +15,6 @@ their calibrated ranges (sdquant.insert_qdq), as ModelOpt's own ONNX export give
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 import time
 import types
 import warnings
@@ -27,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import networks
-from .artifacts import read_json, write_json
+from .artifacts import atomic_folder, read_json, write_json
 from .insert_qdq import insert_qdq, module_path
 from .networks import ONNX_FILE, TOKENS, Network
 from .quantizers import unsupported_quantizers
@@ -308,12 +305,8 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
     """Exports `spec` into `folder` atomically: everything is written beside it, then renamed."""
     import onnx
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as graph:
         start = time.perf_counter()
-        graph = staging / "graph"  # made with the user's umask, unlike the private temp folder
-        graph.mkdir()
         _trace(spec, graph / ONNX_FILE, opset)
         model = onnx.load(str(graph / ONNX_FILE))
         if spec.on_meta:
@@ -324,11 +317,6 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
         del model
         onnx.checker.check_model(str(graph / ONNX_FILE))
         write_json(graph / META_FILE, {**meta, "seconds": round(time.perf_counter() - start, 2)})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(graph, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def is_current(folder: Path, fingerprint: str) -> bool:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from .artifacts import atomic_folder
 from .config import ModelConfig
-from .networks import Family
 from .errors import UserError
 from .lora import fuse as fuse_loras
+from .networks import Family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -50,17 +48,9 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
     folder = Path(model.source).expanduser()
     if (folder / "model_index.json").exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    # Another process may finish the same build first: its folder is as good as ours.
+    with atomic_folder(folder, replace=False) as staging:
         build_tiny_pipeline(Family(model.family).value, staging)
-        os.replace(staging, folder)
-    except OSError:
-        # Another process finished the same build first: its folder is as good as ours.
-        if not (folder / "model_index.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

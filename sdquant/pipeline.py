@@ -13,6 +13,7 @@ import torch
 
 from .errors import UserError
 from .networks import unet_graph_name
+from .progress import Progress
 from .stages import StageTimer
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
@@ -130,8 +131,6 @@ class TextToImage:
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
         """Images in [0, 1], (B, 3, H, W), float32."""
-        from tqdm import tqdm
-
         context, pooled = self.encode(settings, timer)
         y = self.y(pooled, settings.height, settings.width) if self.sdxl else None
         self.scheduler.set_timesteps(settings.steps, device=self.device)
@@ -141,7 +140,7 @@ class TextToImage:
         step_kwargs = self._step_kwargs(generator)
         unet_name = unet_graph_name(self.sdxl)
         guided = self.guided(settings)
-        steps = tqdm(self.scheduler.timesteps, desc="denoising", unit="step", disable=not progress, leave=False)
+        steps = Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)
         for t in steps:
             x = torch.cat([latents] * 2) if guided else latents
             x = self.scheduler.scale_model_input(x, t)

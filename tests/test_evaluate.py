@@ -44,9 +44,12 @@ def unet_onnx(tmp_path_factory, model_cache):
 
 
 @pytest.mark.parametrize("scheduler", ["euler", "euler_a"])
-def test_identical_unet_gives_infinite_psnr_unit_ssim_and_zero_step_error(tmp_path, model_cache, scheduler):
+def test_identical_unet_gives_infinite_psnr_unit_ssim_and_zero_step_error(tmp_path, model_cache, scheduler, capsys):
     # euler_a draws noise at every step: identical images also prove it is drawn from the run's seed.
     report = _evaluate(tmp_path, "+variants.same=null", f"sampling.scheduler={scheduler}")
+    progress = capsys.readouterr().err
+    assert "fp16: 2/2 prompt batches" in progress and "same: 2/2 prompt batches" in progress
+    assert "denoising" not in progress and "\r" not in progress, "one plain line per loop, none nested"
     same = report["variants"]["same"]
     assert [row["psnr"] for row in same["per_prompt"]] == [math.inf] * len(PROMPTS)
     assert [row["ssim"] for row in same["per_prompt"]] == pytest.approx([1.0] * len(PROMPTS))

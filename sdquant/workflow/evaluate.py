@@ -11,9 +11,11 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, networks, quality, report
+from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
 from ..load import compute_dtype, empty_unet, load_pipeline, resolve_device
+from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer, torch_stages, unet_stage
 from .common import prompt_batches, restore_quantized_unet, sampling_settings, text_to_image
@@ -21,8 +23,6 @@ from .common import prompt_batches, restore_quantized_unet, sampling_settings, t
 
 def run_evaluate(cfg) -> dict:
     """evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's."""
-    from tqdm import tqdm
-
     start = time.perf_counter()
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
@@ -30,50 +30,65 @@ def run_evaluate(cfg) -> dict:
     device = resolve_device(cfg.device)
     dtype = compute_dtype(device, cfg.dtype)
     sdxl = networks.is_sdxl(cfg.model.family)
-    pipe = load_pipeline(cfg.model, device, dtype)
-    stages = torch_stages(pipe, sdxl, dtype)
-    pipeline = text_to_image(cfg, stages, device)
-    unet_name = networks.unet_graph_name(sdxl)
-    fp16_unet = stages[unet_name]
-    lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
-                   quality.clip_metric(cfg.metrics.clip_model, device))
+    with stage("loading the model"):
+        pipe = load_pipeline(cfg.model, device, dtype)
+        pipeline = text_to_image(cfg, torch_stages(pipe, sdxl, dtype), device)
+        lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
+                       quality.clip_metric(cfg.metrics.clip_model, device))
+    fp16_unet = pipeline.stages[networks.unet_graph_name(sdxl)]
+    with stage("the fp16 reference runs"):
+        references = _reference_runs(cfg, pipeline, batches, device)
+    reference_clip = ([value for settings, _, images, _ in references
+                       for value in clip.score(None, images, settings.prompts)] if clip.score else None)
+    reference_adherence = [row for settings, _, images, _ in references
+                           for row in quality.adherence(images, settings.prompts)]
+    columns = [torch.cat([images for _, _, images, _ in references])]
+    scores = {}
+    for name, kind in kinds.items():
+        with stage(f"the runs of variant {name}"):
+            unet = _variant_unet(cfg, name, kind, fp16_unet, device, dtype)
+            scores[name], images = _variant_runs(cfg, pipeline, name, unet, references, [lpips, clip], device)
+        columns.append(images)
+    settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+                "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
+    result = quality.build_report(scores, reference_clip, reference_adherence,
+                                  [m.note for m in (lpips, clip) if m.note], settings)
+    with stage("writing the report"):
+        written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
+    quality.print_means(result)
+    print_summary("quality evaluation", written, time.perf_counter() - start)
+    return result
 
-    references = []  # per prompt batch: settings, initial latents, fp16 images, recorded UNet calls
-    for index, prompts in enumerate(tqdm(batches, desc=quality.REFERENCE, unit="batch")):
+
+def _reference_runs(cfg, pipeline, batches: list[list[str]], device: torch.device) -> list[tuple]:
+    """Per prompt batch: its settings, initial latents, the fp16 UNet's images and its recorded calls."""
+    unet_name = networks.unet_graph_name(pipeline.sdxl)
+    fp16_unet = pipeline.stages[unet_name]
+    references = []
+    for index, prompts in enumerate(Progress(batches, quality.REFERENCE, "prompt batches")):
         settings = sampling_settings(cfg, prompts, cfg.sampling.seed + index)
         latents = pipeline.initial_latents(settings)
         recorder = quality.RecordingStage(fp16_unet)
         pipeline.stages[unet_name] = recorder
         references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
                            recorder.calls))
-    reference_clip = ([value for settings, _, images, _ in references
-                       for value in clip.score(None, images, settings.prompts)] if clip.score else None)
-    reference_adherence = [row for settings, _, images, _ in references
-                           for row in quality.adherence(images, settings.prompts)]
+    pipeline.stages[unet_name] = fp16_unet
+    return references
 
-    columns = [torch.cat([images for _, _, images, _ in references])]
-    scores = {}
-    for name, kind in kinds.items():
-        stage = _variant_unet(cfg, name, kind, fp16_unet, device, dtype)
-        pipeline.stages[unet_name] = stage
-        variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 UNet again (self-check)"))
-        images_per_batch = []
-        for settings, latents, reference, calls in tqdm(references, desc=name, unit="batch"):
-            images = pipeline(settings, StageTimer(device), latents=latents)
-            variant.per_prompt += quality.score_images(reference, images, settings.prompts, [lpips, clip])
-            variant.step_errors.append(quality.teacher_forced_errors(calls, stage))
-            variant.adherence += quality.adherence(images, settings.prompts)
-            images_per_batch.append(images)
-        columns.append(torch.cat(images_per_batch))
-        scores[name] = variant
-    settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
-                "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
-    result = quality.build_report(scores, reference_clip, reference_adherence,
-                                  [m.note for m in (lpips, clip) if m.note], settings)
-    written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
-    quality.print_means(result)
-    print_summary("quality evaluation", written, time.perf_counter() - start)
-    return result
+
+def _variant_runs(cfg, pipeline, name: str, unet, references: list[tuple], metrics: list,
+                  device: torch.device) -> tuple[quality.VariantScores, torch.Tensor]:
+    """One variant's scores, from the reference runs' initial latents, and its images."""
+    pipeline.stages[networks.unet_graph_name(pipeline.sdxl)] = unet
+    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 UNet again (self-check)"))
+    images_per_batch = []
+    for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
+        images = pipeline(settings, StageTimer(device), latents=latents)
+        variant.per_prompt += quality.score_images(reference, images, settings.prompts, metrics)
+        variant.step_errors.append(quality.teacher_forced_errors(calls, unet))
+        variant.adherence += quality.adherence(images, settings.prompts)
+        images_per_batch.append(images)
+    return variant, torch.cat(images_per_batch)
 
 
 ENGINE_SUFFIXES = (".plan", ".engine")

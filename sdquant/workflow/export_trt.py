@@ -10,6 +10,7 @@ import torch
 
 from .. import build, checkpoint, export, lora, networks, refit
 from ..artifacts import read_json
+from ..cli import stage
 from ..config import validate_export
 from ..errors import UserError
 from ..load import empty_unet, load_pipeline, resolve_device
@@ -36,19 +37,21 @@ def export_onnx(cfg) -> list[Path]:
     # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
     # trace it on a 24 GB host.
     quantized = None
-    if cfg.quantized_unet:
-        # The checkpoint holds every UNet weight: loading the model's own first would hold the
-        # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
-        pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
-        quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
-        pipe.to(device)
-    else:
-        pipe = load_pipeline(cfg.model, device, dtype)
+    with stage("loading the model"):
+        if cfg.quantized_unet:
+            # The checkpoint holds every UNet weight: loading the model's own first would hold the
+            # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
+            pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
+            quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
+            pipe.to(device)
+        else:
+            pipe = load_pipeline(cfg.model, device, dtype)
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
         export.prepare_quantizers_for_export(pipe.unet, dtype)
     latent = cfg.onnx.trace_latent_size
     specs = export.graph_specs(pipe, cfg.model.family, cfg.infer.batch_size, latent, dtype, vae_dtype)
+    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
     written, reused = [], []
     for spec in specs:
         folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
@@ -57,13 +60,14 @@ def export_onnx(cfg) -> list[Path]:
         if not cfg.force and export.is_current(folder, fingerprint):
             reused.append(folder / networks.ONNX_FILE)
             continue
-        print(f"exporting {spec.name} to {folder} ...", flush=True)
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name == networks.unet_graph_name(networks.is_sdxl(cfg.model.family)) else None,
+                "quantized_unet": cfg.quantized_unet if spec.name == unet_name else None,
                 "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
                 "versions": library_versions()}
-        export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
+        with stage(f"exporting {spec.name}"):
+            print(f"exporting {spec.name} to {folder} ...", flush=True)
+            export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
         written.append(folder / networks.ONNX_FILE)
     print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
                   time.perf_counter() - start, reused=reused)
@@ -71,11 +75,12 @@ def export_onnx(cfg) -> list[Path]:
 
 
 def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
+    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
     return checkpoint.fingerprint({
         "graph": name,
         "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
-        "quantized": (quantized or {}).get("fingerprint") if name == networks.unet_graph_name(networks.is_sdxl(cfg.model.family)) else None,
+        "quantized": (quantized or {}).get("fingerprint") if name == unet_name else None,
     })
 
 
@@ -102,15 +107,17 @@ def refit_engines(cfg) -> list[Path]:
         return []
     # As the export loaded it, so the fused weights round as in a graph exported with them.
     dtype = _graph_dtype(cfg)
-    pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
+    with stage("loading the model"):
+        pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
     modules = {spec.name: spec.module for spec in export.graph_specs(
         pipe, cfg.model.family, 1, cfg.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
     refitted = []
     for name in stale:
-        print(f"refitting {plans[name]} ...", flush=True)
         # Only the TensorRT that built an engine can load it, and so refit it.
-        count = refit.refit_engine(build.engine_flavour(plans[name]), plans[name],
-                                   export.graph_weights(modules[name]))
+        with stage(f"refitting {plans[name].name}"):
+            print(f"refitting {plans[name]} ...", flush=True)
+            count = refit.refit_engine(build.engine_flavour(plans[name]), plans[name],
+                                       export.graph_weights(modules[name]))
         # The engine no longer holds what its ONNX file does: a build from that file is not reused.
         record[name] = {**record[name], "loras": wanted, "refit_weights": count,
                         "fingerprint": checkpoint.fingerprint({"refit_of": record[name]["fingerprint"],
@@ -148,23 +155,27 @@ def build_engines(cfg) -> list[Path]:
         if not cfg.force and plan.is_file() and record.get(name, {}).get("fingerprint") == fingerprint:
             reused.append(plan)
             continue
-        print(f"building {plan} ...", flush=True)
-        if builder.tool == "trtexec":
-            command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
-            if not build.run_trtexec(command, plan):
-                continue
-            info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
-                    "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
-        else:
-            info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
-                                      list(refit.refittable_weights(onnx_file)) if refittable else ())
+        with stage(f"building {plan.name}"):
+            print(f"building {plan} ...", flush=True)
+            if builder.tool == "trtexec":
+                command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
+                if not build.run_trtexec(command, plan):
+                    continue
+                info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
+                        "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
+            else:
+                info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
+                                          list(refit.refittable_weights(onnx_file)) if refittable else ())
         # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
         record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
                         "version": builder.version, "builder": builder.tool, "fp8": fp8[name],
                         "loras": graph_meta.get("loras", []), "quantized_unet": graph_meta.get("quantized_unet")}
+        # Saved after each engine, so the engines built before an interrupted or failed build are
+        # described, and reused by the next run.
+        record_file = build.save_engines_record(out, record)
         written.append(plan)
     if written:
-        written.append(build.save_engines_record(out, record))
+        written.append(record_file)
     print_engine_table(record)
     print_summary("TensorRT build", written, time.perf_counter() - start, reused=reused)
     return written + reused

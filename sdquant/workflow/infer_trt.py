@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, networks, report
+from ..cli import stage
 from ..config import validate_infer
 from ..errors import UserError
 from ..load import compute_dtype, load_pipeline, resolve_device
@@ -47,7 +48,8 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
     """The images of every prompt batch, then the warm-up and timed runs of the first batch; also
     the first call's seconds."""
     batches = prompt_batches(cfg)
-    pipeline = text_to_image(cfg, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
+    with stage(f"loading the {cfg.backend} stages"):
+        pipeline = text_to_image(cfg, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
     runs = [sampling_settings(cfg, prompts, cfg.sampling.seed + index) for index, prompts in enumerate(batches)]
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, runs)
@@ -55,20 +57,22 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
     written = []
     first_call_seconds = None
     for index, settings in enumerate(runs):
-        call_start = time.perf_counter()
-        images = pipeline(settings, StageTimer(device))
-        first_call_seconds = first_call_seconds or time.perf_counter() - call_start
-        written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings, _stage_files(cfg),
-                                      cfg.backend)
-    for _ in range(cfg.num_warmup_runs):
-        pipeline(runs[0], StageTimer(device), progress=False)
-    timings = []
-    for _ in range(cfg.num_timed_runs):
-        timer = StageTimer(device)
-        run_start = time.perf_counter()
-        pipeline(runs[0], timer, progress=False)
-        stage_seconds = timer.finish()
-        timings.append((time.perf_counter() - run_start, stage_seconds))
+        with stage(f"prompt batch {index + 1} of {len(runs)}"):
+            call_start = time.perf_counter()
+            images = pipeline(settings, StageTimer(device))
+            first_call_seconds = first_call_seconds or time.perf_counter() - call_start
+            written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings,
+                                          _stage_files(cfg), cfg.backend)
+    with stage("the warm-up and timed runs"):
+        for _ in range(cfg.num_warmup_runs):
+            pipeline(runs[0], StageTimer(device), progress=False)
+        timings = []
+        for _ in range(cfg.num_timed_runs):
+            timer = StageTimer(device)
+            run_start = time.perf_counter()
+            pipeline(runs[0], timer, progress=False)
+            stage_seconds = timer.finish()
+            timings.append((time.perf_counter() - run_start, stage_seconds))
     return written, timings, len(batches[0]), first_call_seconds
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .. import checkpoint, parallel
+from ..cli import stage
 from ..calibrate import activation_amax, amax_summary, quantize_unet
 from ..config import ExportApp, validate_export, validate_quantize_block
 from ..errors import UserError
@@ -52,8 +53,10 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
     parallel.start(world, device)
     try:
         dtype = compute_dtype(device, cfg.dtype)
-        pipe = load_pipeline(cfg.model, device, dtype)
-        result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
+        with stage("loading the model"):
+            pipe = load_pipeline(cfg.model, device, dtype)
+        with stage("calibration"):
+            result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
         if world.is_main:
             amax = activation_amax(pipe.unet)
             sidecar = {
@@ -76,7 +79,8 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                 "amax_summary": amax_summary(amax),
                 "activation_amax": amax,
             }
-            written = checkpoint.save(pipe.unet, folder, sidecar)
+            with stage(f"saving the checkpoint {folder}"):
+                written = checkpoint.save(pipe.unet, folder, sidecar)
             print_summary("quantize", written, time.perf_counter() - start)
     finally:
         # Waits for rank 0's save, so no process moves on before the checkpoint exists.
