@@ -29,12 +29,8 @@ from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, graph_names, onnx_p
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
-# Context length range of the UNet: one CLIP window, up to two for long prompts.
-CONTEXT_TOKENS = (TOKENS, TOKENS, 2 * TOKENS)
 # Classifier-free guidance runs the conditional and unconditional halves in one batch.
 GUIDANCE_FACTOR = 2
-LATENT_CHANNELS = 4
-VAE_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -65,13 +61,15 @@ def batch_range(infer, trt, graph: str) -> BatchRange:
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list]) -> dict[str, tuple]:
+def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
-    batch from batch_range, latent height and width from infer, context length from
-    CONTEXT_TOKENS; static dims as the graph has them."""
+    batch from batch_range, latent height and width from infer's image size and the VAE's scale
+    factor, context length from one CLIP window up to trt.max_prompt_chunks of them (long prompts
+    encoded window by window); static dims as the graph has them."""
     batch = batch_range(infer, trt, graph)
-    sizes = [{BATCH: samples, HEIGHT: infer.height // VAE_SCALE, WIDTH: infer.width // VAE_SCALE,
-              CONTEXT: CONTEXT_TOKENS[which]} for which, samples in enumerate((batch.min, batch.opt, batch.max))]
+    context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
+    sizes = [{BATCH: samples, HEIGHT: infer.height // vae_scale, WIDTH: infer.width // vae_scale,
+              CONTEXT: context[which]} for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
         per_profile = tuple(sized(graph, name, dims, each) for each in sizes)

@@ -287,13 +287,31 @@ def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
     import torch.onnx
 
     tracing = _traced_on_meta(spec) if spec.on_meta else contextlib.nullcontext(spec.args)
-    with tracing as args, torch.no_grad(), warnings.catch_warnings():
+    with tracing as args, _upsampling_to_skip_sizes(spec.module), torch.no_grad(), warnings.catch_warnings():
         # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(spec.module, args, str(onnx_file), input_names=spec.input_names,
-                          output_names=spec.output_names, dynamic_axes=spec.network.dynamic_axes, opset_version=opset,
-                          dynamo=False, export_params=False, keep_initializers_as_inputs=True,
+                          output_names=spec.output_names, dynamic_axes=spec.network.dynamic_axes,
+                          opset_version=opset, dynamo=False, export_params=False, keep_initializers_as_inputs=True,
                           do_constant_folding=False)
+
+
+@contextlib.contextmanager
+def _upsampling_to_skip_sizes(root: torch.nn.Module):
+    """diffusers' UNet upsamples by 2 where the latent is a multiple of 2**num_upsamplers, else to the
+    size of the matching skip connection: a graph traced on the first path runs only at such sizes
+    (a 72x56 image's 9x7 latent would fail), one traced on the second runs at any. With that factor
+    out of reach while tracing, the trace takes the second path, which at a multiple upsamples to
+    exactly twice the size: the same nearest-neighbour result."""
+    unets = [module for module in root.modules() if hasattr(module, "num_upsamplers")]
+    upsamplers = [unet.num_upsamplers for unet in unets]
+    for unet in unets:
+        unet.num_upsamplers = 30  # 2**30: more than any latent side, and an int64 under the trace
+    try:
+        yield
+    finally:
+        for unet, count in zip(unets, upsamplers):
+            unet.num_upsamplers = count
 
 
 def graph_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 from .build import Flavour, built_by, engine_record
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
-from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, sized
+from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, dynamic_axes, sized
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -43,7 +43,11 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
     low, _, high = profile
     if not low[0] <= shape[0] <= high[0]:
         fix = ("rebuild the engines with export_trt.py for this batch (infer.batch_size, trt.min_batch_size and "
-               "trt.max_batch_size, in images; trt.static_batch=false for a range) or change sampling.batch_size")
+               "trt.max_batch_size, in images; trt.static_batch=false for a range) or change sampling.batch_size "
+               "or sampling.num_images_per_prompt")
+    elif dynamic_axes(engine, tensor).get(1) == CONTEXT and not low[1] <= shape[1] <= high[1]:
+        fix = (f"its prompts need {shape[1] // TOKENS} CLIP windows (sampling.long_prompts=chunk): rebuild the "
+               f"engines with export_trt.py trt.max_prompt_chunks={shape[1] // TOKENS}, or shorten the prompts")
     else:
         fix = ("rebuild the engines with export_trt.py infer.width/infer.height set to this run's size, or run at "
                "the size they were built for")
@@ -52,14 +56,16 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
 
 
 def check_within_profiles(profiles: dict[str, dict[str, tuple]], batches: dict[str, int],
-                          latent_size: tuple[int, int]) -> None:
-    """Refuses, before any image work, a run whose batch or image size an engine cannot take.
+                          latent_size: tuple[int, int], context_tokens: int = TOKENS) -> None:
+    """Refuses, before any image work, a run whose batch, image size or prompt length an engine
+    cannot take.
 
     `profiles`: per stage, each input's (min, opt, max) shape; `batches`: samples per call of each
-    stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents.
+    stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents;
+    `context_tokens`: the UNet's context length (one CLIP window unless long prompts are chunked).
     """
     for stage, batch in batches.items():
-        sizes = {BATCH: batch, HEIGHT: latent_size[0], WIDTH: latent_size[1], CONTEXT: TOKENS}
+        sizes = {BATCH: batch, HEIGHT: latent_size[0], WIDTH: latent_size[1], CONTEXT: context_tokens}
         for tensor, profile in profiles[stage].items():
             # Each dynamic axis as this run sizes it (as build.profile_shapes sized it for the
             # build), the rest as the profile has them.

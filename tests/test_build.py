@@ -29,7 +29,7 @@ def _within(shape, profile) -> bool:
 
 
 def test_nemo_doc_shapes_fit_the_default_full_size_profile():
-    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS)
+    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS, 8)
     nemo = {"x": (8, 4, 128, 128), "timesteps": (8,), "context": (8, 80, 2048), "y": (8, 2816)}
     assert all(_within(nemo[name], shapes[name]) for name in nemo)
     assert shapes["x"] == ((1, 4, 128, 128), (4, 4, 128, 128), (16, 4, 128, 128))
@@ -56,7 +56,7 @@ def test_impossible_batch_range_is_refused(infer, trt):
 
 def test_trtexec_command_golden(tmp_path):
     infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
-    shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
+    shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS, 8)
     command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
                                     tmp_path / "timing.cache")
     assert command == [
@@ -170,6 +170,17 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
     assert all(build.plan_path(cfg.infer.out_path, n).stat().st_size > 0 for n in ("clip1", "vae"))
 
 
+def test_unet_engine_builds_for_a_size_no_multiple_of_64(fp16_engines, tmp_path):
+    cfg, _ = fp16_engines
+    onnx_file = networks.onnx_path(cfg.infer.out_path, "unet_xl")
+    infer = InferBlock(batch_size=1, width=72, height=56)
+    shapes = build.profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", build.onnx_input_dims(onnx_file), 8)
+    assert shapes["x"][1] == (2, 4, 7, 9)
+    info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes,
+                              TrtBlock(builder_optimization_level=0), tmp_path / "unet_xl.plan", None)
+    assert info["bytes"] > 0 and info["inputs"]["x"]["profile"][2] == [2, 4, 7, 9]
+
+
 def test_existing_engines_are_reused(fp16_engines, capsys):
     cfg, _ = fp16_engines
     plan = build.plan_path(cfg.infer.out_path, "unet_xl")
@@ -187,7 +198,7 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
     onnx_file = networks.onnx_path(tmp_path, "unet_xl")
-    shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
+    shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file), 8)
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)
     assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0

@@ -112,7 +112,8 @@ def test_clip_score_from_a_local_model_and_notes_for_missing_weights(tmp_path, m
     ([], "no variants to evaluate"),
     (["+variants.int8=/nonexistent/ckpt"], "variants.int8=/nonexistent/ckpt: no such file or folder"),
     (["metrics.lpips_net=resnet", "+variants.same=null"], "metrics.lpips_net='resnet' is unknown"),
-    (["sampling.width=100", "+variants.same=null"], "sampling.width=100 must be a positive multiple of 64"),
+    (["sampling.width=100", "+variants.same=null"],
+     "sampling.width=100 must be a positive multiple of 8, the model's VAE scale factor"),
 ])
 def test_bad_evaluate_settings_are_refused(tmp_path, model_cache, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

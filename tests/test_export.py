@@ -86,7 +86,18 @@ def test_fp32_graphs_match_pytorch(fp32_export, tiny_pipeline):
     assert _rel_err(hidden, clip2[0]) < 1e-5 and _rel_err(pooled, clip2[1]) < 1e-5
     assert _rel_err(_session(networks.onnx_path(out, "vae")).run(None, {"latent": latent.numpy()})[0], image) < 1e-5
     feeds = _unet_feeds(pipe.unet)
-    assert _rel_err(_session(networks.onnx_path(out, "unet_xl")).run(None, feeds)[0], _torch_unet(pipe.unet, feeds)) < 1e-5
+    unet_out = _session(networks.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    assert _rel_err(unet_out, _torch_unet(pipe.unet, feeds)) < 1e-5
+
+
+def test_unet_graph_runs_at_latent_sizes_no_multiple_of_its_upsampling(fp32_export, tiny_pipeline):
+    cfg, _ = fp32_export
+    unet = tiny_pipeline().unet
+    feeds = _unet_feeds(unet)
+    feeds["x"] = np.random.default_rng(2).standard_normal((BATCH, 4, 7, 9)).astype(np.float32)
+    graph = _session(networks.onnx_path(cfg.infer.out_path, "unet_xl")).run(None, feeds)[0]
+    assert graph.shape == (BATCH, 4, 7, 9)
+    assert _rel_err(graph, _torch_unet(unet, feeds)) < 1e-5
 
 
 def test_y_is_pooled_embedding_and_fourier_time_ids(tiny_pipeline):

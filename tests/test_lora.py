@@ -192,7 +192,8 @@ def fp32_exports(lora_files, model_cache, tmp_path_factory):
     base = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                            "run_trt_export=false", "onnx.precision=fp32"])
     run_export(base)
-    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text()) for name in networks.graph_names("sdxl")}
+    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text())
+             for name in networks.graph_names("sdxl")}
     with_a = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                              "run_trt_export=false", "onnx.precision=fp32",
                                              _loras((lora_files["a"], 0.7))])

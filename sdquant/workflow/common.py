@@ -10,7 +10,7 @@ import torch
 
 from .. import checkpoint, load, lora, networks
 from ..artifacts import read_json
-from ..config import plain
+from ..config import plain, validate_image_size
 from ..errors import UserError
 from ..pipeline import SamplingSettings, TextToImage, make_scheduler
 
@@ -35,8 +35,20 @@ def restore_quantized_unet(model, key: str, value: str, unet) -> dict:
     return sidecar
 
 
-def prompt_batches(cfg) -> list[list[str]]:
+def sampling_runs(cfg) -> list[SamplingSettings]:
+    """One pipeline call per batch of sampling.batch_size prompts, each prompt's images
+    sampling.num_images_per_prompt; the run's k-th image, counted over all calls, seeded seed + k."""
     sampling = cfg.sampling
+    batches = _prompt_batches(sampling)
+    per_batch = sampling.batch_size * sampling.num_images_per_prompt
+    return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
+                             guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
+                             seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
+                             long_prompts=sampling.long_prompts)
+            for index, prompts in enumerate(batches)]
+
+
+def _prompt_batches(sampling) -> list[list[str]]:
     if sampling.prompts_file:
         path = Path(sampling.prompts_file).expanduser()
         if not path.is_file():
@@ -49,16 +61,17 @@ def prompt_batches(cfg) -> list[list[str]]:
     return [prompts[i:i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
 
 
-def text_to_image(cfg, stages: dict, device: torch.device) -> TextToImage:
-    """The denoising loop over `stages`, with the model's tokenizers and scheduler config."""
+def sampling_parts(cfg) -> dict:
+    """What sampling needs of the model besides its networks (load.pipeline_parts), with
+    sampling's image size checked against the model's VAE before any work."""
     parts = load.pipeline_parts(cfg.model)
+    validate_image_size(cfg.sampling, "sampling", load.vae_scale_factor(parts["vae_config"]))
+    return parts
+
+
+def text_to_image(cfg, parts: dict, stages: dict, device: torch.device) -> TextToImage:
+    """The denoising loop over `stages`, with the model's tokenizers and scheduler config (`parts`)."""
     scheduler = make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
-    vae_scale = 2 ** (len(parts["vae_config"]["block_out_channels"]) - 1)
     return TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["unet_config"]),
-                       vae_scale, device, networks.is_sdxl(cfg.model.family))
+                       load.vae_scale_factor(parts["vae_config"]), device, networks.is_sdxl(cfg.model.family))
 
-
-def sampling_settings(cfg, prompts: list[str], seed: int) -> SamplingSettings:
-    s = cfg.sampling
-    return SamplingSettings(prompts=prompts, negative_prompt=s.negative_prompt, steps=s.steps,
-                            guidance_scale=s.guidance_scale, height=s.height, width=s.width, seed=seed)

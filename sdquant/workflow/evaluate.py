@@ -18,7 +18,7 @@ from ..load import compute_dtype, empty_unet, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer, torch_stages, unet_stage
-from .common import prompt_batches, restore_quantized_unet, sampling_settings, text_to_image
+from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
 def run_evaluate(cfg) -> dict:
@@ -26,22 +26,23 @@ def run_evaluate(cfg) -> dict:
     start = time.perf_counter()
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
-    batches = prompt_batches(cfg)
+    runs = sampling_runs(cfg)
     device = resolve_device(cfg.device)
     dtype = compute_dtype(device, cfg.dtype)
     sdxl = networks.is_sdxl(cfg.model.family)
+    parts = sampling_parts(cfg)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
-        pipeline = text_to_image(cfg, torch_stages(pipe, sdxl, dtype), device)
+        pipeline = text_to_image(cfg, parts, torch_stages(pipe, sdxl, dtype), device)
         lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
                        quality.clip_metric(cfg.metrics.clip_model, device))
     fp16_unet = pipeline.stages[networks.unet_graph_name(sdxl)]
     with stage("the fp16 reference runs"):
-        references = _reference_runs(cfg, pipeline, batches, device)
+        references = _reference_runs(pipeline, runs, device)
     reference_clip = ([value for settings, _, images, _ in references
-                       for value in clip.score(None, images, settings.prompts)] if clip.score else None)
+                       for value in clip.score(None, images, settings.image_prompts)] if clip.score else None)
     reference_adherence = [row for settings, _, images, _ in references
-                           for row in quality.adherence(images, settings.prompts)]
+                           for row in quality.adherence(images, settings.image_prompts)]
     columns = [torch.cat([images for _, _, images, _ in references])]
     scores = {}
     for name, kind in kinds.items():
@@ -60,13 +61,12 @@ def run_evaluate(cfg) -> dict:
     return result
 
 
-def _reference_runs(cfg, pipeline, batches: list[list[str]], device: torch.device) -> list[tuple]:
-    """Per prompt batch: its settings, initial latents, the fp16 UNet's images and its recorded calls."""
+def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
+    """Per pipeline call: its settings, initial latents, the fp16 UNet's images and its recorded calls."""
     unet_name = networks.unet_graph_name(pipeline.sdxl)
     fp16_unet = pipeline.stages[unet_name]
     references = []
-    for index, prompts in enumerate(Progress(batches, quality.REFERENCE, "prompt batches")):
-        settings = sampling_settings(cfg, prompts, cfg.sampling.seed + index)
+    for settings in Progress(runs, quality.REFERENCE, "prompt batches"):
         latents = pipeline.initial_latents(settings)
         recorder = quality.RecordingStage(fp16_unet)
         pipeline.stages[unet_name] = recorder
@@ -84,9 +84,9 @@ def _variant_runs(cfg, pipeline, name: str, unet, references: list[tuple], metri
     images_per_batch = []
     for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
         images = pipeline(settings, StageTimer(device), latents=latents)
-        variant.per_prompt += quality.score_images(reference, images, settings.prompts, metrics)
+        variant.per_prompt += quality.score_images(reference, images, settings.image_prompts, metrics)
         variant.step_errors.append(quality.teacher_forced_errors(calls, unet))
-        variant.adherence += quality.adherence(images, settings.prompts)
+        variant.adherence += quality.adherence(images, settings.image_prompts)
         images_per_batch.append(images)
     return variant, torch.cat(images_per_batch)
 

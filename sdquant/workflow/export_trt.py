@@ -11,7 +11,7 @@ import torch
 from .. import build, checkpoint, export, lora, networks, refit
 from ..artifacts import read_json
 from ..cli import stage
-from ..config import validate_export
+from ..config import validate_export, validate_image_size
 from ..errors import UserError
 from ..load import empty_unet, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
@@ -64,7 +64,7 @@ def export_onnx(cfg) -> list[Path]:
                 "inputs": spec.input_names, "outputs": spec.output_names,
                 "quantized_unet": cfg.quantized_unet if spec.name == unet_name else None,
                 "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
-                "versions": library_versions()}
+                "vae_scale_factor": pipe.vae_scale_factor, "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
             export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
@@ -81,6 +81,9 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
         "quantized": (quantized or {}).get("fingerprint") if name == unet_name else None,
+        # UNet graphs traced before they took their upsampling sizes from the skip connections
+        # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
+        **({"upsampling": "to skip sizes"} if name == unet_name else {}),
     })
 
 
@@ -138,11 +141,14 @@ def build_engines(cfg) -> list[Path]:
     builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
+    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
+    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
+    validate_image_size(cfg.infer, "infer", vae_scale)
     record = build.engines_record(out)
     build.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file))
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file), vae_scale)
         plan = build.plan_path(out, name)
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
         # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, networks, report
+from ..networks import TOKENS
 from ..cli import stage
 from ..config import validate_infer
 from ..errors import UserError
@@ -18,7 +19,7 @@ from ..load import compute_dtype, load_pipeline, resolve_device
 from ..pipeline import SamplingSettings, TextToImage
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer, torch_stages
-from .common import prompt_batches, restore_quantized_unet, sampling_settings, text_to_image
+from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
 def run_infer(cfg) -> dict:
@@ -47,10 +48,10 @@ def run_infer(cfg) -> dict:
 def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, int, float]:
     """The images of every prompt batch, then the warm-up and timed runs of the first batch; also
     the first call's seconds."""
-    batches = prompt_batches(cfg)
+    runs = sampling_runs(cfg)
+    parts = sampling_parts(cfg)
     with stage(f"loading the {cfg.backend} stages"):
-        pipeline = text_to_image(cfg, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
-    runs = [sampling_settings(cfg, prompts, cfg.sampling.seed + index) for index, prompts in enumerate(batches)]
+        pipeline = text_to_image(cfg, parts, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, runs)
 
@@ -73,7 +74,7 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
             pipeline(runs[0], timer, progress=False)
             stage_seconds = timer.finish()
             timings.append((time.perf_counter() - run_start, stage_seconds))
-    return written, timings, len(batches[0]), first_call_seconds
+    return written, timings, len(runs[0].image_prompts), first_call_seconds
 
 
 def _stage_files(cfg) -> dict[str, Path]:
@@ -117,4 +118,5 @@ def _check_engine_profiles(pipeline: TextToImage, runs: list[SamplingSettings]) 
     profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
     for settings in runs:
         check_within_profiles(profiles, pipeline.stage_batches(settings),
-                              (settings.height // pipeline.vae_scale, settings.width // pipeline.vae_scale))
+                              (settings.height // pipeline.vae_scale, settings.width // pipeline.vae_scale),
+                              pipeline.context_windows(settings) * TOKENS)

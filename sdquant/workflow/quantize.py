@@ -9,11 +9,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .. import checkpoint, parallel
-from ..cli import stage
 from ..calibrate import activation_amax, amax_summary, quantize_unet
-from ..config import ExportApp, validate_export, validate_quantize_block
+from ..cli import stage
+from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block
 from ..errors import UserError
 from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, resolve_device
+from ..networks import TOKENS
+from ..pipeline import say_truncated
 from ..recipe import uses_smoothquant
 from ..report import library_versions, print_summary
 from .export_trt import run_export
@@ -55,6 +57,11 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
         dtype = compute_dtype(device, cfg.dtype)
         with stage("loading the model"):
             pipe = load_pipeline(cfg.model, device, dtype)
+        validate_image_size(cfg.quantize, "quantize", pipe.vae_scale_factor)
+        # diffusers' pipeline, which calibration runs, cuts prompts to CLIP's window, as inference does.
+        tokenizers = [t for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
+        already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
+        truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
         with stage("calibration"):
             result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
         if world.is_main:
@@ -75,13 +82,16 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                     "unet_calls": result.unet_calls,
                     "algorithm": result.algorithm,
                     "smoothquant": uses_smoothquant(cfg.quantize.format, cfg.quantize.quant_level),
+                    "truncated_prompts": truncated,
                 },
                 "amax_summary": amax_summary(amax),
                 "activation_amax": amax,
             }
             with stage(f"saving the checkpoint {folder}"):
                 written = checkpoint.save(pipe.unet, folder, sidecar)
-            print_summary("quantize", written, time.perf_counter() - start)
+            notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
+                     "were cut (named above)"] if truncated else []
+            print_summary("quantize", written, time.perf_counter() - start, notes=notes)
     finally:
         # Waits for rank 0's save, so no process moves on before the checkpoint exists.
         parallel.stop(world)
