@@ -6,8 +6,8 @@ teacher-forced noise-prediction error per step, an image grid and markdown/JSON 
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 
@@ -16,7 +16,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_evaluate
+    from sdquant.workflow.evaluate import run_evaluate
 
     run_evaluate(cfg)
 

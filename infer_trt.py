@@ -6,8 +6,8 @@ and reports latency per stage.
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 
@@ -16,7 +16,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_infer
+    from sdquant.workflow.infer_trt import run_infer
 
     run_infer(cfg)
 

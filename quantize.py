@@ -5,8 +5,8 @@
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 
@@ -15,7 +15,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages: the stages import ModelOpt.
-    from sdquant.workflow import run_quantize
+    from sdquant.workflow.quantize import run_quantize
 
     run_quantize(cfg)
 

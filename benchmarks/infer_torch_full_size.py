@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from sdquant import report, run
+from sdquant import report
 from sdquant.load import quiet_libraries
+from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
+from sdquant.stages import StageTimer, torch_stages
 from sdquant.synthetic import full_size_sdxl_on_gpu
 
 TARGET_OVERHEAD = 0.02
@@ -31,19 +33,19 @@ def main() -> None:
     quiet_libraries()
 
     pipe = full_size_sdxl_on_gpu()
-    scheduler = run.make_scheduler("euler", dict(pipe.scheduler.config))
+    scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     device = torch.device("cuda")
-    pipeline = run.TextToImage(run.torch_stages(pipe, True, torch.float16), [pipe.tokenizer, pipe.tokenizer_2],
-                               scheduler, types.SimpleNamespace(**pipe.unet.config), 8, device, sdxl=True)
+    pipeline = TextToImage(torch_stages(pipe, True, torch.float16), [pipe.tokenizer, pipe.tokenizer_2],
+                           scheduler, types.SimpleNamespace(**pipe.unet.config), 8, device, sdxl=True)
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
-        settings = run.SamplingSettings(prompts=["a photo of an astronaut riding a horse on mars"],
-                                        negative_prompt="", steps=steps, guidance_scale=5.0,
-                                        height=1024, width=1024, seed=42)
-        pipeline(settings, run.StageTimer(device), progress=False)  # warm-up
+        settings = SamplingSettings(prompts=["a photo of an astronaut riding a horse on mars"],
+                                    negative_prompt="", steps=steps, guidance_scale=5.0,
+                                    height=1024, width=1024, seed=42)
+        pipeline(settings, StageTimer(device), progress=False)  # warm-up
         timings = []
         for _ in range(args.timed_runs):
-            timer = run.StageTimer(device)
+            timer = StageTimer(device)
             torch.cuda.synchronize()
             start = time.perf_counter()
             pipeline(settings, timer, progress=False)

@@ -18,7 +18,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from sdquant.config import register_schemas, shipped_model_folder
-from sdquant.workflow import run_evaluate, run_quantize
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.quantize import run_quantize
 
 REPO = Path(__file__).resolve().parents[1]
 # NeMo's defaults (min-mean Percentile Quant, alpha 0.8, percentile 1.0) unless a recipe says

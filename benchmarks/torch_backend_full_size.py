@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
-from sdquant import report, run, torch_backend
+from sdquant import report, torch_backend
 from sdquant.config import QuantFormat, TorchBackendBlock
 from sdquant.load import quiet_libraries
+from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
+from sdquant.stages import StageTimer, torch_stages
 from sdquant.synthetic import full_size_sdxl_on_gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -86,23 +88,23 @@ def fp8_unet(pipe) -> int:
     return torch_backend.convert_to_fp8(pipe.unet, "the benchmark's FP8 level-3 UNet")
 
 
-def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool) -> run.TextToImage:
-    stages = torch_backend.speed_up(pipe, run.torch_stages(pipe, True, torch.float16), block, cuda_graph,
+def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool) -> TextToImage:
+    stages = torch_backend.speed_up(pipe, torch_stages(pipe, True, torch.float16), block, cuda_graph,
                                     "unet_xl", quantized)
-    scheduler = run.make_scheduler("euler", dict(pipe.scheduler.config))
-    return run.TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
-                           types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)
+    scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
+    return TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
+                       types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)
 
 
-def measure_ours(pipeline: run.TextToImage, batch: int, steps_list: list[int], runs: int) -> dict:
+def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int) -> dict:
     result = {}
     for steps in steps_list:
-        settings = run.SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
-                                        guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
-        first = timed(lambda: pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False), 1)[0]
-        pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
-        seconds = timed(lambda: pipeline(settings, run.StageTimer(torch.device("cuda")), progress=False), runs)
-        timer = run.StageTimer(torch.device("cuda"))
+        settings = SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
+                                    guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
+        first = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), 1)[0]
+        pipeline(settings, StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
+        seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
+        timer = StageTimer(torch.device("cuda"))
         pipeline(settings, timer, progress=False)
         stage = report.latency_report([(min(seconds), timer.finish())], batch, steps)
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
@@ -123,7 +125,7 @@ def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
     return result
 
 
-def unet_profile(pipeline: run.TextToImage, batch: int, top: int = 12) -> list[dict]:
+def unet_profile(pipeline: TextToImage, batch: int, top: int = 12) -> list[dict]:
     """GPU time per kernel over one UNet call (after warm-up), the largest first."""
     from torch.profiler import ProfilerActivity, profile
 

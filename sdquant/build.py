@@ -9,12 +9,15 @@ one that must load it).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,16 +25,12 @@ from pathlib import Path
 
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
-from .export import TOKENS, graph_names, onnx_path, unet_graph_name
+from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, graph_names, onnx_path, sized, unet_graph_name
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
-# Context length range of the UNet: one CLIP window, up to two for long prompts.
-CONTEXT_TOKENS = (TOKENS, TOKENS, 2 * TOKENS)
 # Classifier-free guidance runs the conditional and unconditional halves in one batch.
 GUIDANCE_FACTOR = 2
-LATENT_CHANNELS = 4
-VAE_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -62,41 +61,22 @@ def batch_range(infer, trt, graph: str) -> BatchRange:
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def validate_profile(infer, trt) -> None:
-    """Refuses a batch range that no profile can hold, before any work."""
-    if infer.batch_size < 1:
-        raise UserError(f"infer.batch_size={infer.batch_size} must be at least 1")
-    if not trt.static_batch and not 1 <= trt.min_batch_size <= infer.batch_size <= trt.max_batch_size:
-        raise UserError(
-            f"batch sizes must satisfy 1 <= trt.min_batch_size ({trt.min_batch_size}) <= "
-            f"infer.batch_size ({infer.batch_size}) <= trt.max_batch_size ({trt.max_batch_size})"
-        )
-
-
-def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list]) -> dict[str, tuple]:
+def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
-    batch from batch_range, latent height and width from infer, context length from
-    CONTEXT_TOKENS; static dims as the graph has them."""
+    batch from batch_range, latent height and width from infer's image size and the VAE's scale
+    factor, context length from one CLIP window up to trt.max_prompt_chunks of them (long prompts
+    encoded window by window); static dims as the graph has them."""
     batch = batch_range(infer, trt, graph)
-    latent = {2: infer.height // VAE_SCALE, 3: infer.width // VAE_SCALE}
+    context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
+    sizes = [{BATCH: samples, HEIGHT: infer.height // vae_scale, WIDTH: infer.width // vae_scale,
+              CONTEXT: context[which]} for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
-        per_profile = []
-        for which, samples in enumerate((batch.min, batch.opt, batch.max)):
-            shape = []
-            for axis, dim in enumerate(dims):
-                if axis == 0:
-                    shape.append(samples)
-                elif dim is not None:
-                    shape.append(dim)
-                elif name == "context" and axis == 1:
-                    shape.append(CONTEXT_TOKENS[which])
-                elif axis in latent:
-                    shape.append(latent[axis])
-                else:
-                    raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
-            per_profile.append(tuple(shape))
-        shapes[name] = tuple(per_profile)
+        per_profile = tuple(sized(graph, name, dims, each) for each in sizes)
+        if None in per_profile[0]:
+            axis = per_profile[0].index(None)
+            raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
+        shapes[name] = per_profile
     return shapes
 
 
@@ -305,6 +285,65 @@ def _attach_timing_cache(config, timing_cache: Path):
     return fresh if config.set_timing_cache(fresh, ignore_mismatch=False) else None
 
 
+def make_refittable(flavour, network, config, names) -> None:
+    """Makes exactly `names` refittable in the build of `network` (TensorRT's REFIT_INDIVIDUAL)."""
+    import torch
+
+    if flavour.name == "tensorrt_rtx" and not torch.cuda.is_available():
+        # Its compiler runs CUDA code for refittable weights (seen with TensorRT-RTX 1.7).
+        raise UserError("trt.refittable=true: TensorRT-RTX builds refittable engines only on a machine with a "
+                        "GPU; build there, or set trt.refittable=false")
+    mark_refittable(flavour, network, config, names)
+
+
+def mark_refittable(flavour, network, config, names) -> None:
+    """The marking itself: a name TensorRT knows no weights by would leave the refit without a
+    source for them, so it is an error."""
+    config.set_flag(flavour.module.BuilderFlag.REFIT_INDIVIDUAL)
+    unknown = [name for name in names if not network.mark_weights_refittable(name)]
+    if unknown:
+        raise RuntimeError(f"TensorRT knows no weights named {unknown[:3]} in this graph")
+
+
+@contextlib.contextmanager
+def _stopped_by_ctrl_c(flavour: Flavour, config, logger):
+    """Ctrl-C during a build stops it at TensorRT's next step, through its progress monitor, instead
+    of after the whole build (minutes for a full-size UNet), and is raised once the builder returns;
+    TensorRT's own report of the cancelled build is not printed."""
+    if (not hasattr(flavour.module, "IProgressMonitor") or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = []
+
+    class CancelOnCtrlC(flavour.module.IProgressMonitor):
+        def __init__(self):
+            flavour.module.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            pass
+
+        def phase_finish(self, phase_name):
+            pass
+
+        def step_complete(self, phase_name, step):
+            return not pressed  # False asks TensorRT to cancel the build
+
+    monitor = CancelOnCtrlC()
+    config.progress_monitor = monitor
+    def on_ctrl_c(*_):
+        pressed.append(True)
+        logger.min_severity = flavour.module.Logger.INTERNAL_ERROR
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,
                  timing_cache: Path | None, refittable_weights=()) -> dict:
     """Builds one engine with the Python API, with `refittable_weights` (names) refittable;
@@ -320,8 +359,6 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_cfg.workspace_gb * 1024**3))
     targets = flavour.set_targets(config, list(trt_cfg.rtx_compute_capabilities))
     if refittable_weights:
-        from .refit import make_refittable
-
         make_refittable(flavour, network, config, refittable_weights)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in shapes.items():
@@ -332,7 +369,8 @@ def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_
         cache = _attach_timing_cache(config, timing_cache)
 
     start = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
+    with _stopped_by_ctrl_c(flavour, config, logger):
+        serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise UserError(f"TensorRT could not build {onnx_file}: see the errors above")
     with atomic_path(plan_file) as temp:

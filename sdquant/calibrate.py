@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
-
 from .config import QuantizeBlock
+from .cuda_graphs import CapturedGraph, clone_tensors
 from .errors import UserError
 from .parallel import World, combine, shard, sum_over_ranks
+from .progress import Progress
 from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
                      uses_smoothquant)
 
@@ -295,17 +295,16 @@ class CapturedUNet:
                 self.warmed.add(key)
                 return self.eager(*args, **kwargs)
             self.graphs[key] = self._capture(leaves, spec)
-        graph, static_leaves, output, template = self.graphs[key]
-        for index in tensors:
-            static_leaves[index].copy_(leaves[index])
-        graph.replay()
+        captured, template = self.graphs[key]
+        output = captured.replay({index: leaves[index] for index in tensors})
         self.recorder.queue_copies(template)
-        return _clone_tensors(output)
+        return output
 
-    def _capture(self, leaves: list, spec):
+    def _capture(self, leaves: list, spec) -> tuple[CapturedGraph, tuple[list, list]]:
+        """The graph of one call, with the amaxes its replays write (the recorder's template)."""
         from torch.utils._pytree import tree_unflatten
 
-        static_leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        static_leaves = clone_tensors(leaves)
         args, kwargs = tree_unflatten(static_leaves, spec)
         graph = torch.cuda.CUDAGraph()
         # The eager warm-up's cached blocks cannot serve the graph's private pool.
@@ -313,13 +312,8 @@ class CapturedUNet:
         self.recorder.take_pending()
         with torch.cuda.graph(graph):
             output = self.eager(*args, **kwargs)
-        return graph, static_leaves, output, self.recorder.take_pending()
-
-
-def _clone_tensors(tree):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
+        inputs = {index: leaf for index, leaf in enumerate(static_leaves) if isinstance(leaf, torch.Tensor)}
+        return CapturedGraph(graph, inputs, output), self.recorder.take_pending()
 
 
 def _modelopt_calibrator_base():
@@ -408,7 +402,7 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
     device = pipe.unet.device
-    for index, batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+    for index, batch in Progress(batches, "calibrating", "batches", show=progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
              height=block.height, width=block.width, generator=generator, output_type="latent")

@@ -18,12 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .errors import UserError
-
-
-class Family(str, Enum):
-    sdxl = "sdxl"
-    sd15 = "sd15"
-    sd2 = "sd2"
+from .networks import Family
 
 
 class QuantFormat(str, Enum):
@@ -117,6 +112,9 @@ class TrtBlock:
     # Engines whose weights a refit (export_trt.py run_refit=true) can replace with those of
     # other LoRA adapters; 8-bit UNets stay fixed (their scales need recalibration).
     refittable: bool = False
+    # The longest prompt the UNet engine takes with sampling.long_prompts=chunk, in CLIP windows
+    # (75 tokens each): its context length ranges from 77 to 77 times this.
+    max_prompt_chunks: int = 2
 
 
 @dataclass
@@ -186,10 +184,18 @@ class SamplingBlock:
     seed: int = 42
     width: int = 1024
     height: int = 1024
+    # Prompts per pipeline call; each call makes batch_size * num_images_per_prompt images.
     batch_size: int = 1
+    # Images of each prompt (diffusers' name), each with its own seed: the run's k-th image, counted
+    # over all prompts, is seeded seed + k.
+    num_images_per_prompt: int = 1
     scheduler: str = "euler"
+    # Prompts past CLIP's 77 tokens: truncate (cut, as diffusers does, saying which words are
+    # dropped) or chunk (encoded in 77-token windows whose embeddings are joined).
+    long_prompts: str = "truncate"
 
 
+LONG_PROMPTS = ("truncate", "chunk")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 TORCH_QUANTIZED = ("fake", "fp8")
 
@@ -369,12 +375,23 @@ def validate_quantize_block(block: QuantizeBlock) -> None:
 PRECISIONS = ("fp16", "fp32")
 
 
-def validate_export(cfg) -> None:
-    from .build import validate_profile
+def validate_profile(infer: InferBlock, trt: TrtBlock) -> None:
+    """Refuses a batch range that no engine profile can hold, before any work."""
+    if infer.batch_size < 1:
+        raise UserError(f"infer.batch_size={infer.batch_size} must be at least 1")
+    if not trt.static_batch and not 1 <= trt.min_batch_size <= infer.batch_size <= trt.max_batch_size:
+        raise UserError(
+            f"batch sizes must satisfy 1 <= trt.min_batch_size ({trt.min_batch_size}) <= "
+            f"infer.batch_size ({infer.batch_size}) <= trt.max_batch_size ({trt.max_batch_size})"
+        )
 
+
+def validate_export(cfg) -> None:
     validate_profile(cfg.infer, cfg.trt)
     if cfg.trt.builder not in ("python", "trtexec"):
         raise UserError(f"trt.builder={cfg.trt.builder!r} is unknown: choose python or trtexec")
+    if cfg.trt.max_prompt_chunks < 1:
+        raise UserError(f"trt.max_prompt_chunks={cfg.trt.max_prompt_chunks} must be at least 1")
     if cfg.trt.refittable and cfg.trt.builder == "trtexec":
         raise UserError("trt.refittable=true marks each weight refittable through the Python API: set "
                         "trt.builder=python")
@@ -385,9 +402,7 @@ def validate_export(cfg) -> None:
             raise UserError(f"onnx.{key}={cfg.onnx[key]!r} is unknown: choose fp16 or fp32")
     if cfg.onnx.opset < 19:
         raise UserError(f"onnx.opset={cfg.onnx.opset}: 8-bit graphs with fp16 scales need opset 19 or newer")
-    for key in ("width", "height"):
-        if cfg.infer[key] < 64 or cfg.infer[key] % 64:
-            raise UserError(f"infer.{key}={cfg.infer[key]} must be a positive multiple of 64")
+    validate_image_size(cfg.infer, "infer")
     if cfg.onnx.trace_latent_size < 8 or cfg.onnx.trace_latent_size % 8:
         raise UserError(f"onnx.trace_latent_size={cfg.onnx.trace_latent_size} must be a positive multiple of 8")
 
@@ -441,11 +456,28 @@ def validate_train_scene(cfg) -> None:
         raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 
 
-def validate_sampling(sampling: SamplingBlock) -> None:
+def validate_image_size(block, prefix: str, vae_scale: int = 1) -> None:
+    """Refuses an image size the model cannot make. diffusers' rule: a positive multiple of the VAE's
+    scale factor (8 for SD and SDXL), since each latent pixel decodes to that many pixels a side;
+    the workflows check it once they know the model's VAE (1 checks only that it is positive). The
+    UNet takes any latent size: where the latent is no multiple of 2**(its upsampling layers),
+    diffusers upsamples to the size of the matching skip connection, and the export traces that
+    path (export._upsampling_to_skip_sizes)."""
     for key in ("width", "height"):
-        if sampling[key] < 64 or sampling[key] % 64:
-            raise UserError(f"sampling.{key}={sampling[key]} must be a positive multiple of 64")
+        value = block[key]
+        if value is not None and (value < vae_scale or value % vae_scale):
+            rule = f"a positive multiple of {vae_scale}, the model's VAE scale factor" if vae_scale > 1 else "positive"
+            raise UserError(f"{prefix}.{key}={value} must be {rule}")
+
+
+def validate_sampling(sampling: SamplingBlock) -> None:
+    validate_image_size(sampling, "sampling")
     if sampling.steps < 1:
         raise UserError(f"sampling.steps={sampling.steps} must be at least 1")
     if sampling.batch_size < 1:
         raise UserError(f"sampling.batch_size={sampling.batch_size} must be at least 1")
+    if sampling.num_images_per_prompt < 1:
+        raise UserError(f"sampling.num_images_per_prompt={sampling.num_images_per_prompt} must be at least 1")
+    if sampling.long_prompts not in LONG_PROMPTS:
+        raise UserError(f"sampling.long_prompts={sampling.long_prompts!r} is unknown: choose "
+                        f"{' or '.join(LONG_PROMPTS)}")

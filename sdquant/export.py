@@ -1,25 +1,20 @@
 """Export stage: the pipeline's networks as ONNX graphs with NeMo's names.
 
-``<out_path>/onnx/<name>/model.onnx`` for clip1, clip2, unet_xl (``unet`` for SD 1.5/2.x) and
-vae. The UNet takes ``x``, ``timesteps``, ``context`` and (SDXL) ``y``, the pooled text
-embedding joined to the Fourier-embedded time ids, which feeds the UNet's add_embedding directly.
-Batch is dynamic on every graph, sequence length on ``context``, height and width on latents.
+``<out_path>/onnx/<name>/model.onnx`` for each network sdquant.networks describes (names, inputs,
+dynamic axes). The UNet's ``y``, the pooled text embedding joined to the Fourier-embedded time ids,
+feeds its add_embedding directly.
 
 Every graph is traced with its weights as graph inputs, which are then written once, straight
 from the model's tensors, as initializers. The UNet is traced on the meta device: the trace then
 computes nothing and copies no weight, which is what lets a full-size SDXL UNet export in well
 under a minute and a few GB on a CPU host. Its ModelOpt quantizers are switched off for that
 trace and their QuantizeLinear/DequantizeLinear pairs are written into the graph afterwards from
-their calibrated ranges, with the scales and types ModelOpt's own ONNX export gives them.
+their calibrated ranges (sdquant.insert_qdq), as ModelOpt's own ONNX export gives them.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import os
-import shutil
-import tempfile
 import time
 import types
 import warnings
@@ -28,29 +23,15 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import read_json, write_json
-from .config import Family
-from .errors import UserError
+from . import networks
+from .artifacts import atomic_folder, read_json, write_json
+from .insert_qdq import insert_qdq, module_path
+from .networks import ONNX_FILE, TOKENS, Network
+from .quantizers import unsupported_quantizers
 
-ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"
 META_FILE = "export.json"
 PROTOBUF_LIMIT = 2 * 1024**3
-TOKENS = 77
-
-
-def graph_names(family: Family) -> tuple[str, ...]:
-    if Family(family) == Family.sdxl:
-        return ("clip1", "clip2", "unet_xl", "vae")
-    return ("clip1", "unet", "vae")
-
-
-def unet_graph_name(sdxl: bool) -> str:
-    return "unet_xl" if sdxl else "unet"
-
-
-def onnx_path(out_path: str | Path, name: str) -> Path:
-    return Path(out_path).expanduser() / "onnx" / name / ONNX_FILE
 
 
 def graph_files(onnx_file: Path) -> list[Path]:
@@ -133,49 +114,46 @@ class VaeDecoderGraph(torch.nn.Module):
 
 @dataclass
 class GraphSpec:
-    name: str
+    network: Network
     module: torch.nn.Module
     args: tuple
-    input_names: list[str]
-    output_names: list[str]
-    dynamic_axes: dict
     # Traced on the meta device; the text encoders and VAE build masks and positions on their
     # inputs' device while tracing, so they are traced on their own tensors (they are small).
     on_meta: bool = False
 
+    @property
+    def name(self) -> str:
+        return self.network.name
 
-def _latent_axes() -> dict:
-    return {0: "B", 2: "H", 3: "W"}
+    @property
+    def input_names(self) -> list[str]:
+        return self.network.input_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return self.network.output_names
 
 
-def graph_specs(pipe, family: Family, batch: int, latent: int, dtype: torch.dtype,
+def graph_specs(pipe, family, batch: int, latent: int, dtype: torch.dtype,
                 vae_dtype: torch.dtype) -> list[GraphSpec]:
-    """What to trace for each graph: the module, dummy inputs and names. The UNet is last so the
-    memory its trace takes is not held while the others export."""
-    sdxl = Family(family) == Family.sdxl
+    """What to trace for each graph: the module and dummy inputs. The UNet is last so the memory
+    its trace takes is not held while the others export."""
+    sdxl = networks.is_sdxl(family)
     ids = torch.zeros(batch, TOKENS, dtype=torch.int32)
-    token_axes = {"input_ids": {0: "B"}}
-    specs = [GraphSpec("clip1", TextEncoderGraph(pipe.text_encoder.to(dtype), penultimate=sdxl, pooled=False),
-                       (ids,), ["input_ids"], ["hidden_states"],
-                       {**token_axes, "hidden_states": {0: "B"}})]
+    specs = [GraphSpec(networks.text_encoder("clip1", pooled=False),
+                       TextEncoderGraph(pipe.text_encoder.to(dtype), penultimate=sdxl, pooled=False), (ids,))]
     if sdxl:
-        specs.append(GraphSpec("clip2", TextEncoderGraph(pipe.text_encoder_2.to(dtype), penultimate=True, pooled=True),
-                               (ids,), ["input_ids"], ["hidden_states", "pooled"],
-                               {**token_axes, "hidden_states": {0: "B"}, "pooled": {0: "B"}}))
+        specs.append(GraphSpec(networks.text_encoder("clip2", pooled=True),
+                               TextEncoderGraph(pipe.text_encoder_2.to(dtype), penultimate=True, pooled=True), (ids,)))
     vae = pipe.vae.to(vae_dtype)
-    specs.append(GraphSpec("vae", VaeDecoderGraph(vae), (torch.randn(batch, 4, latent, latent, dtype=vae_dtype),),
-                           ["latent"], ["images"], {"latent": _latent_axes(), "images": _latent_axes()}))
+    specs.append(GraphSpec(networks.VAE, VaeDecoderGraph(vae),
+                           (torch.randn(batch, 4, latent, latent, dtype=vae_dtype),)))
     unet = pipe.unet.to(dtype)
-    context_width = unet.config.cross_attention_dim
     args = [torch.randn(batch, 4, latent, latent, dtype=dtype), torch.full((batch,), 500.0),
-            torch.randn(batch, TOKENS, context_width, dtype=dtype)]
-    names = ["x", "timesteps", "context"]
-    axes = {"x": _latent_axes(), "timesteps": {0: "B"}, "context": {0: "B", 1: "S"}, "out": _latent_axes()}
+            torch.randn(batch, TOKENS, unet.config.cross_attention_dim, dtype=dtype)]
     if sdxl:
         args.append(torch.randn(batch, unet.config.projection_class_embeddings_input_dim, dtype=dtype))
-        names.append("y")
-        axes["y"] = {0: "B"}
-    specs.append(GraphSpec(unet_graph_name(sdxl), UNetGraph(unet, sdxl), tuple(args), names, ["out"], axes,
+    specs.append(GraphSpec(networks.unet(sdxl), UNetGraph(unet, sdxl), tuple(args),
                            on_meta=not unsupported_quantizers(unet)))
     return specs
 
@@ -188,67 +166,6 @@ def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:
     for module in unet.modules():
         if isinstance(module, TensorQuantizer):
             module.trt_high_precision_dtype = high_precision
-
-
-@dataclass
-class QuantizedInput:
-    """One enabled weight or input quantizer of a Conv or Linear layer, as the graph needs it."""
-
-    layer: str       # the layer's state-dict prefix in the traced module
-    role: str        # "weight" or "input"
-    amax: torch.Tensor
-    fp8: bool
-
-
-@dataclass
-class QuantizedAttention:
-    """An attention layer whose q/k/v quantizers are all FP8: ModelOpt's FP8 attention."""
-
-    layer: str
-    amax: dict[str, torch.Tensor]  # q, k, v
-
-
-ATTENTION_ROLES = ("q", "k", "v")
-
-
-def _quantizers(module, names: tuple[str, ...]) -> dict[str, object]:
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    return {name: q for name in names if isinstance(q := getattr(module, f"{name}_quantizer", None), TensorQuantizer)}
-
-
-def _fp8_attention(module) -> bool:
-    """ModelOpt's rule: FP8 attention only when the q, k and v quantizers are all on and FP8."""
-    quantizers = _quantizers(module, tuple(f"{role}_bmm" for role in ATTENTION_ROLES))
-    return len(quantizers) == 3 and all(q.is_enabled and isinstance(q.num_bits, tuple) for q in quantizers.values())
-
-
-def unsupported_quantizers(root: torch.nn.Module) -> list[str]:
-    """Enabled quantizers the export does not write itself (such as output quantizers): ModelOpt
-    writes those while tracing, so their graph is traced on real tensors."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    # Softmax's range is fixed at 1 in ModelOpt's FP8 attention, which ignores its quantizer.
-    written = (".weight_quantizer", ".input_quantizer", ".softmax_quantizer",
-               *(f".{role}_bmm_quantizer" for role in ATTENTION_ROLES))
-    return [name for name, module in root.named_modules()
-            if isinstance(module, TensorQuantizer) and module.is_enabled and not name.endswith(written)]
-
-
-def quantized_inputs(root: torch.nn.Module) -> list[QuantizedInput]:
-    sites = []
-    for name, module in root.named_modules():
-        for role, quantizer in _quantizers(module, ("weight", "input")).items():
-            if quantizer.is_enabled:
-                sites.append(QuantizedInput(name, role, quantizer.amax.detach().float().cpu(),
-                                            fp8=isinstance(quantizer.num_bits, tuple)))
-    return sites
-
-
-def quantized_attention(root: torch.nn.Module) -> list[QuantizedAttention]:
-    return [QuantizedAttention(name, {role: getattr(module, f"{role}_bmm_quantizer").amax.detach().float().cpu()
-                                      for role in ATTENTION_ROLES})
-            for name, module in root.named_modules() if _fp8_attention(module)]
 
 
 def _convolution_as_traced_op(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -311,12 +228,6 @@ def _traced_on_meta(spec: GraphSpec):
         library._destroy()
 
 
-def _module_path(node) -> str:
-    """A traced node's name as a state-dict path: the exporter puts "/" between modules (and
-    keeps the "." inside "down_blocks.1"), so both read as "."."""
-    return node.name.lstrip("/").replace("/", ".")
-
-
 def _drop_host_hops(model, spec: GraphSpec) -> None:
     """Removes the Cast the tracer records where a host module's output moves to meta: it casts
     to the type the tensor already has."""
@@ -324,7 +235,7 @@ def _drop_host_hops(model, spec: GraphSpec) -> None:
     scopes = [f"{names[m]}." for m in spec.module.host_modules()]
 
     def in_host(node) -> bool:
-        return _module_path(node).startswith(tuple(scopes))
+        return module_path(node).startswith(tuple(scopes))
 
     produced_in_host = {o for node in model.graph.node if in_host(node) for o in node.output}
     hops = {node.output[0]: node.input[0] for node in model.graph.node
@@ -370,172 +281,37 @@ def _attach_weights(model, tensors: dict[str, torch.Tensor], folder: Path) -> No
             model.graph.initializer.append(initializer)
 
 
-def _int8_constants(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-    """Scale, zero point and axis as ModelOpt's INT8 export writes them: amax/127 in the graph's
-    precision (1 where the range is 0), per output channel for weights."""
-    if amax.numel() == 1:
-        scale, axis = amax.reshape(()), None
-    else:
-        scale = amax.squeeze()
-        axis = list(amax.shape).index(scale.shape[0])
-    scale = scale.to(dtype) / 127
-    scale = scale.masked_fill(scale == 0, 1.0)
-    return scale, torch.zeros(scale.shape, dtype=torch.int8), axis
-
-
-def _fp8_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
-    """ModelOpt's FP8 scale, computed the way its export does: 1 / (448 / amax)."""
-    return torch.tensor(1.0 / (448.0 / float(amax))).to(dtype)
-
-
-class _GraphEdits:
-    """Reroutes tensors of a graph through new nodes, keeping the node list in topological order."""
-
-    def __init__(self, model):
-        self.model = model
-        self.nodes = list(model.graph.node)
-        self.readers: dict[str, list] = collections.defaultdict(list)
-        self.producer = {}
-        for node in self.nodes:
-            for name in node.input:
-                self.readers[name].append(node)
-            for name in node.output:
-                self.producer[name] = node
-        self.before: dict[int, list] = collections.defaultdict(list)
-        self.after: dict[int, list] = collections.defaultdict(list)
-
-    def only_reader(self, name: str, what: str):
-        if len(self.readers[name]) != 1:
-            raise RuntimeError(f"{what}: expected one reader of {name}, found {len(self.readers[name])}")
-        return self.readers[name][0]
-
-    def on_input(self, reader, slot: int, chain) -> None:
-        """reader.input[slot] now comes through the nodes chain(source) returns."""
-        nodes, output = chain(reader.input[slot])
-        reader.input[slot] = output
-        self.before[id(reader)].extend(nodes)
-
-    def on_output(self, node, chain) -> None:
-        """Whatever read node.output[0] now reads it through the nodes chain(source) returns."""
-        original = node.output[0]
-        node.output[0] = f"{original}_before_{chain.__name__}"
-        nodes, output = chain(node.output[0])
-        nodes[-1].output[0] = original
-        self.after[id(node)].extend(nodes)
-
-    def commit(self) -> None:
-        del self.model.graph.node[:]
-        self.model.graph.node.extend(new for node in self.nodes for new in
-                                     (*self.before.get(id(node), ()), node, *self.after.get(id(node), ())))
-
-
-def _qdq(model, prefix: str, scale: torch.Tensor, zero_point: torch.Tensor | None = None, axis: int | None = None):
-    """A chain(source) making a Q/DQ pair named after the quantizer `prefix`; FP8 pairs (no zero
-    point) are TensorRT's own FP8 ops, as ModelOpt writes them."""
-    from onnx import helper, numpy_helper
-
-    model.graph.initializer.append(numpy_helper.from_array(_numpy(scale), f"{prefix}.scale"))
-    inputs = [f"{prefix}.scale"]
-    if zero_point is not None:
-        model.graph.initializer.append(numpy_helper.from_array(_numpy(zero_point), f"{prefix}.zero_point"))
-        inputs.append(f"{prefix}.zero_point")
-    ops, domain = (("QuantizeLinear", "DequantizeLinear"), "") if zero_point is not None else \
-        (("TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear"), "trt")
-    attributes = {} if axis is None else {"axis": axis}
-    path = "/" + prefix.replace(".", "/")
-
-    def qdq(source: str):
-        quantize = helper.make_node(ops[0], [source, *inputs], [f"{path}/{ops[0]}_output_0"],
-                                    name=f"{path}/{ops[0]}", domain=domain, **attributes)
-        dequantize = helper.make_node(ops[1], [quantize.output[0], *inputs], [f"{path}/{ops[1]}_output_0"],
-                                      name=f"{path}/{ops[1]}", domain=domain, **attributes)
-        return [quantize, dequantize], dequantize.output[0]
-
-    return qdq
-
-
-def _cast(to: int, after=None):
-    """A chain(source) casting to ONNX type `to`, after the nodes of chain `after` if given."""
-    from onnx import helper
-
-    def cast(source: str):
-        nodes, source = after(source) if after else ([], source)
-        node = helper.make_node("Cast", [source], [f"{source}_cast"], name=f"{source}_cast", to=to)
-        return [*nodes, node], node.output[0]
-
-    return cast
-
-
-def _insert_conv_linear_qdq(edits: _GraphEdits, site: QuantizedInput, dtype: torch.dtype) -> None:
-    """Where ModelOpt's export puts them: on the weight before any Transpose, and on the layer's
-    activation input (after SmoothQuant's Mul) for that layer only."""
-    weight = f"{site.layer}.weight"
-    weight_reader = edits.only_reader(weight, site.layer)
-    layer = edits.only_reader(weight_reader.output[0], site.layer) if weight_reader.op_type == "Transpose" \
-        else weight_reader
-    if layer.op_type not in ("Conv", "MatMul", "Gemm"):
-        raise RuntimeError(f"{site.layer}: its weight feeds a {layer.op_type}, not a Conv, MatMul or Gemm")
-    prefix = f"{site.layer}.{site.role}_quantizer"
-    constants = (_fp8_scale(site.amax, dtype),) if site.fp8 else _int8_constants(site.amax, dtype)
-    if site.role == "weight":
-        edits.on_input(weight_reader, list(weight_reader.input).index(weight), _qdq(edits.model, prefix, *constants))
-    else:
-        edits.on_input(layer, 0, _qdq(edits.model, prefix, *constants))
-
-
-def _insert_fp8_attention(edits: _GraphEdits, site: QuantizedAttention, dtype: torch.dtype) -> None:
-    """ModelOpt's FP8 attention: FP8 Q/DQ on the scaled q and k, on softmax (range 1) and on v,
-    each cast to fp32 for its MatMul, whose outputs are cast back: TensorRT's FP8 MHA pattern."""
-    import onnx
-
-    if dtype != torch.float16:
-        raise UserError("FP8 attention (quantize.quant_level=4) needs an fp16 UNet graph: set onnx.precision=fp16")
-    softmax = [n for n in edits.nodes if n.op_type == "Softmax" and _module_path(n) == f"{site.layer}.Softmax"]
-    if len(softmax) != 1:
-        raise RuntimeError(f"{site.layer}: expected one attention Softmax, found {len(softmax)}")
-    scores = edits.producer[softmax[0].input[0]]
-    mix = edits.only_reader(softmax[0].output[0], site.layer)
-    if (scores.op_type, mix.op_type) != ("MatMul", "MatMul"):
-        raise RuntimeError(f"{site.layer}: its Softmax sits between {scores.op_type} and {mix.op_type}, not two MatMuls")
-    to_float, to_half = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
-    quantizer = {role: f"{site.layer}.{role}_bmm_quantizer" for role in ATTENTION_ROLES}
-    for slot, role in ((0, "q"), (1, "k")):
-        edits.on_input(scores, slot, _cast(to_float, _qdq(edits.model, quantizer[role], _fp8_scale(site.amax[role], dtype))))
-    edits.on_output(scores, _cast(to_half))
-    edits.on_input(mix, 0, _cast(to_float, _qdq(edits.model, f"{site.layer}.softmax_quantizer", _fp8_scale(1.0, dtype))))
-    edits.on_input(mix, 1, _cast(to_float, _qdq(edits.model, quantizer["v"], _fp8_scale(site.amax["v"], dtype))))
-    edits.on_output(mix, _cast(to_half))
-
-
-def _insert_qdq(model, module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Writes the Q/DQ of `module`'s enabled quantizers into its meta-traced graph."""
-    from onnx import helper
-
-    edits = _GraphEdits(model)
-    sites = quantized_inputs(module)
-    attention = quantized_attention(module)
-    for site in sites:
-        _insert_conv_linear_qdq(edits, site, dtype)
-    for site in attention:
-        _insert_fp8_attention(edits, site, dtype)
-    edits.commit()
-    if (attention or any(site.fp8 for site in sites)) and not any(o.domain == "trt" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("trt", 1))
-
-
 def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
     """Traces `spec` with its weights as graph inputs. Constant folding would fold transposed
     weights into new, unnamed inputs, so TensorRT and ONNX Runtime fold those when they load."""
     import torch.onnx
 
     tracing = _traced_on_meta(spec) if spec.on_meta else contextlib.nullcontext(spec.args)
-    with tracing as args, torch.no_grad(), warnings.catch_warnings():
+    with tracing as args, _upsampling_to_skip_sizes(spec.module), torch.no_grad(), warnings.catch_warnings():
         # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(spec.module, args, str(onnx_file), input_names=spec.input_names,
-                          output_names=spec.output_names, dynamic_axes=spec.dynamic_axes, opset_version=opset,
-                          dynamo=False, export_params=False, keep_initializers_as_inputs=True,
+                          output_names=spec.output_names, dynamic_axes=spec.network.dynamic_axes,
+                          opset_version=opset, dynamo=False, export_params=False, keep_initializers_as_inputs=True,
                           do_constant_folding=False)
+
+
+@contextlib.contextmanager
+def _upsampling_to_skip_sizes(root: torch.nn.Module):
+    """diffusers' UNet upsamples by 2 where the latent is a multiple of 2**num_upsamplers, else to the
+    size of the matching skip connection: a graph traced on the first path runs only at such sizes
+    (a 72x56 image's 9x7 latent would fail), one traced on the second runs at any. With that factor
+    out of reach while tracing, the trace takes the second path, which at a multiple upsamples to
+    exactly twice the size: the same nearest-neighbour result."""
+    unets = [module for module in root.modules() if hasattr(module, "num_upsamplers")]
+    upsamplers = [unet.num_upsamplers for unet in unets]
+    for unet in unets:
+        unet.num_upsamplers = 30  # 2**30: more than any latent side, and an int64 under the trace
+    try:
+        yield
+    finally:
+        for unet, count in zip(unets, upsamplers):
+            unet.num_upsamplers = count
 
 
 def graph_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -547,27 +323,18 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
     """Exports `spec` into `folder` atomically: everything is written beside it, then renamed."""
     import onnx
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as graph:
         start = time.perf_counter()
-        graph = staging / "graph"  # made with the user's umask, unlike the private temp folder
-        graph.mkdir()
         _trace(spec, graph / ONNX_FILE, opset)
         model = onnx.load(str(graph / ONNX_FILE))
         if spec.on_meta:
             _drop_host_hops(model, spec)
-            _insert_qdq(model, spec.module, dtype)
+            model = insert_qdq(model, spec.module, dtype)
         _attach_weights(model, graph_weights(spec.module), graph)
         onnx.save_model(model, str(graph / ONNX_FILE))
         del model
         onnx.checker.check_model(str(graph / ONNX_FILE))
         write_json(graph / META_FILE, {**meta, "seconds": round(time.perf_counter() - start, 2)})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(graph, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def is_current(folder: Path, fingerprint: str) -> bool:

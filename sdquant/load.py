@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from .config import Family, ModelConfig
+from .artifacts import atomic_folder
+from .config import ModelConfig
 from .errors import UserError
 from .lora import fuse as fuse_loras
+from .networks import Family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -49,17 +48,9 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
     folder = Path(model.source).expanduser()
     if (folder / "model_index.json").exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    # Another process may finish the same build first: its folder is as good as ours.
+    with atomic_folder(folder, replace=False) as staging:
         build_tiny_pipeline(Family(model.family).value, staging)
-        os.replace(staging, folder)
-    except OSError:
-        # Another process finished the same build first: its folder is as good as ours.
-        if not (folder / "model_index.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
@@ -167,6 +158,12 @@ def pipeline_parts(model: ModelConfig) -> dict:
     except OSError as error:
         raise UserError(f"model.source={source}: cannot read its tokenizers and configs "
                         f"({str(error).splitlines()[0]})") from error
+
+
+def vae_scale_factor(vae_config) -> int:
+    """Image pixels per latent pixel along each side, as diffusers' pipelines compute it: 8 for SD
+    and SDXL, 4 for the scene model's three-level VAE."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
 def builtin_prompts_path() -> Path:

@@ -1,6 +1,6 @@
 """Refit stage: new weights (another LoRA adapter or scale) written into built engines.
 
-Engines built with ``trt.refittable=true`` mark every floating-point weight of their ONNX graph
+Engines built with ``trt.refittable=true`` mark (build.make_refittable) every floating-point weight of their ONNX graph
 refittable (TensorRT's REFIT_INDIVIDUAL): those are the graph's initializers, which the export
 names after the traced module's state-dict keys and fills from its tensors. A refit therefore
 takes the same module of a pipeline loaded with the new adapters fused in, and hands TensorRT's
@@ -35,24 +35,6 @@ def refittable_weights(onnx_file: Path) -> dict[str, tuple[torch.dtype, int]]:
     graph = onnx.load(str(onnx_file), load_external_data=False).graph
     return {tensor.name: (ONNX_FLOAT_TYPES[tensor.data_type], int(np.prod(tensor.dims, dtype=np.int64)))
             for tensor in graph.initializer if tensor.data_type in ONNX_FLOAT_TYPES}
-
-
-def make_refittable(flavour, network, config, names) -> None:
-    """Makes exactly `names` refittable in the build of `network` (TensorRT's REFIT_INDIVIDUAL)."""
-    if flavour.name == "tensorrt_rtx" and not torch.cuda.is_available():
-        # Its compiler runs CUDA code for refittable weights (seen with TensorRT-RTX 1.7).
-        raise UserError("trt.refittable=true: TensorRT-RTX builds refittable engines only on a machine with a "
-                        "GPU; build there, or set trt.refittable=false")
-    mark_refittable(flavour, network, config, names)
-
-
-def mark_refittable(flavour, network, config, names) -> None:
-    """The marking itself: a name TensorRT knows no weights by would leave the refit without a
-    source for them, so it is an error."""
-    config.set_flag(flavour.module.BuilderFlag.REFIT_INDIVIDUAL)
-    unknown = [name for name in names if not network.mark_weights_refittable(name)]
-    if unknown:
-        raise RuntimeError(f"TensorRT knows no weights named {unknown[:3]} in this graph")
 
 
 def needs_refit(record: dict, plan: Path, wanted: list[dict]) -> bool:
@@ -91,7 +73,7 @@ def refit_sources(expected: dict[str, tuple[torch.dtype, int]],
 def refit_engine(flavour, plan: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Writes `tensors` into the engine at `plan` with TensorRT's Refitter and saves it in place;
     returns how many weights were refitted. Needs the GPU the engine was built for."""
-    from .trt_runtime import deserialize
+    from .trt_stages import deserialize
 
     trt = flavour.module
     logger = trt.Logger(trt.Logger.WARNING)

@@ -46,12 +46,15 @@ def versions_line() -> str:
     return "versions: " + ", ".join(parts)
 
 
-def print_summary(title: str, written: list[Path], seconds: float, reused: list[Path] = ()) -> None:
+def print_summary(title: str, written: list[Path], seconds: float, reused: list[Path] = (),
+                  notes: list[str] = ()) -> None:
     print(f"\n{title} finished in {seconds:.1f} s")
     for path in written:
         print(f"  wrote   {path}  ({_size(path)})")
     for path in reused:
         print(f"  reused  {path}  (force=true rebuilds it)")
+    for note in notes:
+        print(f"  note    {note}")
     print(f"  {versions_line()}")
 
 
@@ -78,7 +81,7 @@ def device_name(device) -> str:
 
 
 def save_images(images, out: Path, batch_index: int, settings, engines: dict, backend: str) -> list[Path]:
-    """PNG files with the prompt, seed, steps and engines in their metadata."""
+    """PNG files with the prompt, the image's own seed, steps and engines in their metadata."""
     import numpy as np
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
@@ -87,10 +90,10 @@ def save_images(images, out: Path, batch_index: int, settings, engines: dict, ba
 
     written = []
     pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-    for offset, (prompt, array) in enumerate(zip(settings.prompts, pixels)):
+    for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
         info = PngInfo()
         for key, value in (("prompt", prompt), ("negative_prompt", settings.negative_prompt),
-                           ("seed", settings.seed), ("steps", settings.steps),
+                           ("seed", seed), ("steps", settings.steps),
                            ("guidance_scale", settings.guidance_scale), ("backend", backend),
                            ("engines", ", ".join(f"{k}={v}" for k, v in engines.items()))):
             info.add_text(key, str(value))

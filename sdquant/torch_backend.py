@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
+from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 FP8_MAX = 448.0
 # torch._scaled_mm wants every matrix dimension divisible by 16.
@@ -124,8 +126,6 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
 def runs_as_fp8(unet: torch.nn.Module) -> list[str]:
     """Why the checkpoint in `unet` cannot run with FP8 GEMMs: one reason per kind of quantizer
     this path has no kernel for; empty when it can."""
-    from .export import quantized_attention, quantized_inputs, unsupported_quantizers
-
     reasons = []
     sites = quantized_inputs(unet)
     if any(not site.fp8 for site in sites):
@@ -144,8 +144,6 @@ def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
     Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
     module class with its plain torch layer; returns how many layers run in FP8."""
     from modelopt.torch.quantization.nn import QuantModule
-
-    from .export import quantized_inputs
 
     reasons = runs_as_fp8(unet)
     if reasons:
@@ -177,17 +175,12 @@ class GraphReplayStage:
         self.graphs: dict = {}
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+        key = signature(inputs)
         if key not in self.graphs:
             self.graphs[key] = self._capture(inputs)
-        graph, static_inputs, static_outputs = self.graphs[key]
-        for name, tensor in inputs.items():
-            static_inputs[name].copy_(tensor)
-        graph.replay()
-        # The graph writes into the same outputs at every replay: hand out copies.
-        return {name: tensor.clone() for name, tensor in static_outputs.items()}
+        return self.graphs[key].replay(inputs)
 
-    def _capture(self, inputs: dict[str, torch.Tensor]):
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> CapturedGraph:
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         # Warm up on a side stream with the very tensors the graph will read (same strides, so
         # no recompile): compiling, autotuning and library set-up must all happen before capture.
@@ -200,7 +193,7 @@ class GraphReplayStage:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_outputs = self.stage(**static_inputs)
-        return graph, static_inputs, static_outputs
+        return CapturedGraph(graph, static_inputs, static_outputs)
 
 
 def speed_up(pipe, stages: dict, block, cuda_graph: bool, unet_name: str, quantized: bool) -> dict:

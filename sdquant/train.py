@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import string
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from . import scenes
+from .artifacts import atomic_folder
+from .cli import stage
 from .errors import UserError
+from .progress import Progress
 from .report import library_versions
 
 TRAINING_RECORD = "training.json"
@@ -151,7 +150,7 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
     optimizer = torch.optim.AdamW(vae.parameters(), lr=block.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, block.learning_rate, total_steps=block.steps,
                                                    pct_start=0.05)
-    bar = tqdm(range(1, block.steps + 1), desc="vae", unit="step", mininterval=5)
+    bar = Progress(range(1, block.steps + 1), "vae", "steps")
     for step in bar:
         pixels = data.batch(torch.randint(len(data.pixels), (block.batch_size,), device=device, generator=generator))
         with _autocast(device):
@@ -164,7 +163,7 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
         schedule.step()
         if _every(step, block.steps):
             log.add("vae", step, loss.item())
-            bar.set_postfix(loss=f"{log.rows[-1][2]:.4f}")
+            bar.note(loss=f"{log.rows[-1][2]:.4f}")
     vae.eval()
 
 
@@ -207,7 +206,7 @@ def train_denoiser(pipe, latents: torch.Tensor, data: Dataset, block, generator:
     ema = EMAModel(parameters, decay=block.ema_decay, use_ema_warmup=True, foreach=True)
     size = scenes.IMAGE_SIZE
     time_ids = torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32, device=device)
-    bar = tqdm(range(1, block.steps + 1), desc="unet", unit="step", mininterval=5)
+    bar = Progress(range(1, block.steps + 1), "unet", "steps")
     for step in bar:
         indices = torch.randint(len(latents), (block.batch_size,), device=device, generator=generator)
         clean = latents[indices]
@@ -230,7 +229,7 @@ def train_denoiser(pipe, latents: torch.Tensor, data: Dataset, block, generator:
         ema.step(parameters)
         if _every(step, block.steps):
             log.add("unet", step, loss.item())
-            bar.set_postfix(loss=f"{log.rows[-1][2]:.4f}")
+            bar.note(loss=f"{log.rows[-1][2]:.4f}")
     ema.copy_to(parameters)
     for module in modules:
         module.eval()
@@ -272,18 +271,21 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     seconds = {}
 
     phase_start = time.perf_counter()
-    train_vae(pipe.vae, data, cfg.vae, generator, log)
-    latents = encode_latents(pipe.vae, data)
+    with stage("the VAE's training"):
+        train_vae(pipe.vae, data, cfg.vae, generator, log)
+        latents = encode_latents(pipe.vae, data)
     seconds["vae"] = time.perf_counter() - phase_start
 
     phase_start = time.perf_counter()
-    train_denoiser(pipe, latents, data, cfg.unet, generator, log)
+    with stage("the UNet's training"):
+        train_denoiser(pipe, latents, data, cfg.unet, generator, log)
     seconds["unet"] = time.perf_counter() - phase_start
 
     # What ships is the fp16 pipeline, so that is what gets scored.
     pipe.to(torch.float16).set_progress_bar_config(disable=True)
     prompts = held_out_prompts(cfg.eval_prompts)
-    adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed) if prompts else {}
+    with stage("scoring the held-out prompts"):
+        adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed) if prompts else {}
     record = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -296,25 +298,18 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         "held_out_combinations": sorted(map(list, scenes.held_out_combinations())),
         "versions": library_versions(),
     }
-    save(pipe, out, record, log)
+    with stage(f"saving the model to {out}"):
+        save(pipe, out, record, log)
     record["seconds"]["total"] = round(time.perf_counter() - started, 1)
     return out, record
 
 
 def save(pipe, out: Path, record: dict, log: LossLog) -> None:
     """Writes the whole folder under a temporary name and renames it when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o755)  # mkdtemp makes it owner-only; a model folder is for everyone
-    try:
+    with atomic_folder(out) as staging:
         pipe.save_pretrained(staging, safe_serialization=True)
         (staging / TRAINING_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         log.write(staging / LOSS_LOG)
         (staging / CALIBRATION_PROMPTS).write_text(
             "\n".join(scene.caption() for scene in scenes.sample(256, seed=1)) + "\n")
         (staging / HELD_OUT_PROMPTS).write_text("\n".join(held_out_prompts(64)) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sdquant.errors import EXIT_USER_ERROR, exits_cleanly
-from sdquant.workflow import run_quantize
+from sdquant.cli import exits_cleanly
+from sdquant.errors import EXIT_USER_ERROR
+from sdquant.workflow.quantize import run_quantize
 
 BAD_QUANTIZE = [
     (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is unknown"),

@@ -11,10 +11,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from sdquant import build, export
+from sdquant import build, config, export, networks
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.workflow import build_engines, run_export, run_quantize
+from sdquant.workflow.export_trt import build_engines, run_export
+from sdquant.workflow.quantize import run_quantize
 
 import standin_tensorrt
 from conftest import compose_config
@@ -28,7 +29,7 @@ def _within(shape, profile) -> bool:
 
 
 def test_nemo_doc_shapes_fit_the_default_full_size_profile():
-    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS)
+    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS, 8)
     nemo = {"x": (8, 4, 128, 128), "timesteps": (8,), "context": (8, 80, 2048), "y": (8, 2816)}
     assert all(_within(nemo[name], shapes[name]) for name in nemo)
     assert shapes["x"] == ((1, 4, 128, 128), (4, 4, 128, 128), (16, 4, 128, 128))
@@ -50,12 +51,12 @@ def test_guidance_doubles_unet_and_text_encoders_not_vae():
                                        (InferBlock(batch_size=0), TrtBlock(static_batch=True))])
 def test_impossible_batch_range_is_refused(infer, trt):
     with pytest.raises(UserError, match="batch"):
-        build.validate_profile(infer, trt)
+        config.validate_profile(infer, trt)
 
 
 def test_trtexec_command_golden(tmp_path):
     infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
-    shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
+    shapes = build.profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS, 8)
     command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
                                     tmp_path / "timing.cache")
     assert command == [
@@ -128,7 +129,7 @@ def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_en
     # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
     log = fake_trtexec(101300)
-    shutil.copytree(export.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    shutil.copytree(networks.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
     cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
     run_export(cfg)
     commands = [json.loads(line) for line in log.read_text().splitlines()]
@@ -169,6 +170,17 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
     assert all(build.plan_path(cfg.infer.out_path, n).stat().st_size > 0 for n in ("clip1", "vae"))
 
 
+def test_unet_engine_builds_for_a_size_no_multiple_of_64(fp16_engines, tmp_path):
+    cfg, _ = fp16_engines
+    onnx_file = networks.onnx_path(cfg.infer.out_path, "unet_xl")
+    infer = InferBlock(batch_size=1, width=72, height=56)
+    shapes = build.profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", build.onnx_input_dims(onnx_file), 8)
+    assert shapes["x"][1] == (2, 4, 7, 9)
+    info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes,
+                              TrtBlock(builder_optimization_level=0), tmp_path / "unet_xl.plan", None)
+    assert info["bytes"] > 0 and info["inputs"]["x"]["profile"][2] == [2, 4, 7, 9]
+
+
 def test_existing_engines_are_reused(fp16_engines, capsys):
     cfg, _ = fp16_engines
     plan = build.plan_path(cfg.infer.out_path, "unet_xl")
@@ -185,8 +197,8 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
-    onnx_file = export.onnx_path(tmp_path, "unet_xl")
-    shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
+    onnx_file = networks.onnx_path(tmp_path, "unet_xl")
+    shapes = build.profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file), 8)
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)
     assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0

@@ -10,7 +10,9 @@ import torch
 from PIL import Image
 
 from sdquant.errors import EXIT_USER_ERROR, UserError
-from sdquant.workflow import run_evaluate, run_export, run_quantize
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 
@@ -42,9 +44,12 @@ def unet_onnx(tmp_path_factory, model_cache):
 
 
 @pytest.mark.parametrize("scheduler", ["euler", "euler_a"])
-def test_identical_unet_gives_infinite_psnr_unit_ssim_and_zero_step_error(tmp_path, model_cache, scheduler):
+def test_identical_unet_gives_infinite_psnr_unit_ssim_and_zero_step_error(tmp_path, model_cache, scheduler, capsys):
     # euler_a draws noise at every step: identical images also prove it is drawn from the run's seed.
     report = _evaluate(tmp_path, "+variants.same=null", f"sampling.scheduler={scheduler}")
+    progress = capsys.readouterr().err
+    assert "fp16: 2/2 prompt batches" in progress and "same: 2/2 prompt batches" in progress
+    assert "denoising" not in progress and "\r" not in progress, "one plain line per loop, none nested"
     same = report["variants"]["same"]
     assert [row["psnr"] for row in same["per_prompt"]] == [math.inf] * len(PROMPTS)
     assert [row["ssim"] for row in same["per_prompt"]] == pytest.approx([1.0] * len(PROMPTS))
@@ -107,7 +112,8 @@ def test_clip_score_from_a_local_model_and_notes_for_missing_weights(tmp_path, m
     ([], "no variants to evaluate"),
     (["+variants.int8=/nonexistent/ckpt"], "variants.int8=/nonexistent/ckpt: no such file or folder"),
     (["metrics.lpips_net=resnet", "+variants.same=null"], "metrics.lpips_net='resnet' is unknown"),
-    (["sampling.width=100", "+variants.same=null"], "sampling.width=100 must be a positive multiple of 64"),
+    (["sampling.width=100", "+variants.same=null"],
+     "sampling.width=100 must be a positive multiple of 8, the model's VAE scale factor"),
 ])
 def test_bad_evaluate_settings_are_refused(tmp_path, model_cache, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

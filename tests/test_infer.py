@@ -9,9 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from sdquant import run
 from sdquant.errors import UserError
-from sdquant.workflow import run_export, run_infer, run_quantize
+from sdquant.pipeline import warn_if_not_finite
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 
@@ -84,6 +86,20 @@ def test_torch_backend_matches_onnxruntime(fp32_graphs, tmp_path):
     assert _psnr(_read_png(tmp_path / "ort/image_000_00.png"), _read_png(tmp_path / "torch/image_000_00.png")) >= 40
 
 
+def test_a_size_no_multiple_of_64_runs_as_diffusers_does(fp32_graphs, tmp_path, tiny_pipeline):
+    # 72x56 is a 9x7 latent: no multiple of the tiny UNet's 2x upsampling, so its upsampler takes
+    # the skip connection's size, in the exported graph as in diffusers.
+    size = ["sampling.width=72", "sampling.height=56"]
+    run_infer(_infer_cfg(fp32_graphs, tmp_path / "ort", *size))
+    run_infer(_infer_cfg(fp32_graphs, tmp_path / "torch", *size, "backend=torch"))
+    ours, torch_backend = _read_png(tmp_path / "ort/image_000_00.png"), _read_png(tmp_path / "torch/image_000_00.png")
+    assert ours.shape == (56, 72, 3)
+    reference = tiny_pipeline()(PROMPT, num_inference_steps=STEPS, guidance_scale=5.0, height=56, width=72,
+                                generator=torch.Generator().manual_seed(42), output_type="np").images[0]
+    assert _psnr(ours, np.round(reference * 255) / 255) >= 40
+    assert _psnr(torch_backend, np.round(reference * 255) / 255) >= 40
+
+
 def test_int8_unet_pipeline_runs_end_to_end(quantize_cfg, fp32_graphs, tmp_path):
     folder = run_quantize(quantize_cfg("quantize.quant_level=3"))
     _export(tmp_path / "int8", f"quantized_unet={folder}")
@@ -102,7 +118,8 @@ def test_sd15_runs_with_onnxruntime(tmp_path, model_cache):
 
 @pytest.mark.parametrize("override,message", [
     ("backend=tensorrt", "backend='tensorrt' is unknown"),
-    ("sampling.width=100", "sampling.width=100 must be a positive multiple of 64"),
+    ("sampling.width=100", "sampling.width=100 must be a positive multiple of 8, the model's VAE scale factor"),
+    ("sampling.height=0", "sampling.height=0 must be positive"),
     ("sampling.scheduler=magic", "sampling.scheduler='magic' is unknown"),
 ])
 def test_bad_inference_settings(fp32_graphs, tmp_path, override, message):
@@ -131,6 +148,6 @@ def test_missing_engine_is_named(tmp_path, model_cache):
 
 def test_non_finite_vae_output_warns_naming_the_vae():
     with pytest.warns(UserWarning, match="the VAE produced NaN"):
-        run.warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
+        warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
     with pytest.warns(UserWarning, match="the UNet produced NaN"):
-        run.warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))
+        warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))

@@ -12,10 +12,14 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdquant import build, checkpoint, export, lora, refit
-from sdquant.errors import EXIT_USER_ERROR, UserError, exits_cleanly
+from sdquant import build, checkpoint, export, lora, networks, refit
+from sdquant.cli import exits_cleanly
+from sdquant.errors import EXIT_USER_ERROR, UserError
 from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device
-from sdquant.workflow import quantized_checkpoint_dir, run_evaluate, run_export, run_infer, run_quantize
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import quantized_checkpoint_dir, run_quantize
 
 from conftest import compose_config
 from test_export import _rel_err, _session, _torch_unet, _unet_feeds
@@ -188,7 +192,8 @@ def fp32_exports(lora_files, model_cache, tmp_path_factory):
     base = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                            "run_trt_export=false", "onnx.precision=fp32"])
     run_export(base)
-    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text()) for name in export.graph_names("sdxl")}
+    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text())
+             for name in networks.graph_names("sdxl")}
     with_a = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                              "run_trt_export=false", "onnx.precision=fp32",
                                              _loras((lora_files["a"], 0.7))])
@@ -200,7 +205,7 @@ def test_fused_onnx_matches_fused_torch_in_onnx_runtime(fp32_exports, lora_files
     out, _ = fp32_exports
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     feeds = _unet_feeds(fused.unet)
-    onnx_out = _session(export.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    onnx_out = _session(networks.onnx_path(out, "unet_xl")).run(None, feeds)[0]
     assert _rel_err(onnx_out, _unet_out(fused, feeds)) < 1e-4
     assert _rel_err(onnx_out, _unet_out(_pipeline(), feeds)) > 1e-2
 
@@ -228,7 +233,7 @@ def test_quantized_export_takes_the_adapter_into_the_text_encoders_only(quantize
                  "onnx.precision=fp32", f"quantized_unet={folder}"]
     run_export(compose_config("sd_xl_export", [*overrides, _loras((lora_files["a"], 0.7))]))
     ids = np.random.default_rng(0).integers(0, 200, (2, 77)).astype(np.int32)
-    clip1 = _session(export.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
+    clip1 = _session(networks.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     with torch.no_grad():
         expected = export.TextEncoderGraph(fused.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
@@ -279,19 +284,19 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
     pipe_b = _pipeline(_loras((lora_files["b"], 1.0)), dtype=torch.float16)
     specs = {spec.name: spec for spec in export.graph_specs(pipe_b, "sdxl", 1, 8, torch.float16, torch.float32)}
     for name in ("clip1", "clip2", "unet_xl"):
-        onnx_a = export.onnx_path(fp16_graphs["a"], name)
+        onnx_a = networks.onnx_path(fp16_graphs["a"], name)
         expected = refit.refittable_weights(onnx_a)
         builder = trt.module.Builder(logger)
         network = builder.create_network(trt.network_flags())
         assert trt.module.OnnxParser(network, logger).parse_from_file(str(onnx_a))
         config = builder.create_builder_config()
-        refit.mark_refittable(trt, network, config, list(expected))
+        build.mark_refittable(trt, network, config, list(expected))
         assert config.get_flag(trt.module.BuilderFlag.REFIT_INDIVIDUAL)
         assert all(network.are_weights_marked_refittable(weight) for weight in expected)
 
         sources = refit.refit_sources(expected, export.graph_weights(specs[name].module))
         assert sources.keys() == expected.keys()
-        graph_b = onnx.load(str(export.onnx_path(fp16_graphs["b"], name))).graph.initializer
+        graph_b = onnx.load(str(networks.onnx_path(fp16_graphs["b"], name))).graph.initializer
         initializers_b = {t.name: numpy_helper.to_array(t) for t in graph_b if t.name in expected}
         assert initializers_b.keys() == expected.keys()
         assert all(np.array_equal(sources[w].numpy().reshape(initializers_b[w].shape), initializers_b[w])
@@ -314,8 +319,8 @@ def test_refit_refuses_engines_that_cannot_take_other_adapters(tmp_path):
 def _graphs_of(source, out):
     """A fresh export folder whose ONNX graphs are those in `source`."""
     (out / "onnx").mkdir(parents=True)
-    for name in export.graph_names("sdxl"):
-        (out / "onnx" / name).symlink_to(export.onnx_path(source, name).parent)
+    for name in networks.graph_names("sdxl"):
+        (out / "onnx" / name).symlink_to(networks.onnx_path(source, name).parent)
     return out
 
 

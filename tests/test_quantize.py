@@ -12,7 +12,7 @@ from sdquant import checkpoint
 from sdquant.calibrate import activation_amax, quantize_unet
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
-from sdquant.workflow import run_quantize
+from sdquant.workflow.quantize import run_quantize
 
 
 def _calibrate(tiny_pipeline, quantize_cfg, *overrides, model="tiny_sdxl"):

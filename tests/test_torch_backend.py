@@ -11,9 +11,12 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant import torch_backend
 from sdquant.errors import UserError
-from sdquant.export import UNetGraph, quantized_inputs
+from sdquant.export import UNetGraph
 from sdquant.load import empty_unet
-from sdquant.workflow import _restore_quantized_unet, run_infer, run_quantize
+from sdquant.quantizers import quantized_inputs
+from sdquant.workflow.common import restore_quantized_unet
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config
 
@@ -35,7 +38,7 @@ def fp8_l3(tmp_path_factory):
 def _restored(checkpoint):
     model = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
     unet = empty_unet(model)
-    _restore_quantized_unet(model, "quantized_unet", str(checkpoint), unet)
+    restore_quantized_unet(model, "quantized_unet", str(checkpoint), unet)
     return model, unet.float().eval()
 
 

@@ -13,11 +13,13 @@ import tensorrt_rtx
 import torch
 
 import standin_tensorrt
-from sdquant import build, run
+from sdquant import build
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.trt_runtime import check_within_profiles, trt_stages
-from sdquant.workflow import _text_to_image
+from sdquant.pipeline import SamplingSettings, TextToImage
+from sdquant.stages import StageTimer, torch_stages
+from sdquant.trt_stages import check_within_profiles, trt_stages
+from sdquant.workflow.common import sampling_parts, text_to_image
 
 from conftest import compose_config
 
@@ -27,9 +29,11 @@ SDXL_DIMS = {"clip1": {"input_ids": [None, 77]}, "clip2": {"input_ids": [None, 7
              "vae": {"latent": [None, 4, None, None]}}
 
 
-def _settings(images: int, negative_prompt: str, guidance_scale: float) -> run.SamplingSettings:
-    return run.SamplingSettings(prompts=[f"prompt {i}" for i in range(images)], negative_prompt=negative_prompt,
-                                steps=1, guidance_scale=guidance_scale, height=64, width=64, seed=0)
+def _settings(prompts: int, negative_prompt: str, guidance_scale: float, images_per_prompt: int = 1,
+              long_prompts: str = "truncate") -> SamplingSettings:
+    return SamplingSettings(prompts=[f"prompt {i}" for i in range(prompts)], negative_prompt=negative_prompt,
+                            steps=1, guidance_scale=guidance_scale, height=64, width=64, seed=0,
+                            images_per_prompt=images_per_prompt, long_prompts=long_prompts)
 
 
 class _BatchRecorder:
@@ -43,18 +47,22 @@ class _BatchRecorder:
         return self.stage(**inputs)
 
 
-@pytest.mark.parametrize("model,negative_prompt,guidance_scale", [
-    ("tiny_sdxl", "", 5.0), ("tiny_sdxl", "blurry", 5.0), ("tiny_sdxl", "", 1.0), ("tiny_sdxl", "blurry", 1.0),
-    ("tiny_sd15", "", 5.0), ("tiny_sd15", "", 1.0)])
-def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negative_prompt, guidance_scale):
+@pytest.mark.parametrize("model,negative_prompt,guidance_scale,images_per_prompt", [
+    ("tiny_sdxl", "", 5.0, 1), ("tiny_sdxl", "blurry", 5.0, 1), ("tiny_sdxl", "", 1.0, 1),
+    ("tiny_sdxl", "blurry", 1.0, 1), ("tiny_sd15", "", 5.0, 1), ("tiny_sd15", "", 1.0, 1),
+    ("tiny_sdxl", "blurry", 5.0, 3), ("tiny_sd15", "", 5.0, 2)])
+def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negative_prompt, guidance_scale,
+                                                   images_per_prompt):
     pipe = tiny_pipeline(model)
     sdxl = model == "tiny_sdxl"
     seen = {}
     stages = {name: _BatchRecorder(stage, name, seen)
-              for name, stage in run.torch_stages(pipe, sdxl, torch.float32).items()}
-    pipeline = _text_to_image(compose_config("sd_xl_trt_inference", [f"model={model}"]), stages, torch.device("cpu"))
-    settings = _settings(2, negative_prompt, guidance_scale)
-    pipeline(settings, run.StageTimer(torch.device("cpu")), progress=False)
+              for name, stage in torch_stages(pipe, sdxl, torch.float32).items()}
+    cfg = compose_config("sd_xl_trt_inference", [f"model={model}"])
+    pipeline = text_to_image(cfg, sampling_parts(cfg), stages, torch.device("cpu"))
+    settings = _settings(2, negative_prompt, guidance_scale, images_per_prompt)
+    images = pipeline(settings, StageTimer(torch.device("cpu")), progress=False)
+    assert images.shape[0] == 2 * images_per_prompt
     assert {name: sizes.pop() for name, sizes in seen.items() if len(sizes) == 1} == pipeline.stage_batches(settings)
     if sdxl:
         zero_negative = negative_prompt == ""
@@ -62,16 +70,16 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
             "SDXL's empty negative prompt is zeros: the text encoders see the prompts only"
 
 
-def _sdxl_pipeline() -> run.TextToImage:
-    return run.TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
-                           torch.device("cpu"), sdxl=True)
+def _sdxl_pipeline() -> TextToImage:
+    return TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
+                       torch.device("cpu"), sdxl=True)
 
 
 @pytest.mark.parametrize("trt", [TrtBlock(), TrtBlock(static_batch=True)], ids=["dynamic", "static"])
 @pytest.mark.parametrize("negative_prompt", ["", "blurry"])
 def test_engines_built_for_a_run_admit_it(trt, negative_prompt):
     infer = InferBlock(batch_size=2, width=512, height=768)
-    profiles = {name: build.profile_shapes(infer, trt, name, dims) for name, dims in SDXL_DIMS.items()}
+    profiles = {name: build.profile_shapes(infer, trt, name, dims, 8) for name, dims in SDXL_DIMS.items()}
     settings = _settings(2, negative_prompt, 5.0)
     check_within_profiles(profiles, _sdxl_pipeline().stage_batches(settings), (96, 64))
 
@@ -80,6 +88,26 @@ def test_static_text_encoders_take_the_prompts_alone_or_with_negatives():
     infer, static = InferBlock(batch_size=3), TrtBlock(static_batch=True)
     assert build.batch_range(infer, static, "clip2") == build.BatchRange(3, 6, 6)
     assert build.batch_range(infer, static, "unet_xl") == build.BatchRange(6, 6, 6)
+
+
+def test_images_per_prompt_beyond_the_engines_batch_is_refused_before_any_work():
+    infer, trt = InferBlock(batch_size=1, width=64, height=64), TrtBlock(max_batch_size=2)
+    profiles = {name: build.profile_shapes(infer, trt, name, dims, 8) for name, dims in SDXL_DIMS.items()}
+    check_within_profiles(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 2)), (8, 8))
+    with pytest.raises(UserError, match=r"unet_xl engine, input x: this run needs shape \(6, 4, 8, 8\).*"
+                                        r"sampling.num_images_per_prompt"):
+        check_within_profiles(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 3)), (8, 8))
+
+
+def test_chunked_prompts_longer_than_the_unet_profile_are_refused_naming_the_rebuild():
+    infer = InferBlock(batch_size=1, width=64, height=64)
+    unet = {"unet_xl": build.profile_shapes(infer, TrtBlock(), "unet_xl", SDXL_DIMS["unet_xl"], 8)}
+    assert unet["unet_xl"]["context"][2] == (16, 154, 2048), "two CLIP windows by default"
+    check_within_profiles(unet, {"unet_xl": 2}, (8, 8), 154)
+    with pytest.raises(UserError, match=r"input context: .*prompts need 3 CLIP windows.*trt.max_prompt_chunks=3"):
+        check_within_profiles(unet, {"unet_xl": 2}, (8, 8), 231)
+    longer = build.profile_shapes(infer, TrtBlock(max_prompt_chunks=3), "unet_xl", SDXL_DIMS["unet_xl"], 8)
+    assert longer["context"] == ((1, 77, 2048), (2, 77, 2048), (16, 231, 2048))
 
 
 def test_profile_check_names_engine_input_shape_range_and_fix():
@@ -91,7 +119,7 @@ def test_profile_check_names_engine_input_shape_range_and_fix():
         check_within_profiles(profiles, {"clip1": zero_negative["clip1"]}, (128, 128))
     assert str(error.value).startswith("clip1 engine, input input_ids: this run needs shape (1, 77), but its "
                                        "profile admits (2, 77) to (2, 77): rebuild the engines with export_trt.py")
-    unet = {"unet_xl": build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_DIMS["unet_xl"])}
+    unet = {"unet_xl": build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_DIMS["unet_xl"], 8)}
     with pytest.raises(UserError, match=r"input x: this run needs shape \(18, 4, 128, 128\).*trt.max_batch_size"):
         check_within_profiles(unet, {"unet_xl": 18}, (128, 128))
     with pytest.raises(UserError, match=r"input x: this run needs shape \(2, 4, 128, 96\), but its profile admits "

@@ -24,8 +24,8 @@ import standin_tensorrt
 from sdquant import build
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.run import StageTimer
-from sdquant.trt_runtime import trt_stages
+from sdquant.stages import StageTimer
+from sdquant.trt_stages import trt_stages
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
@@ -155,7 +155,7 @@ def test_stage_timer_measures_the_engine(engines):
 
 def test_shape_outside_the_profile_is_one_clear_error(engines):
     """Finding 4: set_input_shape's refusal is an error naming engine, input, shape and profile."""
-    from sdquant.trt_runtime import check_within_profiles
+    from sdquant.trt_stages import check_within_profiles
 
     stage = trt_stages(*_one(engines), ())["unet"]
     rows, columns = engines.sample
@@ -189,7 +189,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
     built with trt.static_batch admits and the stage runs."""
     import types
 
-    from sdquant.run import SamplingSettings, TextToImage
+    from sdquant.pipeline import SamplingSettings, TextToImage
 
     settings = SamplingSettings(prompts=["a", "b"], negative_prompt="", steps=1, guidance_scale=5.0, height=64,
                                 width=64, seed=0)
@@ -197,7 +197,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
                            torch.device("cuda"), sdxl=True)
     batch = pipeline.stage_batches(settings)["clip1"]
     profile = build.profile_shapes(InferBlock(batch_size=2), TrtBlock(static_batch=True), "clip1",
-                                   {"input_ids": [None, 77]})["input_ids"]
+                                   {"input_ids": [None, 77]}, 8)["input_ids"]
     plan = standin_tensorrt.write_plan(stand_in.folder / "clip1.plan",
                                        {"input_ids": {"dtype": "INT32", "profile": [list(s) for s in profile]}},
                                        {"hidden_states": {"dtype": "FLOAT", "from": "input_ids"}})
@@ -211,7 +211,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
     by RTX (engines.json says so), not by whichever is importable first."""
     from omegaconf import OmegaConf
 
-    from sdquant.workflow import _load_stages
+    from sdquant.workflow.infer_trt import load_stages
 
     rtx = standin_tensorrt.module("1.7.1", name="tensorrt_rtx")
     monkeypatch.setitem(sys.modules, "tensorrt", stand_in.flavour.module)
@@ -230,7 +230,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
     cfg = OmegaConf.create({"backend": "trt", "cuda_graph": False, "model": {"family": "sdxl"},
                             "sampling": {"guidance_scale": 5.0, "batch_size": 1, "height": 64, "width": 64},
                             **{name: str(plans / f"{name}.plan") for name in names}})
-    stages = _load_stages(cfg, torch.device("cuda"), True)
+    stages = load_stages(cfg, torch.device("cuda"), True)
     sample = torch.randint(-8, 9, (2, 8), dtype=torch.float32)
     assert torch.equal(stages["unet_xl"](features=sample.cuda())["out"].cpu(), _expected(sample))
 

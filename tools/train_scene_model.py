@@ -6,8 +6,8 @@
 
 import hydra
 
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
-from sdquant.errors import exits_cleanly
 
 register_schemas()
 
@@ -16,7 +16,7 @@ register_schemas()
 @exits_cleanly
 def main(cfg) -> None:
     # Imported once exits_cleanly has checked the installed packages.
-    from sdquant.workflow import run_train_scene_model
+    from sdquant.workflow.train_scene_model import run_train_scene_model
 
     run_train_scene_model(cfg)
 

@@ -1,5 +1,6 @@
-"""TensorRT engines at run time (GPU only): each engine as a stage on the caller's CUDA stream,
-one device-memory block shared by all engines, and optional CUDA graph replay per input shape.
+"""The TensorRT stage (GPU only): each engine as a stage (sdquant.stages' interface) on the
+caller's CUDA stream, one device-memory block shared by all engines, optional CUDA graph replay
+per input shape, and the check of a run against the engines' profiles before any work.
 
 Follows TensorRT's tensor API as of 10.1 (``set_device_memory(ptr, size)``,
 ``device_memory_size_v2``), which TensorRT for RTX shares; every TensorRT call that reports
@@ -10,13 +11,14 @@ can run on; it is kept to this module.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .build import Flavour, built_by, engine_record
+from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
+from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, dynamic_axes, sized
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -41,7 +43,11 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
     low, _, high = profile
     if not low[0] <= shape[0] <= high[0]:
         fix = ("rebuild the engines with export_trt.py for this batch (infer.batch_size, trt.min_batch_size and "
-               "trt.max_batch_size, in images; trt.static_batch=false for a range) or change sampling.batch_size")
+               "trt.max_batch_size, in images; trt.static_batch=false for a range) or change sampling.batch_size "
+               "or sampling.num_images_per_prompt")
+    elif dynamic_axes(engine, tensor).get(1) == CONTEXT and not low[1] <= shape[1] <= high[1]:
+        fix = (f"its prompts need {shape[1] // TOKENS} CLIP windows (sampling.long_prompts=chunk): rebuild the "
+               f"engines with export_trt.py trt.max_prompt_chunks={shape[1] // TOKENS}, or shorten the prompts")
     else:
         fix = ("rebuild the engines with export_trt.py infer.width/infer.height set to this run's size, or run at "
                "the size they were built for")
@@ -49,38 +55,24 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
             f"{tuple(low)} to {tuple(high)}: {fix}")
 
 
-def requested_shape(profile: tuple, batch: int, latent_size: tuple[int, int]) -> tuple:
-    """The shape a run asks of an input: its batch; for the 4-D latent inputs (x, latent) the
-    latent height and width, as build.profile_shapes sizes them; the profile's own for the rest."""
-    shape = [batch, *profile[1][1:]]
-    if len(shape) == 4:
-        shape[2:] = latent_size
-    return tuple(shape)
-
-
 def check_within_profiles(profiles: dict[str, dict[str, tuple]], batches: dict[str, int],
-                          latent_size: tuple[int, int]) -> None:
-    """Refuses, before any image work, a run whose batch or image size an engine cannot take.
+                          latent_size: tuple[int, int], context_tokens: int = TOKENS) -> None:
+    """Refuses, before any image work, a run whose batch, image size or prompt length an engine
+    cannot take.
 
     `profiles`: per stage, each input's (min, opt, max) shape; `batches`: samples per call of each
-    stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents.
+    stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents;
+    `context_tokens`: the UNet's context length (one CLIP window unless long prompts are chunked).
     """
     for stage, batch in batches.items():
+        sizes = {BATCH: batch, HEIGHT: latent_size[0], WIDTH: latent_size[1], CONTEXT: context_tokens}
         for tensor, profile in profiles[stage].items():
-            shape = requested_shape(profile, batch, latent_size)
+            # Each dynamic axis as this run sizes it (as build.profile_shapes sized it for the
+            # build), the rest as the profile has them.
+            shape = sized(stage, tensor, profile[1], sizes)
             low, _, high = profile
             if not all(lo <= dim <= hi for dim, lo, hi in zip(shape, low, high)):
                 raise UserError(profile_error(stage, tensor, shape, profile))
-
-
-@dataclass
-class _CapturedCall:
-    """A CUDA graph of one engine call, with the context and buffers it was captured with."""
-
-    context: object
-    graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
 
 
 class TrtStage:
@@ -102,7 +94,7 @@ class TrtStage:
         self.cuda_graph = cuda_graph
         self.device_memory: torch.Tensor | None = None
         self._context = None
-        self._graphs: dict[tuple, _CapturedCall] = {}
+        self._graphs: dict[tuple, CapturedGraph] = {}
 
     @property
     def device_memory_size(self) -> int:
@@ -166,15 +158,11 @@ class TrtStage:
             outputs = self._bind(self._context, inputs)
             self._execute(self._context, inputs)
             return outputs
-        for name, tensor in inputs.items():
-            captured.inputs[name].copy_(tensor)
-        captured.graph.replay()
-        # The next replay overwrites the captured outputs: the caller gets its own.
-        return {name: tensor.clone() for name, tensor in captured.outputs.items()}
+        return captured.replay(inputs)
 
-    def _graph_for(self, inputs: dict[str, torch.Tensor]) -> _CapturedCall | None:
+    def _graph_for(self, inputs: dict[str, torch.Tensor]) -> CapturedGraph | None:
         """The CUDA graph for these input shapes, captured on first use; None once capture failed."""
-        key = tuple(tuple(tensor.shape) for tensor in inputs.values())
+        key = signature(inputs)
         if key not in self._graphs:
             captured = self._capture(inputs)
             if captured is None:
@@ -182,7 +170,7 @@ class TrtStage:
             self._graphs[key] = captured
         return self._graphs[key]
 
-    def _capture(self, inputs: dict[str, torch.Tensor]) -> _CapturedCall | None:
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> CapturedGraph | None:
         """Captures one call on a context of its own: a graph replays the addresses and shapes it was
         captured with, so no other shape may ever be set on that context. It runs once uncaptured
         first, as TensorRT asks, so that its set-up for the new shapes stays out of the graph."""
@@ -202,7 +190,7 @@ class TrtStage:
                           "running it without graphs")
             self.cuda_graph = False
             return None
-        return _CapturedCall(context, graph, static_inputs, static_outputs)
+        return CapturedGraph(graph, static_inputs, static_outputs, keeps=context)
 
 
 def trt_stages(flavour: Flavour | dict[str, Flavour], plans: dict[str, Path],

@@ -1,0 +1,112 @@
+"""The stages: each network of the pipeline behind one interface. Called with named tensors, a
+stage returns named tensors, with the names of the ONNX graphs (sdquant.networks: clip1:
+input_ids -> hidden_states; clip2: input_ids -> hidden_states, pooled; unet: x, timesteps,
+context[, y] -> out; vae: latent -> images). Here the ``onnxruntime`` stage (the ONNX files) and
+the ``torch`` stage (the diffusers modules, wrapped as the export wraps them), and the timer of
+stage calls; the TensorRT engines' stage is in sdquant.trt_stages.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import networks
+from .errors import UserError
+from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .networks import Network, unet_graph_name
+
+
+class OnnxRuntimeStage:
+    """Runs an exported ONNX file; tensors cross as numpy on the host."""
+
+    def __init__(self, onnx_file: Path, providers: list[str]):
+        import onnxruntime as ort
+
+        if not onnx_file.is_file():
+            raise UserError(f"{onnx_file} does not exist: run export_trt.py first")
+        self.session = ort.InferenceSession(str(onnx_file), providers=providers)
+        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        device = next(iter(inputs.values())).device
+        feeds = {name: _to_numpy(inputs[name], self.input_types[name]) for name in self.input_types}
+        outputs = self.session.run(self.output_names, feeds)
+        return {name: torch.from_numpy(value).to(device) for name, value in zip(self.output_names, outputs)}
+
+
+_ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32,
+               "tensor(int64)": np.int64}
+
+
+def _to_numpy(tensor: torch.Tensor, onnx_type: str) -> np.ndarray:
+    return tensor.detach().cpu().numpy().astype(_ONNX_TYPES[onnx_type], copy=False)
+
+
+class TorchStage:
+    """A diffusers module wrapped as its graph, called with the graph's input names."""
+
+    def __init__(self, graph: torch.nn.Module, network: Network, dtype: torch.dtype):
+        self.graph = graph
+        self.network = network
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        args = [inputs[name].to(self.dtype) if inputs[name].is_floating_point() and name != "timesteps"
+                else inputs[name] for name in self.network.input_names]
+        outputs = self.graph(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return dict(zip(self.network.output_names, outputs))
+
+
+def torch_stages(pipe, sdxl: bool, dtype: torch.dtype) -> dict:
+    stages = {"clip1": TorchStage(TextEncoderGraph(pipe.text_encoder, penultimate=sdxl, pooled=False),
+                                  networks.text_encoder("clip1", pooled=False), dtype),
+              "vae": TorchStage(VaeDecoderGraph(pipe.vae), networks.VAE, next(pipe.vae.parameters()).dtype)}
+    if sdxl:
+        stages["clip2"] = TorchStage(TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True),
+                                     networks.text_encoder("clip2", pooled=True), dtype)
+    stages[unet_graph_name(sdxl)] = unet_stage(pipe.unet, sdxl, dtype)
+    return stages
+
+
+def unet_stage(unet: torch.nn.Module, sdxl: bool, dtype: torch.dtype) -> TorchStage:
+    return TorchStage(UNetGraph(unet, sdxl), networks.unet(sdxl), dtype)
+
+
+class StageTimer:
+    """Time per stage call. On a GPU it records CUDA events around each stage and reads them
+    once at the end of the run, so timing never makes the host wait inside the loop. The events
+    go on the current stream, which is the one every stage runs on (TensorRT engines included)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._events: dict[str, list] = {}
+        self.seconds: dict[str, list[float]] = {}
+
+    def time(self, name: str, fn, **inputs):
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            result = fn(**inputs)
+            self.seconds.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(**inputs)
+        end.record()
+        self._events.setdefault(name, []).append((start, end))
+        return result
+
+    def finish(self) -> dict[str, list[float]]:
+        """Per stage, the seconds of each call; waits for the device once."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            for name, pairs in self._events.items():
+                self.seconds.setdefault(name, []).extend(s.elapsed_time(e) / 1000 for s, e in pairs)
+            self._events = {}
+        return self.seconds

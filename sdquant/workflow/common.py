@@ -1,0 +1,77 @@
+"""What several scripts' flows share: a quantize.py checkpoint restored into a UNet, and the prompts,
+sampling settings and text-to-image pipeline of infer_trt.py and evaluate.py."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint, load, lora, networks
+from ..artifacts import read_json
+from ..config import plain, validate_image_size
+from ..errors import UserError
+from ..pipeline import SamplingSettings, TextToImage, make_scheduler
+
+
+def restore_quantized_unet(model, key: str, value: str, unet) -> dict:
+    """Loads the quantize.py checkpoint that config `key` names into `unet`; returns its sidecar."""
+    path = Path(value).expanduser()
+    folder = path if path.is_dir() else path.parent
+    sidecar = read_json(folder / checkpoint.SIDECAR_FILE) or {}
+    made_for = sidecar.get("settings", {}).get("model", {}).get("family")
+    if made_for is not None and made_for != plain(model.family):
+        raise UserError(f"{key}={path} was made from a {made_for} model, not from "
+                        f"model={model.name} ({plain(model.family)}): choose its own model")
+    made_with = sidecar.get("settings", {}).get("model", {}).get("loras", [])
+    named = lora.identities(model.loras)
+    if made_for is not None and made_with != named:
+        raise UserError(f"{key}={path} was calibrated with {lora.describe(made_with)}, but model.loras gives "
+                        f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
+    restored = checkpoint.restore(unet, path)
+    if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
+        raise UserError(f"{key}={path} does not hold every UNet weight: quantize the model again")
+    return sidecar
+
+
+def sampling_runs(cfg) -> list[SamplingSettings]:
+    """One pipeline call per batch of sampling.batch_size prompts, each prompt's images
+    sampling.num_images_per_prompt; the run's k-th image, counted over all calls, seeded seed + k."""
+    sampling = cfg.sampling
+    batches = _prompt_batches(sampling)
+    per_batch = sampling.batch_size * sampling.num_images_per_prompt
+    return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
+                             guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
+                             seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
+                             long_prompts=sampling.long_prompts)
+            for index, prompts in enumerate(batches)]
+
+
+def _prompt_batches(sampling) -> list[list[str]]:
+    if sampling.prompts_file:
+        path = Path(sampling.prompts_file).expanduser()
+        if not path.is_file():
+            raise UserError(f"sampling.prompts_file={path}: no such file")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    else:
+        prompts = list(sampling.prompts)
+    if not prompts:
+        raise UserError("no prompts: set sampling.prompts or sampling.prompts_file")
+    return [prompts[i:i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
+
+
+def sampling_parts(cfg) -> dict:
+    """What sampling needs of the model besides its networks (load.pipeline_parts), with
+    sampling's image size checked against the model's VAE before any work."""
+    parts = load.pipeline_parts(cfg.model)
+    validate_image_size(cfg.sampling, "sampling", load.vae_scale_factor(parts["vae_config"]))
+    return parts
+
+
+def text_to_image(cfg, parts: dict, stages: dict, device: torch.device) -> TextToImage:
+    """The denoising loop over `stages`, with the model's tokenizers and scheduler config (`parts`)."""
+    scheduler = make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
+    return TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["unet_config"]),
+                       load.vae_scale_factor(parts["vae_config"]), device, networks.is_sdxl(cfg.model.family))
+

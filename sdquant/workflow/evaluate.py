@@ -1,0 +1,131 @@
+"""evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's,
+from identical initial latents."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+import torch
+
+from .. import build, networks, quality, report
+from ..cli import stage
+from ..config import validate_evaluate
+from ..errors import UserError
+from ..load import compute_dtype, empty_unet, load_pipeline, resolve_device
+from ..progress import Progress
+from ..report import library_versions, print_summary
+from ..stages import OnnxRuntimeStage, StageTimer, torch_stages, unet_stage
+from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+
+
+def run_evaluate(cfg) -> dict:
+    """evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's."""
+    start = time.perf_counter()
+    validate_evaluate(cfg)
+    kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
+    runs = sampling_runs(cfg)
+    device = resolve_device(cfg.device)
+    dtype = compute_dtype(device, cfg.dtype)
+    sdxl = networks.is_sdxl(cfg.model.family)
+    parts = sampling_parts(cfg)
+    with stage("loading the model"):
+        pipe = load_pipeline(cfg.model, device, dtype)
+        pipeline = text_to_image(cfg, parts, torch_stages(pipe, sdxl, dtype), device)
+        lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
+                       quality.clip_metric(cfg.metrics.clip_model, device))
+    fp16_unet = pipeline.stages[networks.unet_graph_name(sdxl)]
+    with stage("the fp16 reference runs"):
+        references = _reference_runs(pipeline, runs, device)
+    reference_clip = ([value for settings, _, images, _ in references
+                       for value in clip.score(None, images, settings.image_prompts)] if clip.score else None)
+    reference_adherence = [row for settings, _, images, _ in references
+                           for row in quality.adherence(images, settings.image_prompts)]
+    columns = [torch.cat([images for _, _, images, _ in references])]
+    scores = {}
+    for name, kind in kinds.items():
+        with stage(f"the runs of variant {name}"):
+            unet = _variant_unet(cfg, name, kind, fp16_unet, device, dtype)
+            scores[name], images = _variant_runs(cfg, pipeline, name, unet, references, [lpips, clip], device)
+        columns.append(images)
+    settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+                "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
+    result = quality.build_report(scores, reference_clip, reference_adherence,
+                                  [m.note for m in (lpips, clip) if m.note], settings)
+    with stage("writing the report"):
+        written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
+    quality.print_means(result)
+    print_summary("quality evaluation", written, time.perf_counter() - start)
+    return result
+
+
+def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
+    """Per pipeline call: its settings, initial latents, the fp16 UNet's images and its recorded calls."""
+    unet_name = networks.unet_graph_name(pipeline.sdxl)
+    fp16_unet = pipeline.stages[unet_name]
+    references = []
+    for settings in Progress(runs, quality.REFERENCE, "prompt batches"):
+        latents = pipeline.initial_latents(settings)
+        recorder = quality.RecordingStage(fp16_unet)
+        pipeline.stages[unet_name] = recorder
+        references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
+                           recorder.calls))
+    pipeline.stages[unet_name] = fp16_unet
+    return references
+
+
+def _variant_runs(cfg, pipeline, name: str, unet, references: list[tuple], metrics: list,
+                  device: torch.device) -> tuple[quality.VariantScores, torch.Tensor]:
+    """One variant's scores, from the reference runs' initial latents, and its images."""
+    pipeline.stages[networks.unet_graph_name(pipeline.sdxl)] = unet
+    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 UNet again (self-check)"))
+    images_per_batch = []
+    for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
+        images = pipeline(settings, StageTimer(device), latents=latents)
+        variant.per_prompt += quality.score_images(reference, images, settings.image_prompts, metrics)
+        variant.step_errors.append(quality.teacher_forced_errors(calls, unet))
+        variant.adherence += quality.adherence(images, settings.image_prompts)
+        images_per_batch.append(images)
+    return variant, torch.cat(images_per_batch)
+
+
+ENGINE_SUFFIXES = (".plan", ".engine")
+
+
+def _variant_kind(name: str, source: str | None) -> str:
+    """What a variant's source is: the fp16 UNet itself, a quantize.py checkpoint, an ONNX file
+    or an engine; refuses anything else before any work starts."""
+    if source is None:
+        return "fp16"
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"variants.{name}={source}: no such file or folder")
+    if path.is_dir() or path.suffix == ".mto":
+        return "checkpoint"
+    if path.suffix == ".onnx":
+        return "onnx"
+    if path.suffix in ENGINE_SUFFIXES:
+        return "engine"
+    raise UserError(f"variants.{name}={source} is not a quantize.py checkpoint folder, a UNet .onnx file "
+                    f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
+
+
+def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dtype: torch.dtype):
+    """The UNet stage a variant runs."""
+    source = cfg.variants[name]
+    sdxl = networks.is_sdxl(cfg.model.family)
+    if kind == "fp16":
+        return fp16_unet
+    if kind == "onnx":
+        return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers))
+    if kind == "engine":
+        from ..trt_stages import trt_stages
+
+        unet_name = networks.unet_graph_name(sdxl)
+        plan = Path(source).expanduser()
+        return trt_stages(build.engine_flavour(plan), {unet_name: plan}, ())[unet_name]
+    unet = empty_unet(cfg.model)
+    restore_quantized_unet(cfg.model, f"variants.{name}", source, unet)
+    return unet_stage(unet.to(device=device, dtype=dtype), sdxl, dtype)

@@ -1,0 +1,187 @@
+"""export_trt.py: the ONNX export of every network, then the TensorRT engines, as the switches say;
+or instead a refit of refittable engines with other LoRA adapters."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .. import build, checkpoint, export, lora, networks, refit
+from ..artifacts import read_json
+from ..cli import stage
+from ..config import validate_export, validate_image_size
+from ..errors import UserError
+from ..load import empty_unet, load_pipeline, resolve_device
+from ..report import library_versions, print_engine_table, print_summary
+from .common import restore_quantized_unet
+
+
+def run_export(cfg) -> list[Path]:
+    """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
+    validate_export(cfg)
+    if cfg.run_refit:
+        return refit_engines(cfg)
+    written = export_onnx(cfg) if cfg.run_onnx_export else []
+    if cfg.run_trt_export:
+        written += build_engines(cfg)
+    return written
+
+
+def export_onnx(cfg) -> list[Path]:
+    """Exports every graph of the pipeline to ONNX; returns the ONNX files."""
+    start = time.perf_counter()
+    device = resolve_device(cfg.device)
+    dtype = _graph_dtype(cfg)
+    # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
+    # trace it on a 24 GB host.
+    quantized = None
+    with stage("loading the model"):
+        if cfg.quantized_unet:
+            # The checkpoint holds every UNet weight: loading the model's own first would hold the
+            # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
+            pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
+            quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
+            pipe.to(device)
+        else:
+            pipe = load_pipeline(cfg.model, device, dtype)
+    vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
+    if quantized is not None:
+        export.prepare_quantizers_for_export(pipe.unet, dtype)
+    latent = cfg.onnx.trace_latent_size
+    specs = export.graph_specs(pipe, cfg.model.family, cfg.infer.batch_size, latent, dtype, vae_dtype)
+    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
+    written, reused = [], []
+    for spec in specs:
+        folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
+        graph_dtype = vae_dtype if spec.name == "vae" else dtype
+        fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized)
+        if not cfg.force and export.is_current(folder, fingerprint):
+            reused.append(folder / networks.ONNX_FILE)
+            continue
+        meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
+                "inputs": spec.input_names, "outputs": spec.output_names,
+                "quantized_unet": cfg.quantized_unet if spec.name == unet_name else None,
+                "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
+                "vae_scale_factor": pipe.vae_scale_factor, "versions": library_versions()}
+        with stage(f"exporting {spec.name}"):
+            print(f"exporting {spec.name} to {folder} ...", flush=True)
+            export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
+        written.append(folder / networks.ONNX_FILE)
+    print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
+                  time.perf_counter() - start, reused=reused)
+    return written + reused
+
+
+def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
+    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
+    return checkpoint.fingerprint({
+        "graph": name,
+        "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
+        "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
+        "quantized": (quantized or {}).get("fingerprint") if name == unet_name else None,
+        # UNet graphs traced before they took their upsampling sizes from the skip connections
+        # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
+        **({"upsampling": "to skip sizes"} if name == unet_name else {}),
+    })
+
+
+def _graph_dtype(cfg) -> torch.dtype:
+    return torch.float16 if cfg.onnx.precision == "fp16" else torch.float32
+
+
+def refit_engines(cfg) -> list[Path]:
+    """export_trt.py run_refit=true: writes the weights of the model with model.loras fused in into
+    the refittable engines in infer.out_path, without exporting or building; returns the plans."""
+    start = time.perf_counter()
+    out = cfg.infer.out_path
+    record = build.engines_record(out)
+    wanted = lora.identities(cfg.model.loras)
+    plans = {name: build.plan_path(out, name) for name in networks.graph_names(cfg.model.family)
+             if lora.carried_by(name)}
+    for name, plan in plans.items():
+        if name not in record or not plan.is_file():
+            raise UserError(f"{plan} does not exist: build the engines first (export_trt.py trt.refittable=true)")
+    # Every engine is checked before any is changed, so a refusal leaves them all as they were.
+    stale = [name for name, plan in plans.items() if refit.needs_refit(record[name], plan, wanted)]
+    if not stale:
+        print_summary("TensorRT refit", [], time.perf_counter() - start, reused=list(plans.values()))
+        return []
+    # As the export loaded it, so the fused weights round as in a graph exported with them.
+    dtype = _graph_dtype(cfg)
+    with stage("loading the model"):
+        pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
+    modules = {spec.name: spec.module for spec in export.graph_specs(
+        pipe, cfg.model.family, 1, cfg.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
+    refitted = []
+    for name in stale:
+        # Only the TensorRT that built an engine can load it, and so refit it.
+        with stage(f"refitting {plans[name].name}"):
+            print(f"refitting {plans[name]} ...", flush=True)
+            count = refit.refit_engine(build.engine_flavour(plans[name]), plans[name],
+                                       export.graph_weights(modules[name]))
+        # The engine no longer holds what its ONNX file does: a build from that file is not reused.
+        record[name] = {**record[name], "loras": wanted, "refit_weights": count,
+                        "fingerprint": checkpoint.fingerprint({"refit_of": record[name]["fingerprint"],
+                                                               "loras": wanted})}
+        # Saved after each engine, so the record describes every plan even if a later refit fails.
+        record_file = build.save_engines_record(out, record)
+        refitted.append(plans[name])
+    print_summary("TensorRT refit", [*refitted, record_file], time.perf_counter() - start)
+    return refitted
+
+
+def build_engines(cfg) -> list[Path]:
+    """Builds every engine from its ONNX file; returns the plan files."""
+    start = time.perf_counter()
+    out = cfg.infer.out_path
+    onnx_files = build.required_onnx(out, cfg.model.family)
+    fp8 = {name: build.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
+    builder = build.engine_builder(cfg.trt, any(fp8.values()))
+    timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
+        build.plan_path(out, "timing").with_suffix(".cache")
+    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
+    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
+    validate_image_size(cfg.infer, "infer", vae_scale)
+    record = build.engines_record(out)
+    build.free_gpu_memory_for_builder()
+    written, reused = [], []
+    for name, onnx_file in onnx_files.items():
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file), vae_scale)
+        plan = build.plan_path(out, name)
+        graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
+        # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
+        refittable = cfg.trt.refittable and lora.carried_by(name) and not graph_meta.get("quantized_unet")
+        fingerprint = checkpoint.fingerprint({
+            "onnx": graph_meta.get("fingerprint"),
+            "shapes": shapes, "flavour": [builder.flavour, builder.version], "builder": builder.tool,
+            "level": cfg.trt.builder_optimization_level, "targets": list(cfg.trt.rtx_compute_capabilities),
+            **({"refittable": True} if refittable else {})})
+        if not cfg.force and plan.is_file() and record.get(name, {}).get("fingerprint") == fingerprint:
+            reused.append(plan)
+            continue
+        with stage(f"building {plan.name}"):
+            print(f"building {plan} ...", flush=True)
+            if builder.tool == "trtexec":
+                command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
+                if not build.run_trtexec(command, plan):
+                    continue
+                info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
+                        "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
+            else:
+                info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
+                                          list(refit.refittable_weights(onnx_file)) if refittable else ())
+        # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
+        record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
+                        "version": builder.version, "builder": builder.tool, "fp8": fp8[name],
+                        "loras": graph_meta.get("loras", []), "quantized_unet": graph_meta.get("quantized_unet")}
+        # Saved after each engine, so the engines built before an interrupted or failed build are
+        # described, and reused by the next run.
+        record_file = build.save_engines_record(out, record)
+        written.append(plan)
+    if written:
+        written.append(record_file)
+    print_engine_table(record)
+    print_summary("TensorRT build", written, time.perf_counter() - start, reused=reused)
+    return written + reused

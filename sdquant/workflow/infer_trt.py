@@ -1,0 +1,122 @@
+"""infer_trt.py: images for every prompt batch on the engines (or their ONNX files, or the diffusers
+modules), then warm-up and timed runs and a latency report per stage."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+import torch
+
+from .. import build, networks, report
+from ..networks import TOKENS
+from ..cli import stage
+from ..config import validate_infer
+from ..errors import UserError
+from ..load import compute_dtype, load_pipeline, resolve_device
+from ..pipeline import SamplingSettings, TextToImage
+from ..report import library_versions, print_summary
+from ..stages import OnnxRuntimeStage, StageTimer, torch_stages
+from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+
+
+def run_infer(cfg) -> dict:
+    """infer_trt.py: images for every prompt batch, then timed runs and a latency report."""
+    start = time.perf_counter()
+    validate_infer(cfg)
+    device = resolve_device(cfg.device)
+    # Every stage runs on the current stream (TensorRT engines included), so one stream of the
+    # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
+    # would synchronize extra on the legacy default stream.
+    with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
+        written, timings, images_per_run, first_call_seconds = _images_and_timings(cfg, device)
+    latency = report.latency_report(timings, images_per_run, cfg.sampling.steps)
+    # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
+    # over a timed run is what a user waits once per process and shape.
+    latency["first_call_seconds"] = first_call_seconds
+    latency["setup_seconds"] = first_call_seconds - latency["ms"]["end_to_end"] / 1000
+    latency.update({"backend": cfg.backend, "device": report.device_name(device), "versions": library_versions(),
+                    "settings": OmegaConf.to_container(cfg, resolve=True)})
+    report.print_latency(latency)
+    written.append(report.write_report(Path(cfg.out_path).expanduser(), latency))
+    print_summary("inference", written, time.perf_counter() - start)
+    return latency
+
+
+def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, int, float]:
+    """The images of every prompt batch, then the warm-up and timed runs of the first batch; also
+    the first call's seconds."""
+    runs = sampling_runs(cfg)
+    parts = sampling_parts(cfg)
+    with stage(f"loading the {cfg.backend} stages"):
+        pipeline = text_to_image(cfg, parts, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
+    if cfg.backend == "trt":
+        _check_engine_profiles(pipeline, runs)
+
+    written = []
+    first_call_seconds = None
+    for index, settings in enumerate(runs):
+        with stage(f"prompt batch {index + 1} of {len(runs)}"):
+            call_start = time.perf_counter()
+            images = pipeline(settings, StageTimer(device))
+            first_call_seconds = first_call_seconds or time.perf_counter() - call_start
+            written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings,
+                                          _stage_files(cfg), cfg.backend)
+    with stage("the warm-up and timed runs"):
+        for _ in range(cfg.num_warmup_runs):
+            pipeline(runs[0], StageTimer(device), progress=False)
+        timings = []
+        for _ in range(cfg.num_timed_runs):
+            timer = StageTimer(device)
+            run_start = time.perf_counter()
+            pipeline(runs[0], timer, progress=False)
+            stage_seconds = timer.finish()
+            timings.append((time.perf_counter() - run_start, stage_seconds))
+    return written, timings, len(runs[0].image_prompts), first_call_seconds
+
+
+def _stage_files(cfg) -> dict[str, Path]:
+    """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
+    names = networks.graph_names(cfg.model.family)
+    keys = {"clip1": cfg.clip1, "clip2": cfg.clip2, "unet_xl": cfg.unet_xl, "unet": cfg.unet_xl, "vae": cfg.vae}
+    return {name: Path(keys[name]).expanduser() for name in names}
+
+
+def load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
+    files = _stage_files(cfg)
+    if cfg.backend == "onnxruntime":
+        return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers))
+                for name, plan in files.items()}
+    if cfg.backend == "torch":
+        from .. import torch_backend
+
+        dtype = compute_dtype(device)
+        pipe = load_pipeline(cfg.model, device, dtype)
+        if cfg.quantized_unet:
+            restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
+            pipe.unet.to(device=device, dtype=dtype)
+            if cfg.torch_backend.quantized == "fp8":
+                torch_backend.convert_to_fp8(pipe.unet, cfg.quantized_unet)
+        return torch_backend.speed_up(pipe, torch_stages(pipe, sdxl, dtype), cfg.torch_backend, cfg.cuda_graph,
+                                      networks.unet_graph_name(sdxl), quantized=bool(cfg.quantized_unet))
+    from ..trt_stages import trt_stages
+
+    for name, plan in files.items():
+        if not plan.is_file():
+            raise UserError(f"{name}={plan}: no such engine; build it with export_trt.py")
+    flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
+    unet_name = networks.unet_graph_name(sdxl)
+    return trt_stages(flavours, files, (unet_name,) if cfg.cuda_graph else ())
+
+
+def _check_engine_profiles(pipeline: TextToImage, runs: list[SamplingSettings]) -> None:
+    """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
+    from ..trt_stages import check_within_profiles
+
+    profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
+    for settings in runs:
+        check_within_profiles(profiles, pipeline.stage_batches(settings),
+                              (settings.height // pipeline.vae_scale, settings.width // pipeline.vae_scale),
+                              pipeline.context_windows(settings) * TOKENS)

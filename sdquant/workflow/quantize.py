@@ -1,0 +1,110 @@
+"""quantize.py: calibrates and quantizes the UNet, then exports and builds it when NeMo's switches ask."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .. import checkpoint, parallel
+from ..calibrate import activation_amax, amax_summary, quantize_unet
+from ..cli import stage
+from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block
+from ..errors import UserError
+from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, resolve_device
+from ..networks import TOKENS
+from ..pipeline import say_truncated
+from ..recipe import uses_smoothquant
+from ..report import library_versions, print_summary
+from .export_trt import run_export
+
+
+def quantized_checkpoint_dir(cfg) -> Path:
+    return Path(cfg.out_dir).expanduser() / checkpoint.checkpoint_name(cfg)
+
+
+def run_quantize(cfg) -> Path:
+    """quantize.py: calibrates and quantizes the UNet, then exports and builds it when the
+    switches ask; returns the checkpoint folder."""
+    start = time.perf_counter()
+    validate_quantize_block(cfg.quantize)
+    folder = quantized_checkpoint_dir(cfg)
+    export_cfg = _chained_export_config(cfg, folder) if cfg.run_onnx_export or cfg.run_trt_export else None
+    if export_cfg is not None:
+        validate_export(export_cfg)
+    fingerprint = checkpoint.fingerprint(checkpoint.calibration_settings(cfg))
+    if not cfg.force and checkpoint.is_complete(folder, fingerprint):
+        print_summary("quantize", [], time.perf_counter() - start, reused=[folder / checkpoint.UNET_FILE])
+    elif cfg.run_quantization:
+        _calibrate_and_save(cfg, folder, fingerprint, start)
+    else:
+        raise UserError(f"run_quantization=false but {folder} holds no checkpoint for these settings: "
+                        "run with run_quantization=true first")
+    if export_cfg is not None and parallel.current_world().is_main:
+        run_export(export_cfg)
+    return folder
+
+
+def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> None:
+    """Calibration proper; under torchrun every process calibrates its share and rank 0 saves."""
+    world = parallel.current_world()
+    prompts = load_prompts(calibration_prompts_file(cfg), cfg.quantize.calib_size)
+    device = parallel.rank_device(resolve_device(cfg.device), world)
+    parallel.start(world, device)
+    try:
+        dtype = compute_dtype(device, cfg.dtype)
+        with stage("loading the model"):
+            pipe = load_pipeline(cfg.model, device, dtype)
+        validate_image_size(cfg.quantize, "quantize", pipe.vae_scale_factor)
+        # diffusers' pipeline, which calibration runs, cuts prompts to CLIP's window, as inference does.
+        tokenizers = [t for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
+        already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
+        truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
+        with stage("calibration"):
+            result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
+        if world.is_main:
+            amax = activation_amax(pipe.unet)
+            sidecar = {
+                "fingerprint": fingerprint,
+                "settings": checkpoint.calibration_settings(cfg),
+                "resolved_config": OmegaConf.to_container(cfg, resolve=True),
+                "versions": library_versions(),
+                "device": str(device),
+                "dtype": str(dtype),
+                "job": {"processes": world.size, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                        "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID")},
+                "calibration": {
+                    "seconds": round(result.seconds, 3),
+                    "record_seconds": round(result.record_seconds, 3),
+                    "batches": result.batches,
+                    "unet_calls": result.unet_calls,
+                    "algorithm": result.algorithm,
+                    "smoothquant": uses_smoothquant(cfg.quantize.format, cfg.quantize.quant_level),
+                    "truncated_prompts": truncated,
+                },
+                "amax_summary": amax_summary(amax),
+                "activation_amax": amax,
+            }
+            with stage(f"saving the checkpoint {folder}"):
+                written = checkpoint.save(pipe.unet, folder, sidecar)
+            notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
+                     "were cut (named above)"] if truncated else []
+            print_summary("quantize", written, time.perf_counter() - start, notes=notes)
+    finally:
+        # Waits for rank 0's save, so no process moves on before the checkpoint exists.
+        parallel.stop(world)
+
+
+def _chained_export_config(cfg, folder: Path):
+    """export_trt.py's config for the checkpoint in `folder`, from quantize.py's own blocks."""
+    out_path = Path(cfg.infer.out_path).expanduser()
+    export_cfg = OmegaConf.structured(ExportApp)
+    export_cfg.merge_with({
+        "infer": {**OmegaConf.to_container(cfg.infer), "out_path": str(out_path if out_path.is_absolute()
+                                                                        else folder / out_path)},
+        "trt": cfg.trt, "onnx": cfg.onnx, "model": cfg.model, "quantized_unet": str(folder),
+        "force": cfg.force, "device": cfg.device,
+        "run_onnx_export": cfg.run_onnx_export, "run_trt_export": cfg.run_trt_export})
+    return export_cfg

@@ -1,0 +1,64 @@
+"""CUDA-graph replay on a GPU (sdquant.cuda_graphs), where each user of it captures its own way:
+calibration's captured UNet gives the eager run's statistics, the torch backend's graph replay the
+eager run's images. Skipped without a GPU.
+
+Run on the GPU machine: python -m pytest -m gpu tests/test_cuda_graphs_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdquant.cuda_graphs import CapturedGraph, signature
+
+from conftest import compose_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
+
+
+def test_a_replay_computes_what_the_call_does_on_new_inputs():
+    weight = torch.randn(64, 64, device="cuda")
+    static = {"x": torch.randn(8, 64, device="cuda")}
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = {"y": static["x"] @ weight}
+    captured = CapturedGraph(graph, static, outputs)
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        replayed = captured.replay({"x": x})
+        assert torch.allclose(replayed["y"], x @ weight)
+        assert replayed["y"].data_ptr() != outputs["y"].data_ptr(), "the caller gets its own copy"
+    assert signature({"x": x}) == (("x", (8, 64), torch.float32),)
+
+
+def test_calibration_through_graphs_records_the_eager_statistics(tmp_path, model_cache):
+    from sdquant.workflow.quantize import run_quantize
+
+    sidecars = {}
+    for cuda_graph in (True, False):
+        folder = run_quantize(compose_config("sd_xl_quantize", [
+            "model=tiny_sdxl", f"out_dir={tmp_path / str(cuda_graph)}", "device=cuda", "quantize.n_steps=4",
+            "quantize.calib_size=4", "quantize.batch_size=2", "quantize.quant_level=3", f"cuda_graph={cuda_graph}"]))
+        sidecars[cuda_graph] = json.loads((folder / "unet.json").read_text())["activation_amax"]
+    assert sidecars[True] == sidecars[False]
+
+
+def test_torch_backend_graph_replay_draws_the_eager_image(tmp_path, model_cache):
+    from sdquant.workflow.infer_trt import run_infer
+
+    images = {}
+    for cuda_graph in (True, False):
+        out = tmp_path / str(cuda_graph)
+        run_infer(compose_config("sd_xl_trt_inference", [
+            "model=scenes_sdxl", "backend=torch", "device=cuda", f"out_path={out}", f"cuda_graph={cuda_graph}",
+            "sampling.prompts=['a small red circle on the left, white background']", "sampling.steps=8",
+            "sampling.width=64", "sampling.height=64", "num_timed_runs=2"]))
+        images[cuda_graph] = np.asarray(Image.open(out / "image_000_00.png")).astype(np.int16)
+    assert np.abs(images[True] - images[False]).max() <= 2

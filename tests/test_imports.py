@@ -1,0 +1,77 @@
+"""The package's modules import one another without a circle, counting imports inside functions
+too: a module that needs another only at call time still depends on it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sdquant"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package modules one import statement names."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in known}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    if node.level:
+        parts = module.split(".")
+        base = parts[:len(parts) - node.level + (1 if is_package else 0)]
+        parent = ".".join(base + ([node.module] if node.module else []))
+    else:
+        parent = node.module or ""
+    found = {f"{parent}.{alias.name}" for alias in node.names if f"{parent}.{alias.name}" in known}
+    return found or ({parent} if parent in known else set())
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    known = set(files)
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        is_package = path.name == "__init__.py"
+        graph[module] = {name for node in ast.walk(tree) for name in _imported(node, module, is_package, known)
+                         if name != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports, as the modules along it, or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for name in sorted(graph[module]):
+            if state.get(name) == "open":
+                return path[path.index(name):] + [name]
+            if name not in state and (cycle := visit(name)):
+                return cycle
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_checker_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    assert "sdquant.networks" in graph["sdquant.config"], "the checker reads the package's imports"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
