@@ -25,6 +25,13 @@ pytestmark = [pytest.mark.gpu,
 def test_a_replay_computes_what_the_call_does_on_new_inputs():
     weight = torch.randn(64, 64, device="cuda")
     static = {"x": torch.randn(8, 64, device="cuda")}
+    # cuBLAS sets up its handle and workspace on a stream's first call, which a capture cannot
+    # record: warm up on a side stream first, as PyTorch's CUDA-graph notes do.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static["x"] @ weight
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

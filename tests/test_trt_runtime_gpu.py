@@ -261,11 +261,14 @@ def test_plan_of_another_tensorrt_version_names_both(stand_in):
 
 def test_gpu_memory_is_freed_for_the_builder(capsys):
     """Finding 11: PyTorch's cache goes back to the GPU before a build in the same process."""
+    # Memory that earlier tests of the session still hold (captured graphs' pools) stays reserved.
+    torch.cuda.empty_cache()
+    held_before = torch.cuda.memory_reserved()
     cached = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     del cached
-    assert torch.cuda.memory_reserved() >= 1 << 30
+    assert torch.cuda.memory_reserved() >= held_before + (1 << 30)
     build.free_gpu_memory_for_builder()
-    assert torch.cuda.memory_reserved() < 1 << 30
+    assert torch.cuda.memory_reserved() <= held_before
     free = torch.cuda.mem_get_info()[0] / 1024**3
     reported = float(capsys.readouterr().out.split("GPU memory free for the TensorRT builder: ")[1].split(" ")[0])
     assert abs(reported - free) < 0.5
