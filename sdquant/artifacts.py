@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
+
+from .interrupts import interrupts_deferred
 
 # Every artifact renamed into place by this process, in order.
 _written: list[Path] = []
@@ -25,26 +27,25 @@ def written_count() -> int:
     return len(_written)
 
 
-def _user_permissions(path: Path, mode: int) -> None:
-    """mkstemp and mkdtemp make owner-only files and folders; artifacts get the usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(mode & ~umask)
+def _temporary_name(final: Path) -> Path:
+    """A name beside `final` (same file system, so the rename is atomic) that nothing else uses.
+    Only the name: the helpers create it inside the block that removes it, so no interrupt can
+    fall between its creation and the cleanup that owns it."""
+    return final.parent / f".{final.name}.{secrets.token_hex(8)}.partial"
 
 
 @contextlib.contextmanager
 def atomic_path(final: Path):
-    """Yields a temporary path beside `final`; renames it to `final` only if the block succeeds."""
+    """Yields a temporary path beside `final` for the block to write; renames it to `final` only if
+    the block succeeds, and removes it otherwise."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
-    os.close(handle)
-    temp = Path(temp_name)
-    _user_permissions(temp, 0o666)
+    temp = _temporary_name(final)
     try:
         yield temp
-        os.replace(temp, final)
-        _written.append(final)
+        with interrupts_deferred():
+            os.replace(temp, final)
+            _written.append(final)
     finally:
         temp.unlink(missing_ok=True)
 
@@ -55,20 +56,33 @@ def atomic_folder(final: Path, replace: bool = True):
     existing `final` is replaced, or with replace=False kept (another process made it first)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
-    _user_permissions(staging, 0o777)
+    staging, displaced = _temporary_name(final), _temporary_name(final)
     try:
+        staging.mkdir()  # mode 0o777 less the umask: the usual permissions
         yield staging
-        if replace and final.exists():
-            shutil.rmtree(final)
-        try:
-            os.replace(staging, final)
-        except OSError:
-            if replace or not final.exists():
-                raise
-        _written.append(final)
+        with interrupts_deferred():
+            _move_into_place(staging, final, displaced, replace)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        # Removing a large half-written folder takes a while: an interrupt must not cut it short.
+        with interrupts_deferred():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into_place(staging: Path, final: Path, displaced: Path, replace: bool) -> None:
+    """Renames `staging` to `final`; a `final` already there is first renamed to `displaced`, put
+    back if the rename fails and removed once it succeeded, so `final` is always one whole folder,
+    old or new."""
+    if replace and final.exists():
+        os.replace(final, displaced)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if displaced.exists():
+            os.replace(displaced, final)
+        if replace or not final.exists():
+            raise
+    _written.append(final)
+    shutil.rmtree(displaced, ignore_errors=True)
 
 
 def write_json(final: Path, data: dict) -> None:

@@ -15,9 +15,7 @@ import importlib
 import re
 import shlex
 import shutil
-import signal
 import subprocess
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from pathlib import Path
 
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
+from .interrupts import interrupts_deferred
 from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, graph_names, onnx_path, sized, unet_graph_name
 
 PLAN_DIR = "plan"
@@ -310,8 +309,7 @@ def _stopped_by_ctrl_c(flavour: Flavour, config, logger):
     """Ctrl-C during a build stops it at TensorRT's next step, through its progress monitor, instead
     of after the whole build (minutes for a full-size UNet), and is raised once the builder returns;
     TensorRT's own report of the cancelled build is not printed."""
-    if (not hasattr(flavour.module, "IProgressMonitor") or threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if not hasattr(flavour.module, "IProgressMonitor"):
         yield
         return
     pressed = []
@@ -329,19 +327,14 @@ def _stopped_by_ctrl_c(flavour: Flavour, config, logger):
         def step_complete(self, phase_name, step):
             return not pressed  # False asks TensorRT to cancel the build
 
-    monitor = CancelOnCtrlC()
-    config.progress_monitor = monitor
-    def on_ctrl_c(*_):
+    config.progress_monitor = CancelOnCtrlC()
+
+    def cancel():
         pressed.append(True)
         logger.min_severity = flavour.module.Logger.INTERNAL_ERROR
 
-    previous = signal.signal(signal.SIGINT, on_ctrl_c)
-    try:
+    with interrupts_deferred(on_press=cancel):
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
 
 
 def build_engine(flavour: Flavour, onnx_file: Path, shapes: dict, trt_cfg, plan_file: Path,

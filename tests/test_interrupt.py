@@ -1,5 +1,6 @@
 """Ctrl-C: every script, interrupted by a real SIGINT while it works, prints one line naming what it
-was doing and what it kept, exits with 130, and leaves nothing half-written."""
+was doing and what it kept, exits with 130, and leaves nothing half-written. Each script is held at
+a fixed point of its work when the signal is sent, so the outcome is the same on any machine."""
 
 from __future__ import annotations
 
@@ -28,25 +29,26 @@ def tiny_sdxl(model_cache):
     ensure_tiny_model(compose_config("sd_xl_quantize", ["model=tiny_sdxl"]).model)
 
 
-def _interrupted(tmp_path: Path, script: str, overrides: list[str], marker: str, times: int = 1):
-    """Runs `script` and sends it SIGINT once `marker` has appeared `times` times in its output;
-    returns its exit code and output lines."""
+def _interrupted(tmp_path: Path, script: str, overrides: list[str], stage: str, function: str):
+    """Runs `script`, held inside `stage` at the first call of `function` (tests/pause_in_stage.py),
+    and sends it SIGINT there; returns its exit code and output lines. Where the interrupt lands is
+    fixed, so neither a fast nor a slow machine changes what the script does with it."""
     # SIGINT as a terminal leaves it, whatever the shell that started the tests did with it.
     process = subprocess.Popen(
-        [sys.executable, str(REPO / script), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
+        [sys.executable, str(REPO / "tests" / "pause_in_stage.py"), stage, function, str(REPO / script),
+         *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    lines = []
+    lines, paused = [], False
     for line in process.stdout:
         lines.append(line.rstrip("\n"))
-        if marker in line:
-            times -= 1
-            if times == 0:
-                process.send_signal(signal.SIGINT)
-                break
+        if line.startswith(f"paused in {stage} at {function}"):
+            paused = True
+            process.send_signal(signal.SIGINT)
+            break
     rest, _ = process.communicate(timeout=300)
     lines += rest.splitlines()
-    assert times == 0, f"{marker!r} never appeared:\n" + "\n".join(lines)
+    assert paused, f"never reached {function} in {stage}:\n" + "\n".join(lines)
     return process.returncode, lines
 
 
@@ -67,16 +69,17 @@ def _partial(folder: Path) -> list[Path]:
 def test_quantize(tmp_path, tiny_sdxl):
     out = tmp_path / "quantized"
     code, lines = _interrupted(tmp_path, "quantize.py", [
-        "model=tiny_sdxl", f"out_dir={out}", "device=cpu", "quantize.n_steps=400", "quantize.calib_size=4",
-        "quantize.batch_size=2"], "calibrating: 0/")
+        "model=tiny_sdxl", f"out_dir={out}", "device=cpu", "quantize.n_steps=4", "quantize.calib_size=4",
+        "quantize.batch_size=2"], "calibration", "update_all")
     assert _check(code, lines, "calibration") == "interrupted during calibration; nothing written for it"
     assert not out.exists()
 
 
 def test_export_trt_in_the_export_and_in_the_build(tmp_path):
     out = tmp_path / "export"
+    # Held while the graph is traced, its staging folder already made.
     code, lines = _interrupted(tmp_path, "export_trt.py", [*SCENES_EXPORT, f"infer.out_path={out}"],
-                               "exporting unet_xl")
+                               "exporting unet_xl", "_trace")
     line = _check(code, lines, "exporting unet_xl")
     assert all(str(out / "onnx" / name) in line for name in ("clip1", "clip2", "vae")), line
     assert sorted(p.name for p in (out / "onnx").iterdir()) == ["clip1", "clip2", "vae"], "no staging folder left"
@@ -84,8 +87,10 @@ def test_export_trt_in_the_export_and_in_the_build(tmp_path):
     cfg = compose_config("sd_xl_export", [*SCENES_EXPORT, f"infer.out_path={out}", "run_trt_export=false"])
     assert len(run_export(cfg)) == 4, "what was kept is reused, the UNet exported"
 
+    # Held inside TensorRT's build, at its progress monitor's first step.
     code, lines = _interrupted(tmp_path, "export_trt.py", [*SCENES_EXPORT, f"infer.out_path={out}",
-                                                           "run_onnx_export=false"], "unet_xl.plan ...")
+                                                           "run_onnx_export=false"], "building unet_xl.plan",
+                               "step_complete")
     line = _check(code, lines, "building unet_xl.plan")
     plans = out / "plan"
     assert str(plans / "clip1.plan") in line and str(plans / "engines.json") in line
@@ -98,7 +103,7 @@ def test_infer_trt(tmp_path, tiny_sdxl):
     out = tmp_path / "images"
     code, lines = _interrupted(tmp_path, "infer_trt.py", [
         "model=tiny_sdxl", "backend=torch", "device=cpu", f"out_path={out}", 'sampling.prompts=["a cat","a dog"]',
-        "sampling.steps=300", "sampling.width=64", "sampling.height=64"], "denoising: 0/", times=2)
+        "sampling.steps=4", "sampling.width=64", "sampling.height=64"], "prompt batch 2 of 2", "scale_model_input")
     line = _check(code, lines, "prompt batch 2 of 2")
     assert line.endswith(f"kept what was finished before it: {out / 'image_000_00.png'}")
     assert sorted(p.name for p in out.iterdir()) == ["image_000_00.png"]
@@ -108,7 +113,8 @@ def test_evaluate(tmp_path, tiny_sdxl):
     out = tmp_path / "quality"
     code, lines = _interrupted(tmp_path, "evaluate.py", [
         "model=tiny_sdxl", "device=cpu", f"out_path={out}", "+variants.same=null", 'sampling.prompts=["a cat"]',
-        "sampling.steps=300", "sampling.width=64", "sampling.height=64"], "same: 0/")
+        "sampling.steps=4", "sampling.width=64", "sampling.height=64"], "the runs of variant same",
+        "scale_model_input")
     _check(code, lines, "the runs of variant same")
     assert not out.exists()
 
@@ -116,7 +122,7 @@ def test_evaluate(tmp_path, tiny_sdxl):
 def test_train_scene_model(tmp_path):
     out = tmp_path / "scenes"
     code, lines = _interrupted(tmp_path, "tools/train_scene_model.py", [
-        "device=cpu", f"out_dir={out}", "dataset_size=32", "vae.steps=100000", "vae.batch_size=4",
-        "architecture.vae_channels=[32,32,32]", "architecture.vae_layers=1"], "vae: 0/")
+        "device=cpu", f"out_dir={out}", "dataset_size=32", "vae.steps=4", "vae.batch_size=4",
+        "architecture.vae_channels=[32,32,32]", "architecture.vae_layers=1"], "the VAE's training", "_every")
     _check(code, lines, "the VAE's training")
     assert not out.exists() and not _partial(tmp_path)
