@@ -10,7 +10,8 @@ everything the machine does not have.
     python benchmarks/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
     python benchmarks/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
 
-Run it with the project's own Python (it reads packaging and pyproject.toml); it needs PyPI.
+Run it with the project's own Python (it reads packaging and pyproject.toml); it needs PyPI and pip
+23.3 or newer (the first that resolves for another platform without --target).
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import venv
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # Published as a source archive only: built into a (pure Python) wheel here.
 SOURCE_ONLY = ("antlr4-python3-runtime",)
+# The first pip whose `install --dry-run --report` takes --platform and --python-version.
+PIP_FOR_OTHER_PLATFORMS = Version("23.3")
 # Specifier operators that put a minimum on a version.
 FLOOR_OPERATORS = (">=", ">", "==", "~=", "===")
 
@@ -125,12 +129,23 @@ def unrecorded_fallbacks(image: dict[str, str | None], tested: dict[str, str], a
     return carried
 
 
+def require_recent_pip() -> None:
+    from importlib.metadata import version
+
+    installed = Version(version("pip"))
+    if installed < PIP_FOR_OTHER_PLATFORMS:
+        print(f"error: fetch_wheels.py resolves for another platform, which needs pip {PIP_FOR_OTHER_PLATFORMS} or "
+              f"newer (this Python has pip {installed}): run python -m pip install --upgrade pip", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12")
     parser.add_argument("--image", type=Path, default=REPO / "benchmarks" / "gpu_image_packages.txt",
                         help="packages the machine has, one per line, NAME or NAME==VERSION")
     args = parser.parse_args()
+    require_recent_pip()
     dest = REPO / ".whl"
     image = read_pins(args.image)
     tested = {name: version for name, version in read_pins(REPO / "constraints.txt").items() if version}

@@ -87,8 +87,9 @@ class InferBlock:
     """NeMo's ``infer`` block of the export config."""
 
     out_path: str = "sdxl_export"
-    width: int = 1024
-    height: int = 1024
+    # The engines' image size; None takes the model's native size (1024 for SDXL).
+    width: Optional[int] = None
+    height: Optional[int] = None
     # Images per prompt batch: the optimal batch of the engine profiles and the dummy batch.
     batch_size: int = 2
 
@@ -182,8 +183,9 @@ class SamplingBlock:
     steps: int = 30
     guidance_scale: float = 5.0
     seed: int = 42
-    width: int = 1024
-    height: int = 1024
+    # None takes the model's native size (1024 for SDXL, 512 for SD 1.5, 64 for scenes_sdxl).
+    width: Optional[int] = None
+    height: Optional[int] = None
     # Prompts per pipeline call; each call makes batch_size * num_images_per_prompt images.
     batch_size: int = 1
     # Images of each prompt (diffusers' name), each with its own seed: the run's k-th image, counted
@@ -468,6 +470,15 @@ def validate_image_size(block, prefix: str, vae_scale: int = 1) -> None:
         if value is not None and (value < vae_scale or value % vae_scale):
             rule = f"a positive multiple of {vae_scale}, the model's VAE scale factor" if vae_scale > 1 else "positive"
             raise UserError(f"{prefix}.{key}={value} must be {rule}")
+
+
+def validate_steps(steps: int, key: str, scheduler_config) -> None:
+    """Refuses more denoising steps than the scheduler has training timesteps: diffusers' schedulers
+    would fail at the last step, after the whole loop."""
+    train_steps = scheduler_config.get("num_train_timesteps", 1000)
+    if steps > train_steps:
+        raise UserError(f"{key}={steps} is more than the scheduler's {train_steps} training timesteps: "
+                        f"choose at most {train_steps}")
 
 
 def validate_sampling(sampling: SamplingBlock) -> None:

@@ -105,9 +105,8 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
         pipe = _load_or_explain(cls.from_single_file, str(path), model, dtype=dtype, **kwargs)
     elif path.is_dir():
         pipe = _load_or_explain(cls.from_pretrained, str(path), model, dtype=dtype, **components)
-    elif source.startswith(("/", ".", "~")):
-        raise UserError(f"model.source={source}: no such folder; give a diffusers folder, a "
-                        ".safetensors file or a hub id")
+    elif _looks_local(source):
+        raise _no_such_folder(source)
     else:
         pipe = _load_or_explain(cls.from_pretrained, source, model, dtype=dtype,
                                 variant=model.variant, **components)
@@ -121,6 +120,14 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     return pipe
 
 
+def _looks_local(source: str) -> bool:
+    return source.startswith(("/", ".", "~"))
+
+
+def _no_such_folder(source: str) -> UserError:
+    return UserError(f"model.source={source}: no such folder; give a diffusers folder, a .safetensors file or a hub id")
+
+
 def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
     try:
         return loader(source, **kwargs)
@@ -132,32 +139,56 @@ def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
         ) from error
 
 
-def pipeline_parts(model: ModelConfig) -> dict:
-    """What running engines needs of the model besides its networks: tokenizers, the scheduler
-    config, and the UNet and VAE configs; none of the weights are loaded."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTokenizer
+def model_configs(model: ModelConfig) -> dict:
+    """The scheduler, UNet and VAE configs of `model`, read without any weights; {} for a
+    single-file checkpoint without model.single_file_config (only the full load knows them)."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
 
     quiet_libraries()
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
-        raise UserError(f"model.source={source}: running engines needs the model's diffusers folder "
-                        "(or hub id) for its tokenizers and scheduler, not a single file")
+        if not model.single_file_config:
+            return {}
+        source = model.single_file_config
     location = folder_or_hub_id(source)
+    if _looks_local(source) and not Path(location).is_dir():
+        raise _no_such_folder(source)
     try:
-        names = ["tokenizer", "tokenizer_2"] if Family(model.family) == Family.sdxl else ["tokenizer"]
-        from diffusers import EulerDiscreteScheduler
-
         return {
-            "tokenizers": [CLIPTokenizer.from_pretrained(location, subfolder=name) for name in names],
             # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
             "unet_config": UNet2DConditionModel.load_config(location, subfolder="unet"),
             "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
         }
-    except OSError as error:
-        raise UserError(f"model.source={source}: cannot read its tokenizers and configs "
+    except (OSError, ValueError) as error:
+        raise UserError(f"model.source={source}: cannot read its configs ({str(error).splitlines()[0]}); "
+                        "download the model first or point model.source at a local diffusers folder") from error
+
+
+def pipeline_parts(model: ModelConfig) -> dict:
+    """What running engines needs of the model besides its networks: tokenizers, the scheduler
+    config, and the UNet and VAE configs; none of the weights are loaded."""
+    from transformers import CLIPTokenizer
+
+    source = _resolved_source(model)
+    if source.endswith(SINGLE_FILE_SUFFIXES):
+        raise UserError(f"model.source={source}: running engines needs the model's diffusers folder "
+                        "(or hub id) for its tokenizers and scheduler, not a single file")
+    configs = model_configs(model)
+    location = folder_or_hub_id(source)
+    names = ["tokenizer", "tokenizer_2"] if Family(model.family) == Family.sdxl else ["tokenizer"]
+    try:
+        return {"tokenizers": [CLIPTokenizer.from_pretrained(location, subfolder=name) for name in names], **configs}
+    except (OSError, ValueError) as error:
+        raise UserError(f"model.source={source}: cannot read its tokenizers "
                         f"({str(error).splitlines()[0]})") from error
+
+
+def native_image_size(configs: dict) -> int:
+    """The side the model was trained at, as diffusers' pipelines default to it: the UNet's sample
+    size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5, 64 for
+    scenes_sdxl)."""
+    return configs["unet_config"]["sample_size"] * vae_scale_factor(configs["vae_config"])
 
 
 def vae_scale_factor(vae_config) -> int:

@@ -5,6 +5,7 @@ and the final name always holds one whole artifact (the old one or the new one) 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,14 +82,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new", "replacing"])
-@pytest.mark.parametrize("kind", sorted(CASES))
-def test_an_interrupt_at_any_instruction_leaves_one_whole_artifact_or_none(tmp_path, kind, existing):
+def sweep(kind: str, existing: bool, root: Path) -> None:
+    """Interrupts one write of `kind` at instruction 1, 2, 3, ... until one finishes untouched."""
     write, state, make_old, new, old = CASES[kind]
     instruction, outcomes = 0, set()
     while True:
         instruction += 1
-        folder = tmp_path / str(instruction)
+        folder = root / str(instruction)
         folder.mkdir()
         final = folder / "artifact"
         if existing:
@@ -104,3 +104,14 @@ def test_an_interrupt_at_any_instruction_leaves_one_whole_artifact_or_none(tmp_p
     # past it (the new one), and a run that no interrupt touched.
     assert outcomes == {True, False} and instruction > 50, (instruction, outcomes)
     assert state(final) == new
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "replacing"])
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_an_interrupt_at_any_instruction_leaves_one_whole_artifact_or_none(tmp_path, kind, existing):
+    # In a process of its own: exceptions raised from a trace function at arbitrary instructions
+    # leave exception contexts behind that later tests' tracebacks would show.
+    result = subprocess.run([sys.executable, "-c", f"import test_artifacts; test_artifacts.sweep({kind!r}, {existing}, "
+                             f"test_artifacts.Path({str(tmp_path)!r}))"],
+                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -29,7 +29,7 @@ def _within(shape, profile) -> bool:
 
 
 def test_nemo_doc_shapes_fit_the_default_full_size_profile():
-    shapes = build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_UNET_DIMS, 8)
+    shapes = build.profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), "unet_xl", SDXL_UNET_DIMS, 8)
     nemo = {"x": (8, 4, 128, 128), "timesteps": (8,), "context": (8, 80, 2048), "y": (8, 2816)}
     assert all(_within(nemo[name], shapes[name]) for name in nemo)
     assert shapes["x"] == ((1, 4, 128, 128), (4, 4, 128, 128), (16, 4, 128, 128))

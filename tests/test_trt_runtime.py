@@ -119,7 +119,8 @@ def test_profile_check_names_engine_input_shape_range_and_fix():
         check_within_profiles(profiles, {"clip1": zero_negative["clip1"]}, (128, 128))
     assert str(error.value).startswith("clip1 engine, input input_ids: this run needs shape (1, 77), but its "
                                        "profile admits (2, 77) to (2, 77): rebuild the engines with export_trt.py")
-    unet = {"unet_xl": build.profile_shapes(InferBlock(), TrtBlock(), "unet_xl", SDXL_DIMS["unet_xl"], 8)}
+    unet = {"unet_xl": build.profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), "unet_xl",
+                                            SDXL_DIMS["unet_xl"], 8)}
     with pytest.raises(UserError, match=r"input x: this run needs shape \(18, 4, 128, 128\).*trt.max_batch_size"):
         check_within_profiles(unet, {"unet_xl": 18}, (128, 128))
     with pytest.raises(UserError, match=r"input x: this run needs shape \(2, 4, 128, 96\), but its profile admits "

@@ -10,7 +10,7 @@ import torch
 
 from .. import checkpoint, load, lora, networks
 from ..artifacts import read_json
-from ..config import plain, validate_image_size
+from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
 from ..pipeline import SamplingSettings, TextToImage, make_scheduler
 
@@ -63,10 +63,32 @@ def _prompt_batches(sampling) -> list[list[str]]:
 
 def sampling_parts(cfg) -> dict:
     """What sampling needs of the model besides its networks (load.pipeline_parts), with
-    sampling's image size checked against the model's VAE before any work."""
+    sampling's image size and steps settled against the model before any work."""
     parts = load.pipeline_parts(cfg.model)
-    validate_image_size(cfg.sampling, "sampling", load.vae_scale_factor(parts["vae_config"]))
+    cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
+    validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
     return parts
+
+
+def settled_image_size(block, prefix: str, model, configs: dict | None = None) -> tuple[int, int]:
+    """The (height, width) that `block` asks for, a null one taking the model's native size as
+    diffusers does; refuses, before any work, a size the model's VAE cannot make, and says the
+    size used. `configs`: the model's configs where the caller has them already."""
+    configs = load.model_configs(model) if configs is None else configs
+    asked = {key: block[key] for key in ("height", "width")}
+    if not configs:
+        if None in asked.values():
+            raise UserError(f"{prefix}.height and {prefix}.width: model.source={model.source} is a single file, which "
+                            "does not state the model's native size: set both (1024 for SDXL, 512 for SD 1.5), or "
+                            "set model.single_file_config")
+        validate_image_size(block, prefix)
+        return asked["height"], asked["width"]
+    native = load.native_image_size(configs)
+    size = {key: native if value is None else value for key, value in asked.items()}
+    validate_image_size(size, prefix, load.vae_scale_factor(configs["vae_config"]))
+    note = " (the model's native size)" if None in asked.values() else ""
+    print(f"image size: {size['width']}x{size['height']}{note}", flush=True)
+    return size["height"], size["width"]
 
 
 def text_to_image(cfg, parts: dict, stages: dict, device: torch.device) -> TextToImage:

@@ -26,11 +26,11 @@ def run_evaluate(cfg) -> dict:
     start = time.perf_counter()
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
+    parts = sampling_parts(cfg)
     runs = sampling_runs(cfg)
     device = resolve_device(cfg.device)
     dtype = compute_dtype(device, cfg.dtype)
     sdxl = networks.is_sdxl(cfg.model.family)
-    parts = sampling_parts(cfg)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
         pipeline = text_to_image(cfg, parts, torch_stages(pipe, sdxl, dtype), device)

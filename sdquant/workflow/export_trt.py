@@ -15,12 +15,14 @@ from ..config import validate_export, validate_image_size
 from ..errors import UserError
 from ..load import empty_unet, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
-from .common import restore_quantized_unet
+from .common import restore_quantized_unet, settled_image_size
 
 
 def run_export(cfg) -> list[Path]:
     """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
     validate_export(cfg)
+    if not cfg.run_refit:
+        cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
     if cfg.run_refit:
         return refit_engines(cfg)
     written = export_onnx(cfg) if cfg.run_onnx_export else []
@@ -143,7 +145,7 @@ def build_engines(cfg) -> list[Path]:
         build.plan_path(out, "timing").with_suffix(".cache")
     # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
     vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
-    validate_image_size(cfg.infer, "infer", vae_scale)
+    validate_image_size(cfg.infer, "infer", vae_scale)  # the graphs may be from another model.source
     record = build.engines_record(out)
     build.free_gpu_memory_for_builder()
     written, reused = [], []

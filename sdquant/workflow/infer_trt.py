@@ -48,8 +48,8 @@ def run_infer(cfg) -> dict:
 def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, int, float]:
     """The images of every prompt batch, then the warm-up and timed runs of the first batch; also
     the first call's seconds."""
-    runs = sampling_runs(cfg)
     parts = sampling_parts(cfg)
+    runs = sampling_runs(cfg)
     with stage(f"loading the {cfg.backend} stages"):
         pipeline = text_to_image(cfg, parts, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
     if cfg.backend == "trt":

@@ -11,13 +11,14 @@ from omegaconf import OmegaConf
 from .. import checkpoint, parallel
 from ..calibrate import activation_amax, amax_summary, quantize_unet
 from ..cli import stage
-from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block
+from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block, validate_steps
 from ..errors import UserError
-from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, resolve_device
+from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
 from ..networks import TOKENS
 from ..pipeline import say_truncated
 from ..recipe import uses_smoothquant
 from ..report import library_versions, print_summary
+from .common import settled_image_size
 from .export_trt import run_export
 
 
@@ -34,6 +35,7 @@ def run_quantize(cfg) -> Path:
     export_cfg = _chained_export_config(cfg, folder) if cfg.run_onnx_export or cfg.run_trt_export else None
     if export_cfg is not None:
         validate_export(export_cfg)
+        export_cfg.infer.height, export_cfg.infer.width = settled_image_size(export_cfg.infer, "infer", cfg.model)
     fingerprint = checkpoint.fingerprint(checkpoint.calibration_settings(cfg))
     if not cfg.force and checkpoint.is_complete(folder, fingerprint):
         print_summary("quantize", [], time.perf_counter() - start, reused=[folder / checkpoint.UNET_FILE])
@@ -51,13 +53,19 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
     """Calibration proper; under torchrun every process calibrates its share and rank 0 saves."""
     world = parallel.current_world()
     prompts = load_prompts(calibration_prompts_file(cfg), cfg.quantize.calib_size)
+    configs = model_configs(cfg.model)
+    if configs:
+        validate_steps(cfg.quantize.n_steps, "quantize.n_steps", configs["scheduler_config"])
+        # A null size stays null in the settings (and so in the checkpoint's fingerprint): diffusers'
+        # pipeline, which calibration runs, takes the same native size.
+        settled_image_size(cfg.quantize, "quantize", cfg.model, configs)
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
     try:
         dtype = compute_dtype(device, cfg.dtype)
         with stage("loading the model"):
             pipe = load_pipeline(cfg.model, device, dtype)
-        validate_image_size(cfg.quantize, "quantize", pipe.vae_scale_factor)
+        validate_image_size(cfg.quantize, "quantize", pipe.vae_scale_factor)  # a single file's, known now
         # diffusers' pipeline, which calibration runs, cuts prompts to CLIP's window, as inference does.
         tokenizers = [t for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
         already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
