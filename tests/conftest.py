@@ -20,6 +20,14 @@ FAST_QUANTIZE = ["quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_
 
 register_schemas()
 
+# Under pytest-xdist (the README's `-n auto`) the workers share the machine's cores: one thread
+# each, for torch here and for the scripts the tests start, instead of every worker claiming all.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
