@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -71,6 +72,23 @@ def save(unet, folder: Path, sidecar: dict) -> list[Path]:
         mto.save(unet, temp)
     write_json(folder / SIDECAR_FILE, sidecar)
     return [folder / UNET_FILE, folder / SIDECAR_FILE]
+
+
+def check_readable(path: Path, key: str) -> dict:
+    """Refuses, before any work, a checkpoint (folder or unet.mto) that is missing, cut short or
+    without its sidecar; returns the sidecar. The file's zip directory sits at its end, so a
+    truncated file is caught without reading the weights."""
+    folder = path if path.is_dir() else path.parent
+    checkpoint = folder / UNET_FILE if path.is_dir() else path
+    if not checkpoint.is_file():
+        raise UserError(f"{key}={path}: {checkpoint} does not exist: run quantize.py first")
+    if not zipfile.is_zipfile(checkpoint):
+        raise UserError(f"{key}={path}: {checkpoint} is truncated or corrupt: run quantize.py again with force=true")
+    sidecar = read_json(folder / SIDECAR_FILE)
+    if not isinstance(sidecar, dict) or "fingerprint" not in sidecar:
+        raise UserError(f"{key}={path}: its record {folder / SIDECAR_FILE} is missing or unreadable: run "
+                        "quantize.py again with force=true")
+    return sidecar
 
 
 def restore(unet, folder: Path):

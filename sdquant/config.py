@@ -427,12 +427,25 @@ def validate_infer(cfg) -> None:
     if torch_block.quantized == "fp8" and not cfg.quantized_unet:
         raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_unet=<folder>")
     validate_sampling(cfg.sampling)
+    if cfg.backend == "onnxruntime":
+        validate_providers(cfg.onnx_providers)
     if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
         raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
 
 
+def validate_providers(providers) -> None:
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    unknown = [name for name in providers if name not in available]
+    if unknown or not providers:
+        raise UserError(f"onnx_providers={list(providers)}: {', '.join(unknown) or 'none given'}; this ONNX Runtime "
+                        f"has {', '.join(available)}")
+
+
 def validate_evaluate(cfg) -> None:
     validate_sampling(cfg.sampling)
+    validate_providers(cfg.onnx_providers)
     if not cfg.variants:
         raise UserError("no variants to evaluate: add one per quantized UNet, e.g. "
                         "+variants.int8=quantized/<checkpoint folder>")

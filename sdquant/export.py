@@ -25,6 +25,7 @@ import torch
 
 from . import networks
 from .artifacts import atomic_folder, read_json, write_json
+from .errors import UserError
 from .insert_qdq import insert_qdq, module_path
 from .networks import ONNX_FILE, TOKENS, Network
 from .quantizers import unsupported_quantizers
@@ -340,3 +341,30 @@ def export_graph(spec: GraphSpec, folder: Path, opset: int, meta: dict, dtype: t
 def is_current(folder: Path, fingerprint: str) -> bool:
     meta = read_json(folder / META_FILE)
     return meta is not None and meta.get("fingerprint") == fingerprint and (folder / ONNX_FILE).is_file()
+
+
+def check_graph_file(path: Path, key: str, network: Network | None = None) -> None:
+    """Refuses, before any work, an ONNX file that is truncated or corrupt, whose external weights
+    are missing or cut short, or (with `network`) that is another network's graph. Reads the graph
+    without its weights: cheap even for a full-size UNet."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    again = "export it again with export_trt.py"
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError, ValueError) as error:
+        raise UserError(f"{key}={path} is not a readable ONNX graph ({str(error).splitlines()[0]}): {again}") from None
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        data_file = path.parent / info.get("location", "")
+        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if not data_file.is_file() or data_file.stat().st_size < needed:
+            raise UserError(f"{key}={path}: its weights file {data_file} is missing or shorter than the graph "
+                            f"says ({needed} bytes): {again}")
+    inputs = {value.name for value in model.graph.input} - {t.name for t in model.graph.initializer}
+    if network is not None and not set(network.input_names) <= inputs:
+        raise UserError(f"{key}={path} is not a {network.name} graph (its inputs are {', '.join(sorted(inputs))}, "
+                        f"a {network.name} takes {', '.join(network.input_names)})")

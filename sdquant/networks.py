@@ -81,6 +81,11 @@ def networks(family) -> list[Network]:
     return [text_encoder("clip1", pooled=False), unet(False), VAE]
 
 
+def network(family, name: str) -> Network:
+    """The network of `family` whose graph is named `name`."""
+    return {each.name: each for each in networks(family)}[name]
+
+
 def graph_names(family) -> tuple[str, ...]:
     return tuple(network.name for network in networks(family))
 

@@ -16,19 +16,25 @@ import torch
 
 from . import networks
 from .errors import UserError
-from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph, check_graph_file
 from .networks import Network, unet_graph_name
 
 
 class OnnxRuntimeStage:
     """Runs an exported ONNX file; tensors cross as numpy on the host."""
 
-    def __init__(self, onnx_file: Path, providers: list[str]):
+    def __init__(self, onnx_file: Path, providers: list[str], key: str, network: Network):
         import onnxruntime as ort
+        from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, InvalidProtobuf, NoSuchFile
 
         if not onnx_file.is_file():
-            raise UserError(f"{onnx_file} does not exist: run export_trt.py first")
-        self.session = ort.InferenceSession(str(onnx_file), providers=providers)
+            raise UserError(f"{key}: {onnx_file} does not exist: run export_trt.py first")
+        check_graph_file(onnx_file, key, network)
+        try:
+            self.session = ort.InferenceSession(str(onnx_file), providers=providers)
+        except (Fail, InvalidGraph, InvalidProtobuf, NoSuchFile) as error:
+            raise UserError(f"{key}: ONNX Runtime cannot load {onnx_file} ({str(error).splitlines()[0][:200]}): "
+                            "export it again with export_trt.py") from None
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 

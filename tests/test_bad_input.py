@@ -6,7 +6,12 @@ import pytest
 
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
+
+from conftest import compose_config
 
 BAD_QUANTIZE = [
     (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is unknown"),
@@ -66,3 +71,80 @@ def test_script_reports_validation_error_without_traceback(run_script, tmp_path)
     assert result.stderr.strip().splitlines()[-1].startswith("error: quantize.quant_level=4")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "q").exists()
+
+
+def _refused(run, cfg, capsys) -> str:
+    """Runs a script's flow as its entry point does; returns the one error line."""
+    with pytest.raises(SystemExit) as exit_info:
+        exits_cleanly(run)(cfg)
+    assert exit_info.value.code == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def _onnx_file(path, input_name: str, truncated: bool = False):
+    """A small valid ONNX graph taking `input_name` (or its first bytes only)."""
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", [input_name], ["out"])], "g",
+                                                [value], [out]))
+    data = model.SerializeToString()
+    path.write_bytes(data[:len(data) // 2] if truncated else data)
+    return path
+
+
+def test_steps_past_the_schedulers_training_timesteps_are_refused_before_any_image(tmp_path, capsys, model_cache):
+    cfg = compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
+                                                 "sampling.steps=1500", f"out_path={tmp_path / 'images'}"])
+    err = _refused(run_infer, cfg, capsys)
+    assert "sampling.steps=1500 is more than the scheduler's 1000 training timesteps" in err
+    assert not (tmp_path / "images").exists()
+
+
+def test_an_export_size_the_vae_cannot_make_is_refused_before_the_first_graph(tmp_path, capsys, model_cache):
+    cfg = compose_config("sd_xl_export", ["model=tiny_sdxl", "device=cpu", "infer.width=60",
+                                          f"infer.out_path={tmp_path / 'export'}"])
+    assert "infer.width=60 must be a positive multiple of 8" in _refused(run_export, cfg, capsys)
+    assert not (tmp_path / "export").exists()
+
+
+def test_corrupt_or_foreign_artifacts_are_named_before_any_work(tmp_path, capsys, model_cache):
+    evaluate = ["model=tiny_sdxl", "device=cpu", f"out_path={tmp_path / 'quality'}", 'sampling.prompts=["a cat"]']
+    truncated = _onnx_file(tmp_path / "cut.onnx", "x", truncated=True)
+    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.cut={truncated}"]), capsys)
+    assert f"variants.cut={truncated} is not a readable ONNX graph" in err
+    text_encoder = _onnx_file(tmp_path / "clip.onnx", "input_ids")
+    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.te={text_encoder}"]), capsys)
+    assert "is not a unet_xl graph (its inputs are input_ids" in err
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "unet.mto").write_bytes(b"the first bytes of a checkpoint")
+    (checkpoint / "unet.json").write_text('{"fingerprint": "0"}')
+    err = _refused(run_export, compose_config("sd_xl_export", [
+        "model=tiny_sdxl", "device=cpu", f"quantized_unet={checkpoint}", f"infer.out_path={tmp_path / 'export'}"]),
+        capsys)
+    assert f"quantized_unet={checkpoint}: {checkpoint / 'unet.mto'} is truncated or corrupt" in err
+    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.q={checkpoint}"]), capsys)
+    assert "is truncated or corrupt" in err
+
+    graphs = tmp_path / "graphs"
+    (graphs / "onnx" / "clip1").mkdir(parents=True)
+    _onnx_file(graphs / "onnx" / "clip1" / "model.onnx", "input_ids", truncated=True)
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={graphs / 'plan' / 'clip1.plan'}",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert err.startswith(f"error: clip1={graphs / 'onnx' / 'clip1' / 'model.onnx'} is not a readable ONNX graph")
+    assert not any((tmp_path / name).exists() for name in ("quality", "export", "images"))
+
+
+def test_sizes_default_to_the_models_native_size(tmp_path, capsys, model_cache):
+    from PIL import Image
+
+    run_infer(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
+                                                     "sampling.steps=2", f"out_path={tmp_path}"]))
+    assert "image size: 64x64 (the model's native size)" in capsys.readouterr().out
+    assert Image.open(tmp_path / "image_000_00.png").size == (64, 64)

@@ -9,29 +9,34 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint, load, lora, networks
-from ..artifacts import read_json
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
 from ..pipeline import SamplingSettings, TextToImage, make_scheduler
 
 
-def restore_quantized_unet(model, key: str, value: str, unet) -> dict:
-    """Loads the quantize.py checkpoint that config `key` names into `unet`; returns its sidecar."""
+def checked_checkpoint(model, key: str, value: str) -> dict:
+    """Refuses, before any work, a quantize.py checkpoint that config `key` names if it is missing,
+    truncated, or made from another model or other LoRA adapters; returns its sidecar."""
     path = Path(value).expanduser()
-    folder = path if path.is_dir() else path.parent
-    sidecar = read_json(folder / checkpoint.SIDECAR_FILE) or {}
+    sidecar = checkpoint.check_readable(path, key)
     made_for = sidecar.get("settings", {}).get("model", {}).get("family")
     if made_for is not None and made_for != plain(model.family):
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({plain(model.family)}): choose its own model")
     made_with = sidecar.get("settings", {}).get("model", {}).get("loras", [])
     named = lora.identities(model.loras)
-    if made_for is not None and made_with != named:
+    if made_with != named:
         raise UserError(f"{key}={path} was calibrated with {lora.describe(made_with)}, but model.loras gives "
                         f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
-    restored = checkpoint.restore(unet, path)
+    return sidecar
+
+
+def restore_quantized_unet(model, key: str, value: str, unet) -> dict:
+    """Loads the quantize.py checkpoint that config `key` names into `unet`; returns its sidecar."""
+    sidecar = checked_checkpoint(model, key, value)
+    restored = checkpoint.restore(unet, Path(value).expanduser())
     if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
-        raise UserError(f"{key}={path} does not hold every UNet weight: quantize the model again")
+        raise UserError(f"{key}={value} does not hold every UNet weight: quantize the model again")
     return sidecar
 
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, networks, quality, report
+from ..export import check_graph_file
 from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
@@ -18,14 +19,14 @@ from ..load import compute_dtype, empty_unet, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer, torch_stages, unet_stage
-from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
 def run_evaluate(cfg) -> dict:
     """evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's."""
     start = time.perf_counter()
     validate_evaluate(cfg)
-    kinds = {name: _variant_kind(name, source) for name, source in cfg.variants.items()}
+    kinds = {name: _variant_kind(cfg.model, name, source) for name, source in cfg.variants.items()}
     parts = sampling_parts(cfg)
     runs = sampling_runs(cfg)
     device = resolve_device(cfg.device)
@@ -94,17 +95,20 @@ def _variant_runs(cfg, pipeline, name: str, unet, references: list[tuple], metri
 ENGINE_SUFFIXES = (".plan", ".engine")
 
 
-def _variant_kind(name: str, source: str | None) -> str:
+def _variant_kind(model, name: str, source: str | None) -> str:
     """What a variant's source is: the fp16 UNet itself, a quantize.py checkpoint, an ONNX file
-    or an engine; refuses anything else before any work starts."""
+    or an engine; refuses anything else, and checkpoints or graphs that are cut short or were made
+    from another model, before any work starts."""
     if source is None:
         return "fp16"
     path = Path(source).expanduser()
     if not path.exists():
         raise UserError(f"variants.{name}={source}: no such file or folder")
     if path.is_dir() or path.suffix == ".mto":
+        checked_checkpoint(model, f"variants.{name}", source)
         return "checkpoint"
     if path.suffix == ".onnx":
+        check_graph_file(path, f"variants.{name}", networks.unet(networks.is_sdxl(model.family)))
         return "onnx"
     if path.suffix in ENGINE_SUFFIXES:
         return "engine"
@@ -119,7 +123,8 @@ def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dt
     if kind == "fp16":
         return fp16_unet
     if kind == "onnx":
-        return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers))
+        return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
+                                networks.unet(sdxl))
     if kind == "engine":
         from ..trt_stages import trt_stages
 

@@ -15,12 +15,14 @@ from ..config import validate_export, validate_image_size
 from ..errors import UserError
 from ..load import empty_unet, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
-from .common import restore_quantized_unet, settled_image_size
+from .common import checked_checkpoint, restore_quantized_unet, settled_image_size
 
 
 def run_export(cfg) -> list[Path]:
     """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
     validate_export(cfg)
+    if cfg.quantized_unet and cfg.run_onnx_export and not cfg.run_refit:
+        checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
     if not cfg.run_refit:
         cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
     if cfg.run_refit:

@@ -19,13 +19,15 @@ from ..load import compute_dtype, load_pipeline, resolve_device
 from ..pipeline import SamplingSettings, TextToImage
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer, torch_stages
-from .common import restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
 def run_infer(cfg) -> dict:
     """infer_trt.py: images for every prompt batch, then timed runs and a latency report."""
     start = time.perf_counter()
     validate_infer(cfg)
+    if cfg.quantized_unet:
+        checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
     device = resolve_device(cfg.device)
     # Every stage runs on the current stream (TensorRT engines included), so one stream of the
     # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
@@ -79,15 +81,18 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
 
 def _stage_files(cfg) -> dict[str, Path]:
     """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
-    names = networks.graph_names(cfg.model.family)
-    keys = {"clip1": cfg.clip1, "clip2": cfg.clip2, "unet_xl": cfg.unet_xl, "unet": cfg.unet_xl, "vae": cfg.vae}
-    return {name: Path(keys[name]).expanduser() for name in names}
+    return {name: Path(cfg[_KEYS[name]]).expanduser() for name in networks.graph_names(cfg.model.family)}
+
+
+# NeMo's key of each graph's engine (unet_xl names the UNet engine for SD 1.5 too).
+_KEYS = {"clip1": "clip1", "clip2": "clip2", "unet_xl": "unet_xl", "unet": "unet_xl", "vae": "vae"}
 
 
 def load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
     files = _stage_files(cfg)
     if cfg.backend == "onnxruntime":
-        return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers))
+        return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers),
+                                       _KEYS[name], networks.network(cfg.model.family, name))
                 for name, plan in files.items()}
     if cfg.backend == "torch":
         from .. import torch_backend
