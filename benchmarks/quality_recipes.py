@@ -1,10 +1,13 @@
 """Compares calibration recipes by image quality and prompt adherence against the fp16 UNet,
 with evaluate.py's metrics.
 
-Quantizes the model once per recipe (NeMo's defaults, then one setting changed at a time: INT8
-levels 1, 2, 2.5, 3; FP8 levels 3 and 4; plain max calibration against min-mean Percentile Quant;
-SmoothQuant alpha 0.5 / 0.8 / 1.0; percentile 1.0 and 0.5), evaluates them all against one fp16
-reference on the scene model's held-out prompts, and copies the report to benchmarks/results/.
+Quantizes the model once per recipe (the default, NeMo's: Percentile Quant min-mean on convolution
+inputs, its per-step sums divided by n_steps, Linear inputs at max for SmoothQuant alpha 0.8; then
+one setting changed at a time: INT8 levels 1, 2, 2.5, 3; the true mean as divisor; 128 calibration
+prompts with either divisor; sdquant's older recipe (Percentile Quant on every layer, true mean);
+plain max; alpha 0.5 / 1.0; percentile 0.5; FP8 levels 3 and 4, at max as ModelOpt's example runs
+FP8 and with Percentile Quant on convolutions), evaluates them all against one fp16 reference on
+the scene model's held-out prompts, and copies the report to benchmarks/results/.
 
     python benchmarks/quality_recipes.py                 # the trained scene model, on a CPU
 """
@@ -22,20 +25,25 @@ from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.quantize import run_quantize
 
 REPO = Path(__file__).resolve().parents[1]
-# NeMo's defaults (min-mean Percentile Quant, alpha 0.8, percentile 1.0) unless a recipe says
-# otherwise. Names become config keys, so they hold no dots: l25 is level 2.5, a05 alpha 0.5.
+# The defaults (NeMo's: min-mean on convolutions, divided by n_steps; alpha 0.8; percentile 1.0;
+# 32 prompts) unless a recipe says otherwise. Names become config keys, so they hold no dots:
+# l25 is level 2.5, a05 alpha 0.5, c128 128 calibration prompts.
 RECIPES = {
     "int8_l1": ["quantize.quant_level=1"],
     "int8_l2": ["quantize.quant_level=2"],
     "int8_l25": ["quantize.quant_level=2.5"],
     "int8_l3": ["quantize.quant_level=3"],
+    "int8_l3_true_mean": ["quantize.quant_level=3", "quantize.mean_divisor=runs"],
+    "int8_l3_c128": ["quantize.quant_level=3", "quantize.calib_size=128"],
+    "int8_l3_c128_true_mean": ["quantize.quant_level=3", "quantize.calib_size=128", "quantize.mean_divisor=runs"],
+    "int8_l3_older": ["quantize.quant_level=3", "quantize.percentile_layers=all", "quantize.mean_divisor=runs"],
     "int8_l3_max": ["quantize.quant_level=3", "quantize.collect_method=max"],
     "int8_l3_a05": ["quantize.quant_level=3", "quantize.alpha=0.5"],
     "int8_l3_a10": ["quantize.quant_level=3", "quantize.alpha=1.0"],
     "int8_l3_p05": ["quantize.quant_level=3", "quantize.percentile=0.5"],
     "fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
     "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
-    "fp8_l4_max": ["quantize.format=fp8", "quantize.quant_level=4", "quantize.collect_method=max"],
+    "fp8_l4_percentile": ["quantize.format=fp8", "quantize.quant_level=4", "quantize.percentile_layers=conv"],
 }
 
 

@@ -30,8 +30,8 @@ from .cuda_graphs import CapturedGraph, clone_tensors
 from .errors import UserError
 from .parallel import World, combine, shard, sum_over_ranks
 from .progress import Progress
-from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, quant_cfg_entries,
-                     uses_smoothquant)
+from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, percentile_covers,
+                     quant_cfg_entries, uses_smoothquant)
 
 
 class StepClock:
@@ -72,11 +72,15 @@ class StepStatistics:
 
     A single running value per step (sum, max or min) combines across calibration runs and
     across processes with one reduction. Sums are kept in float64: adding fp32 values there is
-    exact in any order, so splitting the runs over processes cannot change the result.
+    exact in any order, so splitting the runs over processes cannot change the result. The amax
+    is taken over the first `steps_used` steps; a mean divides each step's sum by `divisor`
+    (NeMo's n_steps) or, when None, by the runs that step was seen in.
     """
 
-    def __init__(self, collect_method: str):
+    def __init__(self, collect_method: str, steps_used: int, divisor: int | None = None):
         self.collect_method = collect_method
+        self.steps_used = steps_used
+        self.divisor = divisor
         self.values: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {}
 
@@ -93,11 +97,11 @@ class StepStatistics:
 
     def per_step(self, step: int) -> torch.Tensor:
         value = self.values[step]
-        return (value / self.counts[step]).float() if self.reduction == "sum" else value
+        return (value / (self.divisor or self.counts[step])).float() if self.reduction == "sum" else value
 
-    def final_amax(self, steps_used: int) -> torch.Tensor | None:
+    def final_amax(self) -> torch.Tensor | None:
         """The amax over the first `steps_used` steps; None when none of them was observed."""
-        observed = [self.per_step(step) for step in range(steps_used) if step in self.values]
+        observed = [self.per_step(step) for step in range(self.steps_used) if step in self.values]
         if not observed:
             return None
         stacked = torch.stack(observed)
@@ -108,28 +112,35 @@ class StepStatistics:
         return stacked.min(dim=0).values
 
 
+def statistics_for(block: QuantizeBlock, percentile: bool) -> StepStatistics:
+    """What a quantizer's range is taken from: Percentile Quant's statistic over the first
+    n_steps * percentile steps where it covers the quantizer, else the max over every step."""
+    if not percentile:
+        return StepStatistics("max", block.n_steps)
+    divisor = block.n_steps if block.mean_divisor == "n_steps" else None
+    return StepStatistics(block.collect_method, int(block.n_steps * block.percentile), divisor)
+
+
 _FOREACH_UPDATE = {"sum": torch._foreach_add_, "max": torch._foreach_maximum_,
                    "min": torch._foreach_minimum_}
 
 
 @torch.no_grad()
 def update_all(statistics: list[StepStatistics], step: int, amaxes: list[torch.Tensor]) -> None:
-    """Adds one observation to each of `statistics` with a single fused kernel launch, which
-    keeps the per-call cost of thousands of recorded layers off the critical path."""
-    if not statistics:
-        return
-    running, incoming = [], []
-    dtype = statistics[0].dtype
+    """Adds one observation to each of `statistics` with one fused kernel launch per reduction,
+    which keeps the per-call cost of thousands of recorded layers off the critical path."""
+    grouped: dict[str, tuple[list, list]] = {}
     for stats, amax in zip(statistics, amaxes):
         stats.counts[step] = stats.counts.get(step, 0) + 1
         current = stats.values.get(step)
         if current is None:
-            stats.values[step] = amax.detach().to(dtype, copy=True)
+            stats.values[step] = amax.detach().to(stats.dtype, copy=True)
         else:
+            running, incoming = grouped.setdefault(stats.reduction, ([], []))
             running.append(current)
-            incoming.append(amax.detach().to(dtype))
-    if running:
-        _FOREACH_UPDATE[statistics[0].reduction](running, incoming)
+            incoming.append(amax.detach().to(stats.dtype))
+    for reduction, (running, incoming) in grouped.items():
+        _FOREACH_UPDATE[reduction](running, incoming)
 
 
 def max_abs(x: torch.Tensor, keep_last_dim: bool) -> torch.Tensor:
@@ -159,7 +170,6 @@ class ActivationRecorder:
         self._pending_tensor: list[tuple[StepStatistics, torch.Tensor]] = []
         self._pending_channels: list[tuple[StepStatistics, StepStatistics, torch.Tensor]] = []
         self._calls: list[tuple] = []
-        method = block.collect_method
         entries = quant_cfg_entries(block.format, block.quant_level)
         per_channel = uses_smoothquant(block.format, block.quant_level)
         self._handles = [unet.register_forward_hook(lambda *_: self.flush())]
@@ -167,14 +177,15 @@ class ActivationRecorder:
             if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
                 if not is_enabled(entries, f"{name}.input_quantizer", module):
                     continue
-                self.inputs[name] = StepStatistics(method)
+                percentile = percentile_covers(block, module)
+                self.inputs[name] = statistics_for(block, percentile)
                 if per_channel and isinstance(module, torch.nn.Linear):
-                    self.input_channels[name] = StepStatistics(method)
+                    self.input_channels[name] = statistics_for(block, percentile)
                 self._handles.append(module.register_forward_pre_hook(self._input_hook(name)))
             for quantizer, projection in ATTENTION_QUANTIZER_SOURCES.items():
                 if hasattr(module, projection) and is_enabled(entries, f"{name}.{quantizer}", module):
                     source = f"{name}.{projection}"
-                    self.outputs[source] = StepStatistics(method)
+                    self.outputs[source] = statistics_for(block, percentile_covers(block, None))
                     self._handles.append(getattr(module, projection).register_forward_hook(
                         self._output_hook(source)))
 
@@ -331,11 +342,10 @@ class PercentileCalibrator(_modelopt_calibrator_base()):
     """
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, *, per_tensor: StepStatistics,
-                 per_channel: StepStatistics | None, steps_used: int, clock: StepClock):
+                 per_channel: StepStatistics | None, clock: StepClock):
         super().__init__(num_bits, axis, unsigned)
         self._per_tensor = per_tensor
         self._per_channel = per_channel
-        self._steps_used = steps_used
         self._clock = clock
 
     def _statistics(self) -> StepStatistics:
@@ -355,7 +365,7 @@ class PercentileCalibrator(_modelopt_calibrator_base()):
         pass
 
     def compute_amax(self):
-        return self._statistics().final_amax(self._steps_used)
+        return self._statistics().final_amax()
 
 
 def _is_activation_quantizer(name: str) -> bool:
@@ -363,10 +373,10 @@ def _is_activation_quantizer(name: str) -> bool:
 
 
 def install_percentile_calibrators(unet, recorder: ActivationRecorder, block: QuantizeBlock) -> int:
-    """Puts a PercentileCalibrator on every enabled activation quantizer; returns how many."""
+    """Puts a PercentileCalibrator on every enabled activation quantizer (the recorded statistics
+    are its data, Percentile Quant's or plain max); returns how many."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    steps_used = int(block.n_steps * block.percentile)
     installed = 0
     for name, module in unet.named_modules():
         if not (isinstance(module, TensorQuantizer) and module.is_enabled):
@@ -378,7 +388,7 @@ def install_percentile_calibrators(unet, recorder: ActivationRecorder, block: Qu
             raise RuntimeError(f"no activation statistics were recorded for {name}")
         module._calibrator = PercentileCalibrator(
             module._num_bits, module._axis, module._unsigned, per_tensor=per_tensor,
-            per_channel=per_channel, steps_used=steps_used, clock=recorder.clock,
+            per_channel=per_channel, clock=recorder.clock,
         )
         installed += 1
     return installed

@@ -33,6 +33,8 @@ def plain(value) -> str:
 
 QUANT_LEVELS = (1.0, 2.0, 2.5, 3.0, 4.0)
 COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max", "max")
+PERCENTILE_LAYERS = ("auto", "conv", "all", "none")
+MEAN_DIVISORS = ("n_steps", "runs")
 
 
 @dataclass
@@ -76,6 +78,14 @@ class QuantizeBlock:
     quant_level: float = 2.5
     alpha: float = 0.8
     collect_method: str = "min-mean"
+    # Which activation quantizers Percentile Quant (collect_method, percentile) calibrates: conv
+    # (NeMo's recipe: Conv2d inputs, while Linear inputs take their max ranges for SmoothQuant),
+    # all (every activation quantizer), none (max everywhere); auto: conv for int8, none for fp8
+    # (ModelOpt's diffusers example calibrates FP8 with max).
+    percentile_layers: str = "auto"
+    # min-mean's per-step mean divides the summed amaxes by n_steps (NeMo's and ModelOpt's example
+    # calibrator: the range then grows with calib_size) or by the calibration runs (the true mean).
+    mean_divisor: str = "n_steps"
     guidance_scale: float = 5.0
     # None takes the model's native resolution.
     height: Optional[int] = None
@@ -354,6 +364,11 @@ def validate_quantize_block(block: QuantizeBlock) -> None:
             f"quantize.collect_method={block.collect_method!r} is unknown: choose one of "
             f"{', '.join(COLLECT_METHODS)}"
         )
+    if block.percentile_layers not in PERCENTILE_LAYERS:
+        raise UserError(f"quantize.percentile_layers={block.percentile_layers!r} is unknown: choose one of "
+                        f"{', '.join(PERCENTILE_LAYERS)}")
+    if block.mean_divisor not in MEAN_DIVISORS:
+        raise UserError(f"quantize.mean_divisor={block.mean_divisor!r} is unknown: choose n_steps or runs")
     if not 0.0 < block.percentile <= 1.0:
         raise UserError(f"quantize.percentile={block.percentile} is outside (0, 1]")
     if not 0.0 <= block.alpha <= 1.0:

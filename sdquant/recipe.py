@@ -97,6 +97,23 @@ def uses_smoothquant(fmt: QuantFormat, quant_level: float) -> bool:
     return QuantFormat(fmt) == QuantFormat.int8 and float(quant_level) >= 2.0
 
 
+def percentile_layers(block) -> str:
+    """Which activation quantizers Percentile Quant calibrates: quantize.percentile_layers, with
+    auto resolved as NeMo (INT8: convolutions) and ModelOpt's diffusers example (FP8: none) do."""
+    if block.percentile_layers != "auto":
+        return block.percentile_layers
+    return "conv" if QuantFormat(block.format) == QuantFormat.int8 else "none"
+
+
+def percentile_covers(block, module: torch.nn.Module | None) -> bool:
+    """Whether Percentile Quant calibrates the activation quantizer on `module` (a Conv2d or Linear;
+    None for attention's q/k/v quantizers). Where it does not, the range is the plain max; under
+    NeMo's recipe a Linear input's per-channel max is what SmoothQuant turns into its smoothing
+    scales and then a per-tensor range."""
+    covered = percentile_layers(block)
+    return covered == "all" or (covered == "conv" and isinstance(module, torch.nn.Conv2d))
+
+
 def calibration_algorithm(fmt: QuantFormat, quant_level: float, alpha: float):
     if uses_smoothquant(fmt, quant_level):
         return {"method": "smoothquant", "alpha": float(alpha)}

@@ -33,10 +33,10 @@ EXPECTED = {
 }
 
 
-def _calibrator(method: str, n_steps: int, percentile: float, clock: StepClock, axis=None):
-    return PercentileCalibrator(8, axis, False, per_tensor=StepStatistics(method),
-                                per_channel=StepStatistics(method), clock=clock,
-                                steps_used=int(n_steps * percentile))
+def _calibrator(method: str, n_steps: int, percentile: float, clock: StepClock, axis=None, divisor=None):
+    steps_used = int(n_steps * percentile)
+    return PercentileCalibrator(8, axis, False, per_tensor=StepStatistics(method, steps_used, divisor),
+                                per_channel=StepStatistics(method, steps_used, divisor), clock=clock)
 
 
 def _feed(calibrator: PercentileCalibrator, clock: StepClock) -> None:
@@ -55,15 +55,16 @@ def test_amax_matches_hand_computation(percentile, method):
     assert float(calibrator.compute_amax()) == pytest.approx(EXPECTED[(percentile, method)])
 
 
-def test_mean_divides_by_batches_run_not_steps():
-    """NeMo divided the per-step sum by n_steps; with 3 batches and 20 steps that gives 3/20 of it."""
+@pytest.mark.parametrize("divisor,expected", [(None, 4.0), (20, 12.0 / 20)])
+def test_mean_divides_by_the_runs_or_by_nemos_n_steps(divisor, expected):
+    """The true mean of 2, 4 and 6 is 4; NeMo divides their sum by n_steps (20), giving 0.6."""
     clock = StepClock()
-    calibrator = _calibrator("min-mean", 20, 1.0, clock)
+    calibrator = _calibrator("min-mean", 20, 1.0, clock, divisor=divisor)
     for step in range(20):
         clock.step = step
         for value in (2.0, 4.0, 6.0):
             calibrator.collect(torch.tensor([value]))
-    assert float(calibrator.compute_amax()) == pytest.approx(4.0)
+    assert float(calibrator.compute_amax()) == pytest.approx(expected)
 
 
 def test_per_channel_axis_keeps_one_amax_per_channel():

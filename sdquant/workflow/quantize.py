@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .. import checkpoint, parallel
+from ..artifacts import read_json
 from ..calibrate import activation_amax, amax_summary, quantize_unet
 from ..cli import stage
 from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block, validate_steps
@@ -40,6 +41,7 @@ def run_quantize(cfg) -> Path:
     if not cfg.force and checkpoint.is_complete(folder, fingerprint):
         print_summary("quantize", [], time.perf_counter() - start, reused=[folder / checkpoint.UNET_FILE])
     elif cfg.run_quantization:
+        _say_older_recipe(folder)
         _calibrate_and_save(cfg, folder, fingerprint, start)
     else:
         raise UserError(f"run_quantization=false but {folder} holds no checkpoint for these settings: "
@@ -47,6 +49,17 @@ def run_quantize(cfg) -> Path:
     if export_cfg is not None and parallel.current_world().is_main:
         run_export(export_cfg)
     return folder
+
+
+def _say_older_recipe(folder: Path) -> None:
+    """Names a checkpoint of the same readable settings made before NeMo's recipe (its sidecar has
+    no percentile_layers): its fingerprint differs, so it is calibrated again, not reused."""
+    prefix = folder.name.rsplit("_", 1)[0]
+    for older in sorted(folder.parent.glob(f"{prefix}_*")):
+        settings = (read_json(older / checkpoint.SIDECAR_FILE) or {}).get("settings", {})
+        if older != folder and "quantize" in settings and "percentile_layers" not in settings["quantize"]:
+            print(f"note: {older} was calibrated before NeMo's recipe (Percentile Quant on every layer); "
+                  f"calibrating again into {folder}", flush=True)
 
 
 def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> None:
