@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from sdquant.calibrate import (ActivationRecorder, CapturedUNet, StepClock, attach_clock, calibration_batches,
-                               quantize_unet)
+from sdquant.calibrate import (ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches,
+                               quantize_backbone)
 from sdquant.config import QuantizeBlock
+from sdquant.families.stable_diffusion import SDXL
 from sdquant.load import load_prompts, quiet_libraries
 from sdquant.report import library_versions
 from sdquant.synthetic import FULL_SDXL, build_unet, full_size_sdxl_on_gpu
@@ -47,9 +48,9 @@ def graph_matches_eager(pipe, prompts, block: QuantizeBlock, seed: int) -> dict:
     recorded = []
     for use_graph in (False, True):
         clock = StepClock()
-        recorder = ActivationRecorder(pipe.unet, block, clock)
-        captured = CapturedUNet(pipe.unet, recorder) if use_graph else None
-        hook = attach_clock(pipe, clock)
+        recorder = ActivationRecorder(pipe.unet, SDXL.quant_cfg_entries(block.format, block.quant_level), block, clock)
+        captured = CapturedBackbone(pipe.unet, recorder) if use_graph else None
+        hook = attach_clock(pipe, SDXL, clock)
         generate_all(pipe, prompts, block, seed)
         hook.remove()
         if captured is not None:
@@ -104,7 +105,7 @@ def main() -> None:
                               quant_level=float(level))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        result = quantize_unet(pipe, prompts, block, seed, cuda_graph=cuda_graph)
+        result = quantize_backbone(pipe, SDXL, prompts, block, seed, cuda_graph=cuda_graph)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
         row = {"format": fmt, "quant_level": float(level), "cuda_graph": cuda_graph,

@@ -18,7 +18,8 @@ import torch
 from sdquant import report
 from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
-from sdquant.stages import StageTimer, torch_stages
+from sdquant.families.stable_diffusion import SDXL
+from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_sdxl_on_gpu
 
 TARGET_OVERHEAD = 0.02
@@ -35,7 +36,7 @@ def main() -> None:
     pipe = full_size_sdxl_on_gpu()
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     device = torch.device("cuda")
-    pipeline = TextToImage(torch_stages(pipe, True, torch.float16), [pipe.tokenizer, pipe.tokenizer_2],
+    pipeline = TextToImage(SDXL.torch_stages(pipe, torch.float16), [pipe.tokenizer, pipe.tokenizer_2],
                            scheduler, types.SimpleNamespace(**pipe.unet.config), 8, device, sdxl=True)
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):

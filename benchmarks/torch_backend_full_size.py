@@ -28,7 +28,8 @@ from sdquant import report, torch_backend
 from sdquant.config import QuantFormat, TorchBackendBlock
 from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
-from sdquant.stages import StageTimer, torch_stages
+from sdquant.families.stable_diffusion import SDXL
+from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_sdxl_on_gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -67,9 +68,7 @@ def fp8_unet(pipe) -> int:
     into FP8 GEMMs; returns how many layers run in FP8."""
     import modelopt.torch.quantization as mtq
 
-    from sdquant.recipe import quant_cfg_entries
-
-    config = {"quant_cfg": quant_cfg_entries(QuantFormat.fp8, 3.0), "algorithm": "max"}
+    config = {"quant_cfg": SDXL.quant_cfg_entries(QuantFormat.fp8, 3.0), "algorithm": "max"}
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = dict(sample=torch.randn(2, 4, 128, 128, device="cuda", dtype=torch.float16, generator=generator),
                   timestep=torch.tensor([500.0, 500.0], device="cuda"),
@@ -89,8 +88,8 @@ def fp8_unet(pipe) -> int:
 
 
 def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool) -> TextToImage:
-    stages = torch_backend.speed_up(pipe, torch_stages(pipe, True, torch.float16), block, cuda_graph,
-                                    "unet_xl", quantized)
+    stages = torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float16), block, cuda_graph,
+                                    quantized)
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     return TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
                        types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)

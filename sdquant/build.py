@@ -24,7 +24,8 @@ from pathlib import Path
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
 from .interrupts import interrupts_deferred
-from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, graph_names, onnx_path, sized, unet_graph_name
+from .families import sized
+from .networks import BATCH, CONTEXT, HEIGHT, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, WIDTH, onnx_path
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
@@ -39,36 +40,46 @@ class BatchRange:
     max: int
 
 
-def batch_range(infer, trt, graph: str) -> BatchRange:
+def batch_range(infer, trt, family, graph: str) -> BatchRange:
     """The one place that decides each engine's batch range, in samples the graph sees.
 
     Images: min = trt.min_batch_size, opt = infer.batch_size, max = trt.max_batch_size (or all
-    three infer.batch_size with static_batch). With guidance the text encoders and the UNet see
-    twice as many samples (negative and positive prompt), so their opt and max are doubled; min
-    stays in images, so a run without guidance at the smallest batch still fits. A static UNet
-    takes exactly the doubled batch; the text encoders keep min in images even then, because
-    SDXL's empty negative prompt (zeros, not encoded) gives them only the prompts.
+    three infer.batch_size with static_batch). With classifier-free guidance the graphs the family
+    runs guided (SD and SDXL: the text encoders and the UNet; Flux's guidance is an embedding, so
+    none) see twice as many samples (negative and positive prompt), so their opt and max are
+    doubled; min stays in images, so a run without guidance at the smallest batch still fits. A
+    static backbone takes exactly the doubled batch; the text encoders keep min in images even
+    then, because SDXL's empty negative prompt (zeros, not encoded) gives them only the prompts.
     """
     if trt.static_batch:
         images = BatchRange(infer.batch_size, infer.batch_size, infer.batch_size)
     else:
         images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
-    if graph == "vae":
+    if graph not in family.guided_graphs():
         return images
-    unet = graph in (unet_graph_name(True), unet_graph_name(False))
-    low = images.min * GUIDANCE_FACTOR if trt.static_batch and unet else images.min
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph == family.backbone_graph else images.min
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def profile_shapes(infer, trt, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
+def run_sizes(latent_height: int, latent_width: int, context_tokens: int) -> dict[str, int]:
+    """The size of every dynamic axis but the batch, for latents of this size: the UNet's CLIP
+    context, and a DiT's 2x2-packed image tokens and T5 text tokens."""
+    from .flux_pipeline import T5_TOKENS
+
+    return {HEIGHT: latent_height, WIDTH: latent_width, CONTEXT: context_tokens,
+            IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2), TEXT_TOKENS: T5_TOKENS}
+
+
+def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
-    batch from batch_range, latent height and width from infer's image size and the VAE's scale
-    factor, context length from one CLIP window up to trt.max_prompt_chunks of them (long prompts
-    encoded window by window); static dims as the graph has them."""
-    batch = batch_range(infer, trt, graph)
+    batch from batch_range, latent height and width (and a DiT's image tokens) from infer's image
+    size and the VAE's scale factor, context length from one CLIP window up to
+    trt.max_prompt_chunks of them (long prompts encoded window by window); static dims as the
+    graph has them."""
+    batch = batch_range(infer, trt, family, graph)
     context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
-    sizes = [{BATCH: samples, HEIGHT: infer.height // vae_scale, WIDTH: infer.width // vae_scale,
-              CONTEXT: context[which]} for which, samples in enumerate((batch.min, batch.opt, batch.max))]
+    sizes = [{BATCH: samples, **run_sizes(infer.height // vae_scale, infer.width // vae_scale, context[which])}
+             for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
         per_profile = tuple(sized(graph, name, dims, each) for each in sizes)
@@ -461,7 +472,7 @@ def save_engines_record(out_path, record: dict) -> Path:
 
 def required_onnx(out_path, family) -> dict[str, Path]:
     """The ONNX file of every graph; a missing one names the step that makes it."""
-    files = {name: onnx_path(out_path, name) for name in graph_names(family)}
+    files = {name: onnx_path(out_path, name) for name in family.graph_names()}
     for name, path in files.items():
         if not path.is_file():
             raise UserError(f"{path} does not exist: export the ONNX graphs first "

@@ -2,17 +2,18 @@
 
 The real pipeline runs over the calibration prompts while plain forward hooks record, per
 denoising step, the amax each quantizable layer sees. The step comes from a StepClock that reads
-the timestep the UNet is called with, so it is right however many UNet calls a step takes
-(guidance batched or not, second-order schedulers). ModelOpt then inserts its quantizers, and a
-PercentileCalibrator on each activation quantizer turns the recorded statistics into its amax:
-a statistic over the first ``int(n_steps * percentile)`` steps, chosen by the collect method:
+the timestep the backbone (UNet or DiT) is called with, so it is right however many calls a step
+takes (guidance batched or not, second-order schedulers). ModelOpt then inserts its quantizers,
+and a PercentileCalibrator on each activation quantizer turns the recorded statistics into its
+amax: where Percentile Quant covers the quantizer (quantize.percentile_layers), a statistic over
+the first ``int(n_steps * percentile)`` steps chosen by the collect method, else the plain max:
 
 ===========  ===============================  ==============
 method       per step, over calibration runs  over steps
 ===========  ===============================  ==============
 global_min   min                              min
 min-max      max                              min
-min-mean     mean (sum / observations)        min
+min-mean     sum / n_steps (or the runs)      min
 mean-max     max                              mean
 max          max                              max (ModelOpt's plain max calibration)
 ===========  ===============================  ==============
@@ -25,17 +26,19 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
 from .config import QuantizeBlock
 from .cuda_graphs import CapturedGraph, clone_tensors
 from .errors import UserError
 from .parallel import World, combine, shard, sum_over_ranks
 from .progress import Progress
-from .recipe import (ATTENTION_QUANTIZER_SOURCES, calibration_algorithm, is_enabled, percentile_covers,
-                     quant_cfg_entries, uses_smoothquant)
+from .quantizers import ATTENTION_ROLES
+from .recipe import calibration_algorithm, is_enabled, percentile_covers, uses_smoothquant
 
 
 class StepClock:
-    """The denoising step of the current UNet call, read from the timestep it is called with.
+    """The denoising step of the current backbone call, read from the timestep it is called with.
 
     The step is kept as a device tensor, worked out on the device, so that knowing it never makes
     the host wait for the GPU inside the denoising loop; ``index()`` reads it when needed.
@@ -47,24 +50,28 @@ class StepClock:
     def observe(self, timestep, timesteps: torch.Tensor) -> None:
         """Timesteps run from noise to clean (descending). Second-order schedulers repeat them
         (t0, t1, t1, t2, ...): both evaluations at one noise level belong to one step, so the
-        step is the number of distinct timesteps above this one."""
-        t = torch.as_tensor(timestep, device=timesteps.device).flatten()[0]
+        step counts the distinct timesteps before the one nearest to this call's. Nearest, since a
+        DiT is handed t / 1000 in its own precision (bf16 keeps 3 digits), which is not exactly any
+        timestep of the schedule once scaled back; the schedule follows the pipeline's sigmas and
+        any shift, as the pipeline sets it at the start of each run."""
+        t = torch.as_tensor(timestep, device=timesteps.device).flatten()[0].float()
         first_of_run = torch.ones_like(timesteps, dtype=torch.bool)
         first_of_run[1:] = timesteps[1:] != timesteps[:-1]
-        self.step = ((timesteps > t) & first_of_run).sum()
+        nearest = (timesteps.float() - t).abs().argmin()
+        self.step = first_of_run.cumsum(0)[nearest] - 1
 
     def index(self) -> int:
         return int(self.step)
 
 
-def attach_clock(pipe, clock: StepClock):
-    """Keeps `clock` on the step of every UNet call of `pipe`; returns the hook handle."""
+def attach_clock(pipe, family, clock: StepClock):
+    """Keeps `clock` on the step of every backbone call of `pipe`; returns the hook handle."""
 
-    def before_unet(_module, args, kwargs):
+    def before_backbone(_module, args, kwargs):
         # The schedule is read at each call since the pipeline sets it at the start of each run.
-        clock.observe(kwargs["timestep"] if "timestep" in kwargs else args[1], pipe.scheduler.timesteps)
+        clock.observe(family.scheduler_timestep(args, kwargs), pipe.scheduler.timesteps)
 
-    return pipe.unet.register_forward_pre_hook(before_unet, with_kwargs=True)
+    return getattr(pipe, family.backbone).register_forward_pre_hook(before_backbone, with_kwargs=True)
 
 
 class StepStatistics:
@@ -149,31 +156,34 @@ def max_abs(x: torch.Tensor, keep_last_dim: bool) -> torch.Tensor:
     return torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, dtype=torch.float32)
 
 
-# Reading the step of queued calls costs one host-device sync per this many UNet calls.
+# Reading the step of queued calls costs one host-device sync per this many backbone calls.
 RESOLVE_EVERY_CALLS = 32
 
 
 class ActivationRecorder:
     """Records, per denoising step, the amax of what the quantizable layers see.
 
-    It runs on the plain UNet with plain forward hooks, before any quantizer is inserted: driving
+    It runs on the plain backbone with plain forward hooks, before any quantizer is inserted: driving
     the calibration through ModelOpt's quantized modules instead costs their Python dispatch at
     every call, measured at 5-7x the generation time on the full-size SDXL UNet. Each hook only
-    launches one reduction; the statistics are updated once per UNet call, for all layers at once.
+    launches one reduction; the statistics are updated once per backbone call, for all layers at once.
     """
 
-    def __init__(self, unet, block: QuantizeBlock, clock: StepClock):
+    def __init__(self, backbone, entries: list[dict], block: QuantizeBlock, clock: StepClock):
         self.clock = clock
         self.inputs: dict[str, StepStatistics] = {}
         self.input_channels: dict[str, StepStatistics] = {}
-        self.outputs: dict[str, StepStatistics] = {}
+        # Per attention layer whose q/k/v ModelOpt quantizes (FP8 attention), the statistics of the
+        # query, key and value where they enter scaled_dot_product_attention, as its quantizers see
+        # them (after any q/k norm and rotary embedding).
+        self.attention: dict[str, tuple[StepStatistics, ...]] = {}
+        self._running_attention: list[str] = []
         self._pending_tensor: list[tuple[StepStatistics, torch.Tensor]] = []
         self._pending_channels: list[tuple[StepStatistics, StepStatistics, torch.Tensor]] = []
         self._calls: list[tuple] = []
-        entries = quant_cfg_entries(block.format, block.quant_level)
         per_channel = uses_smoothquant(block.format, block.quant_level)
-        self._handles = [unet.register_forward_hook(lambda *_: self.flush())]
-        for name, module in unet.named_modules():
+        self._handles = [backbone.register_forward_hook(lambda *_: self.flush())]
+        for name, module in backbone.named_modules():
             if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
                 if not is_enabled(entries, f"{name}.input_quantizer", module):
                     continue
@@ -182,12 +192,15 @@ class ActivationRecorder:
                 if per_channel and isinstance(module, torch.nn.Linear):
                     self.input_channels[name] = statistics_for(block, percentile)
                 self._handles.append(module.register_forward_pre_hook(self._input_hook(name)))
-            for quantizer, projection in ATTENTION_QUANTIZER_SOURCES.items():
-                if hasattr(module, projection) and is_enabled(entries, f"{name}.{quantizer}", module):
-                    source = f"{name}.{projection}"
-                    self.outputs[source] = statistics_for(block, percentile_covers(block, None))
-                    self._handles.append(getattr(module, projection).register_forward_hook(
-                        self._output_hook(source)))
+            if hasattr(module, "to_q") and is_enabled(entries, f"{name}.{ATTENTION_ROLES[0]}_bmm_quantizer", module):
+                self.attention[name] = tuple(statistics_for(block, percentile_covers(block, None))
+                                             for _ in ATTENTION_ROLES)
+                self._handles += [module.register_forward_pre_hook(self._entering(name)),
+                                  module.register_forward_hook(self._leaving)]
+        self._original_sdpa = None
+        if self.attention:
+            self._original_sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = self._recording_sdpa
 
     def _input_hook(self, name: str):
         per_tensor = self.inputs[name]
@@ -201,16 +214,27 @@ class ActivationRecorder:
 
         return record
 
-    def _output_hook(self, name: str):
-        statistics = self.outputs[name]
+    def _entering(self, name: str):
+        def enter(_module, _args):
+            self._running_attention.append(name)
 
-        def record(_module, _args, output):
-            self._pending_tensor.append((statistics, max_abs(output, keep_last_dim=False)))
+        return enter
 
-        return record
+    def _leaving(self, _module, _args, _output) -> None:
+        self._running_attention.pop()
+
+    def _recording_sdpa(self, *args, **kwargs):
+        """scaled_dot_product_attention, noting its query, key and value amax inside the attention
+        layers being recorded (diffusers passes them by position or by name)."""
+        if self._running_attention and self._running_attention[-1] in self.attention:
+            tensors = [kwargs[role] if role in kwargs else args[index]
+                       for index, role in enumerate(("query", "key", "value"))]
+            for statistics, tensor in zip(self.attention[self._running_attention[-1]], tensors):
+                self._pending_tensor.append((statistics, max_abs(tensor, keep_last_dim=False)))
+        return self._original_sdpa(*args, **kwargs)
 
     def flush(self) -> None:
-        """Queues the amaxes of the UNet call that just ended under that call's step."""
+        """Queues the amaxes of the backbone call that just ended under that call's step."""
         self._calls.append((self.clock.step, self._pending_tensor, self._pending_channels))
         self._pending_tensor, self._pending_channels = [], []
         if len(self._calls) >= RESOLVE_EVERY_CALLS:
@@ -249,27 +273,33 @@ class ActivationRecorder:
 
     def all_statistics(self) -> list[StepStatistics]:
         """Every statistic, in module order (the same in every process)."""
-        return [*self.inputs.values(), *self.input_channels.values(), *self.outputs.values()]
+        return [*self.inputs.values(), *self.input_channels.values(),
+                *(stats for roles in self.attention.values() for stats in roles)]
 
     def remove(self) -> None:
         self.resolve()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._original_sdpa is not None:
+            F.scaled_dot_product_attention = self._original_sdpa
+            self._original_sdpa = None
 
     def statistics_for(self, quantizer_name: str) -> tuple[StepStatistics | None, StepStatistics | None]:
         """(per-tensor, per-channel) statistics that feed the quantizer of this name."""
         owner, kind = quantizer_name.rsplit(".", 1)
         if kind == "input_quantizer":
             return self.inputs.get(owner), self.input_channels.get(owner)
-        projection = ATTENTION_QUANTIZER_SOURCES.get(kind)
-        return (self.outputs.get(f"{owner}.{projection}") if projection else None), None
+        roles = [f"{role}_bmm_quantizer" for role in ATTENTION_ROLES]
+        if kind in roles and owner in self.attention:
+            return self.attention[owner][roles.index(kind)], None
+        return None, None
 
 
-class CapturedUNet:
-    """Runs the UNet, with the recorder's hooks, as one CUDA graph per input signature.
+class CapturedBackbone:
+    """Runs the backbone, with the recorder's hooks, as one CUDA graph per input signature.
 
-    Eager, the UNet at small batches is bound by the host launching its thousands of kernels, and
+    Eager, a UNet at small batches is bound by the host launching its thousands of kernels, and
     the recording hooks add a launch per recorded layer; a replay costs the host a few launches.
     The first call of a signature runs eagerly (it also warms cuDNN and cuBLAS up), the second is
     captured and replayed. The amaxes a replay writes into the graph's own tensors are copied out
@@ -279,16 +309,16 @@ class CapturedUNet:
 
     _STATIC_LEAVES = (type(None), bool, int, str)
 
-    def __init__(self, unet, recorder: ActivationRecorder):
-        self.unet = unet
+    def __init__(self, backbone, recorder: ActivationRecorder):
+        self.backbone = backbone
         self.recorder = recorder
-        self.eager = unet.forward
+        self.eager = backbone.forward
         self.warmed: set = set()
         self.graphs: dict = {}
-        unet.forward = self
+        backbone.forward = self
 
     def remove(self) -> None:
-        del self.unet.forward
+        del self.backbone.forward
         self.graphs.clear()
 
     def __call__(self, *args, **kwargs):
@@ -372,13 +402,13 @@ def _is_activation_quantizer(name: str) -> bool:
     return not name.endswith("weight_quantizer")
 
 
-def install_percentile_calibrators(unet, recorder: ActivationRecorder, block: QuantizeBlock) -> int:
+def install_percentile_calibrators(backbone, recorder: ActivationRecorder) -> int:
     """Puts a PercentileCalibrator on every enabled activation quantizer (the recorded statistics
     are its data, Percentile Quant's or plain max); returns how many."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     installed = 0
-    for name, module in unet.named_modules():
+    for name, module in backbone.named_modules():
         if not (isinstance(module, TensorQuantizer) and module.is_enabled):
             continue
         if not _is_activation_quantizer(name) or module._constant_amax is not None:
@@ -399,7 +429,7 @@ class CalibrationResult:
     seconds: float
     record_seconds: float  # the pipeline runs over the calibration prompts
     batches: int
-    unet_calls: int
+    backbone_calls: int
     algorithm: dict
 
 
@@ -411,7 +441,7 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
                             progress: bool = True) -> int:
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
-    device = pipe.unet.device
+    device = pipe.device
     for index, batch in Progress(batches, "calibrating", "batches", show=progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
@@ -419,20 +449,23 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
     return len(batches)
 
 
-def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int,
-                  world: World = World(), cuda_graph: bool = True) -> CalibrationResult:
-    """Records activation statistics, then inserts ModelOpt quantizers into `pipe.unet` and sets
-    their ranges (and SmoothQuant's scales) from those statistics, in place. Under torchrun each
-    process records its share of the batches and the statistics are combined first. On a GPU
-    the UNet runs as a CUDA graph unless `cuda_graph` is false."""
+def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, seed: int,
+                      world: World = World(), cuda_graph: bool = True) -> CalibrationResult:
+    """Records activation statistics, then inserts ModelOpt quantizers into the pipeline's backbone
+    (its UNet or transformer) and sets their ranges (and SmoothQuant's scales) from those
+    statistics, in place. Under torchrun each process records its share of the batches and the
+    statistics are combined first. On a GPU the backbone runs as a CUDA graph unless `cuda_graph`
+    is false."""
     import modelopt.torch.quantization as mtq
 
-    unet = pipe.unet
+    backbone = getattr(pipe, family.backbone)
+    entries = family.quant_cfg_entries(block.format, block.quant_level)
     clock = StepClock()
-    recorder = ActivationRecorder(unet, block, clock)
-    captured = CapturedUNet(unet, recorder) if cuda_graph and unet.device.type == "cuda" else None
-    unet_calls = []
-    hooks = [attach_clock(pipe, clock), unet.register_forward_pre_hook(lambda *_: unet_calls.append(1))]
+    recorder = ActivationRecorder(backbone, entries, block, clock)
+    captured = CapturedBackbone(backbone, recorder) if cuda_graph and backbone.device.type == "cuda" else None
+    backbone_calls = []
+    hooks = [attach_clock(pipe, family, clock),
+             backbone.register_forward_pre_hook(lambda *_: backbone_calls.append(1))]
     start = time.perf_counter()
     try:
         batches = run_calibration_prompts(pipe, shard(calibration_batches(prompts, block.batch_size), world),
@@ -450,24 +483,23 @@ def quantize_unet(pipe, prompts: list[str], block: QuantizeBlock, seed: int,
             hook.remove()
 
     combine(recorder.all_statistics(), world)
-    batches = sum_over_ranks(batches, world, unet.device)
-    calls = sum_over_ranks(len(unet_calls), world, unet.device)
+    batches = sum_over_ranks(batches, world, backbone.device)
+    calls = sum_over_ranks(len(backbone_calls), world, backbone.device)
     record_seconds = time.perf_counter() - start
-    mtq.quantize(unet, {"quant_cfg": quant_cfg_entries(block.format, block.quant_level),
-                        "algorithm": None})
-    install_percentile_calibrators(unet, recorder, block)
+    mtq.quantize(backbone, {"quant_cfg": entries, "algorithm": None})
+    install_percentile_calibrators(backbone, recorder)
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
-    mtq.calibrate(unet, algorithm, forward_loop=lambda _unet: None)
+    mtq.calibrate(backbone, algorithm, forward_loop=lambda _backbone: None)
     return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm)
 
 
-def activation_amax(unet) -> dict[str, float]:
+def activation_amax(backbone) -> dict[str, float]:
     """Per-tensor amax of every enabled activation quantizer, by quantizer name."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     found = {}
-    for name, module in unet.named_modules():
+    for name, module in backbone.named_modules():
         if (isinstance(module, TensorQuantizer) and module.is_enabled
                 and _is_activation_quantizer(name) and module.amax is not None):
             found[name] = float(module.amax.float().max())

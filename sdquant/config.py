@@ -31,7 +31,6 @@ def plain(value) -> str:
     return value.value if isinstance(value, Enum) else str(value)
 
 
-QUANT_LEVELS = (1.0, 2.0, 2.5, 3.0, 4.0)
 COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max", "max")
 PERCENTILE_LAYERS = ("auto", "conv", "all", "none")
 MEAN_DIVISORS = ("n_steps", "runs")
@@ -201,7 +200,8 @@ class SamplingBlock:
     # Images of each prompt (diffusers' name), each with its own seed: the run's k-th image, counted
     # over all prompts, is seeded seed + k.
     num_images_per_prompt: int = 1
-    scheduler: str = "euler"
+    # None: the family's (euler for SD and SDXL, flow_euler for Flux).
+    scheduler: Optional[str] = None
     # Prompts past CLIP's 77 tokens: truncate (cut, as diffusers does, saying which words are
     # dropped) or chunk (encoded in 77-token windows whose embeddings are joined).
     long_prompts: str = "truncate"
@@ -235,6 +235,10 @@ class InferApp:
     vae: str = "sdxl_export/plan/vae.plan"
     clip1: str = "sdxl_export/plan/clip1.plan"
     clip2: str = "sdxl_export/plan/clip2.plan"
+    # Flux's engines besides vae.
+    clip: str = "sdxl_export/plan/clip.plan"
+    t5: str = "sdxl_export/plan/t5.plan"
+    transformer: str = "sdxl_export/plan/transformer.plan"
     out_path: str = "trt_output"
     # trt: the engines; onnxruntime: the ONNX files beside them (<plan dir>/../onnx/<name>/);
     # torch: the diffusers modules themselves (with quantized_unet's fake-quant UNet if set).
@@ -346,13 +350,15 @@ def register_schemas() -> None:
     store.store(group="model", name="model_schema", node=ModelConfig)
 
 
-def validate_quantize_block(block: QuantizeBlock) -> None:
+def validate_quantize_block(block: QuantizeBlock, family) -> None:
     """Refuses settings that no run could honour, naming the key and what to do."""
     level = float(block.quant_level)
-    if level not in QUANT_LEVELS:
+    levels = family.quant_levels()
+    if level not in levels:
         raise UserError(
-            f"quantize.quant_level={block.quant_level} is unknown: choose one of "
-            f"{', '.join(f'{lv:g}' for lv in QUANT_LEVELS)}"
+            f"quantize.quant_level={block.quant_level} is not a level of {family.name} models: choose one of "
+            f"{', '.join(f'{lv:g}' for lv in levels)}"
+            + (" (a DiT has no convolutions for level 1)" if level == 1.0 else "")
         )
     if level == 4.0 and QuantFormat(block.format) != QuantFormat.fp8:
         raise UserError(
@@ -486,17 +492,17 @@ def validate_train_scene(cfg) -> None:
         raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 
 
-def validate_image_size(block, prefix: str, vae_scale: int = 1) -> None:
+def validate_image_size(block, prefix: str, multiple: int = 1, why: str = "the model's VAE scale factor") -> None:
     """Refuses an image size the model cannot make. diffusers' rule: a positive multiple of the VAE's
-    scale factor (8 for SD and SDXL), since each latent pixel decodes to that many pixels a side;
-    the workflows check it once they know the model's VAE (1 checks only that it is positive). The
-    UNet takes any latent size: where the latent is no multiple of 2**(its upsampling layers),
-    diffusers upsamples to the size of the matching skip connection, and the export traces that
-    path (export._upsampling_to_skip_sizes)."""
+    scale factor (8 for SD, SDXL and Flux), since each latent pixel decodes to that many pixels a
+    side, times a DiT's patch size (Flux: 2, so 16); the workflows check it once they know the
+    model (1 checks only that it is positive). The UNet takes any latent size: where the latent is
+    no multiple of 2**(its upsampling layers), diffusers upsamples to the size of the matching skip
+    connection, and the export traces that path (export._upsampling_to_skip_sizes)."""
     for key in ("width", "height"):
         value = block[key]
-        if value is not None and (value < vae_scale or value % vae_scale):
-            rule = f"a positive multiple of {vae_scale}, the model's VAE scale factor" if vae_scale > 1 else "positive"
+        if value is not None and (value < multiple or value % multiple):
+            rule = f"a positive multiple of {multiple}, {why}" if multiple > 1 else "positive"
             raise UserError(f"{prefix}.{key}={value} must be {rule}")
 
 

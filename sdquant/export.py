@@ -1,13 +1,13 @@
-"""Export stage: the pipeline's networks as ONNX graphs with NeMo's names.
+"""Export stage: the pipeline's networks as ONNX graphs with their family's names.
 
-``<out_path>/onnx/<name>/model.onnx`` for each network sdquant.networks describes (names, inputs,
-dynamic axes). The UNet's ``y``, the pooled text embedding joined to the Fourier-embedded time ids,
-feeds its add_embedding directly.
+``<out_path>/onnx/<name>/model.onnx`` for each network its family describes (names, inputs,
+dynamic axes); the family says what module and sample inputs each graph is traced from
+(ModelFamily.graph_specs).
 
 Every graph is traced with its weights as graph inputs, which are then written once, straight
-from the model's tensors, as initializers. The UNet is traced on the meta device: the trace then
-computes nothing and copies no weight, which is what lets a full-size SDXL UNet export in well
-under a minute and a few GB on a CPU host. Its ModelOpt quantizers are switched off for that
+from the model's tensors, as initializers. The backbone is traced on the meta device: the trace
+then computes nothing and copies no weight, which is what lets a full-size SDXL UNet export in
+well under a minute and a few GB on a CPU host. Its ModelOpt quantizers are switched off for that
 trace and their QuantizeLinear/DequantizeLinear pairs are written into the graph afterwards from
 their calibrated ranges (sdquant.insert_qdq), as ModelOpt's own ONNX export gives them.
 """
@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import networks
 from .artifacts import atomic_folder, read_json, write_json
 from .errors import UserError
 from .insert_qdq import insert_qdq, module_path
-from .networks import ONNX_FILE, TOKENS, Network
-from .quantizers import unsupported_quantizers
+from .networks import ONNX_FILE, Network
 
 EXTERNAL_DATA_FILE = "model.onnx.data"
 META_FILE = "export.json"
@@ -39,12 +37,6 @@ def graph_files(onnx_file: Path) -> list[Path]:
     """The graph and, for one past protobuf's limit, its external-data file."""
     data = onnx_file.parent / EXTERNAL_DATA_FILE
     return [onnx_file, data] if data.is_file() else [onnx_file]
-
-
-def sdxl_y(unet, pooled: torch.Tensor, time_ids: torch.Tensor) -> torch.Tensor:
-    """NeMo's ``y``: the pooled text embedding joined to the Fourier-embedded time ids."""
-    fourier = unet.add_time_proj(time_ids.flatten()).reshape(pooled.shape[0], -1)
-    return torch.cat([pooled, fourier.to(pooled.dtype)], dim=-1)
 
 
 class TextEncoderGraph(torch.nn.Module):
@@ -66,51 +58,17 @@ class TextEncoderGraph(torch.nn.Module):
         return (hidden, out.text_embeds) if self.pooled else hidden
 
 
-@contextlib.contextmanager
-def y_conditioning(unet):
-    """Makes the SDXL UNet take ``y`` as its add_embedding input, as NeMo's graph does."""
-
-    def aug_embed_from_y(self, emb, encoder_hidden_states, added_cond_kwargs):
-        return self.add_embedding(added_cond_kwargs["y"].to(emb.dtype))
-
-    unet.get_aug_embed = types.MethodType(aug_embed_from_y, unet)
-    try:
-        yield unet
-    finally:
-        del unet.get_aug_embed
-
-
-class UNetGraph(torch.nn.Module):
-    # The Fourier time embedding builds its frequencies with arange on the timesteps' device: on
-    # the meta device they would have no values, so for a meta trace the timesteps stay on the CPU
-    # and only their embedding moves to meta.
-    host_inputs = ("timesteps",)
-
-    def __init__(self, unet, sdxl: bool):
-        super().__init__()
-        self.unet = unet
-        self.sdxl = sdxl
-
-    def host_modules(self) -> list[torch.nn.Module]:
-        return [self.unet.time_proj]
-
-    def forward(self, x, timesteps, context, y=None):
-        if not self.sdxl:
-            return self.unet(x, timesteps, encoder_hidden_states=context, return_dict=False)[0]
-        with y_conditioning(self.unet):
-            return self.unet(x, timesteps, encoder_hidden_states=context, added_cond_kwargs={"y": y},
-                             return_dict=False)[0]
-
-
 class VaeDecoderGraph(torch.nn.Module):
-    """latent -> image in [-1, 1], with the pipeline's latent scaling inside the graph."""
+    """latent -> image in [-1, 1], with the pipeline's latent scaling (and Flux's shift) inside the
+    graph."""
 
     def __init__(self, vae):
         super().__init__()
         self.vae = vae
 
     def forward(self, latent):
-        return self.vae.decode(latent / self.vae.config.scaling_factor, return_dict=False)[0]
+        shift = getattr(self.vae.config, "shift_factor", None) or 0.0
+        return self.vae.decode(latent / self.vae.config.scaling_factor + shift, return_dict=False)[0]
 
 
 @dataclass
@@ -133,30 +91,6 @@ class GraphSpec:
     @property
     def output_names(self) -> list[str]:
         return self.network.output_names
-
-
-def graph_specs(pipe, family, batch: int, latent: int, dtype: torch.dtype,
-                vae_dtype: torch.dtype) -> list[GraphSpec]:
-    """What to trace for each graph: the module and dummy inputs. The UNet is last so the memory
-    its trace takes is not held while the others export."""
-    sdxl = networks.is_sdxl(family)
-    ids = torch.zeros(batch, TOKENS, dtype=torch.int32)
-    specs = [GraphSpec(networks.text_encoder("clip1", pooled=False),
-                       TextEncoderGraph(pipe.text_encoder.to(dtype), penultimate=sdxl, pooled=False), (ids,))]
-    if sdxl:
-        specs.append(GraphSpec(networks.text_encoder("clip2", pooled=True),
-                               TextEncoderGraph(pipe.text_encoder_2.to(dtype), penultimate=True, pooled=True), (ids,)))
-    vae = pipe.vae.to(vae_dtype)
-    specs.append(GraphSpec(networks.VAE, VaeDecoderGraph(vae),
-                           (torch.randn(batch, 4, latent, latent, dtype=vae_dtype),)))
-    unet = pipe.unet.to(dtype)
-    args = [torch.randn(batch, 4, latent, latent, dtype=dtype), torch.full((batch,), 500.0),
-            torch.randn(batch, TOKENS, unet.config.cross_attention_dim, dtype=dtype)]
-    if sdxl:
-        args.append(torch.randn(batch, unet.config.projection_class_embeddings_input_dim, dtype=dtype))
-    specs.append(GraphSpec(networks.unet(sdxl), UNetGraph(unet, sdxl), tuple(args),
-                           on_meta=not unsupported_quantizers(unet)))
-    return specs
 
 
 def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:

@@ -11,6 +11,7 @@ from .artifacts import atomic_folder
 from .config import ModelConfig
 from .errors import UserError
 from .lora import fuse as fuse_loras
+from .families import family_of
 from .networks import Family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
@@ -25,32 +26,28 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def compute_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
-    """fp16 on GPUs; CPUs calibrate in fp32, which they run much faster, unless fp16 is asked
-    for (half the memory, for full-size models on small hosts)."""
-    if name not in ("auto", "fp16", "fp32"):
-        raise UserError(f"dtype={name!r} is unknown: choose auto, fp16 or fp32")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compute_dtype(device: torch.device, name: str = "auto", gpu_dtype: torch.dtype = torch.float16) -> torch.dtype:
+    """The family's half precision on GPUs (fp16 for SD and SDXL, bf16 for Flux, whose activations
+    overflow fp16); CPUs run fp32, which they run much faster, unless a dtype is asked for (half
+    the memory, for full-size models on small hosts)."""
+    if name != "auto" and name not in DTYPES:
+        raise UserError(f"dtype={name!r} is unknown: choose auto, {', '.join(DTYPES)}")
     if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return torch.float16 if name == "fp16" else torch.float32
-
-
-def _pipeline_class(family: Family):
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    return StableDiffusionXLPipeline if Family(family) == Family.sdxl else StableDiffusionPipeline
+        return gpu_dtype if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def ensure_tiny_model(model: ModelConfig) -> Path:
     """Builds the tiny model into its folder once; a half-built folder is never left behind."""
-    from .synthetic import build_tiny_pipeline
-
     folder = Path(model.source).expanduser()
     if (folder / "model_index.json").exists():
         return folder
     # Another process may finish the same build first: its folder is as good as ours.
     with atomic_folder(folder, replace=False) as staging:
-        build_tiny_pipeline(Family(model.family).value, staging)
+        family_of(model.family).build_tiny(staging)
     return folder
 
 
@@ -77,26 +74,29 @@ def folder_or_hub_id(source: str) -> str:
     return str(folder) if folder.is_dir() else source
 
 
-def empty_unet(model: ModelConfig):
-    """The model's UNet built on the meta device (no memory), for a checkpoint that brings every
-    weight; None for single-file checkpoints, whose UNet config only the full load knows."""
-    from diffusers import UNet2DConditionModel
-
+def empty_backbone(model: ModelConfig):
+    """The model's backbone (UNet or transformer) built on the meta device (no memory), for a
+    checkpoint that brings every weight; None for single-file checkpoints, whose backbone config
+    only the full load knows."""
+    family = family_of(model.family)
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
         return None
-    config = UNet2DConditionModel.load_config(folder_or_hub_id(source), subfolder="unet")
+    cls = family.backbone_class()
+    config = cls.load_config(folder_or_hub_id(source), subfolder=family.backbone)
     with torch.device("meta"):
-        return UNet2DConditionModel.from_config(config)
+        return cls.from_config(config)
 
 
-def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, unet=None):
+def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, backbone=None):
     """Returns the diffusers pipeline that `model` names, with its LoRA adapters fused in, on
-    `device` in `dtype`; `unet`, when given, is used instead of loading the pipeline's own."""
+    `device` in `dtype`; `backbone` (a UNet or transformer), when given, is used instead of
+    loading the pipeline's own."""
     quiet_libraries()
-    cls = _pipeline_class(model.family)
+    family = family_of(model.family)
+    cls = family.pipeline_class()
     source = _resolved_source(model)
-    components = {"unet": unet} if unet is not None else {}
+    components = {family.backbone: backbone} if backbone is not None else {}
     path = Path(source).expanduser()
     if str(source).endswith(SINGLE_FILE_SUFFIXES):
         if not path.is_file():
@@ -110,12 +110,14 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     else:
         pipe = _load_or_explain(cls.from_pretrained, source, model, dtype=dtype,
                                 variant=model.variant, **components)
-    if Family(model.family) == Family.sdxl and getattr(pipe, "text_encoder_2", None) is None:
-        raise UserError(f"model.source={source} is not an SDXL pipeline but model.family=sdxl")
+    missing = [name for name in family.components if getattr(pipe, name, None) is None]
+    if missing:
+        raise UserError(f"model.source={source} has no {', '.join(missing)}, so it is no {cls.__name__} as "
+                        f"model.family={Family(model.family).value} needs: set model.family to the model's own")
     pipe.set_progress_bar_config(disable=True)
-    # A given UNet stays where it is, on the meta device, until its weights are restored: a
+    # A given backbone stays where it is, on the meta device, until its weights are restored: a
     # checkpoint made with these adapters holds them fused already.
-    pipe = pipe if unet is not None else pipe.to(device)
+    pipe = pipe if backbone is not None else pipe.to(device)
     fuse_loras(pipe, model.loras)
     return pipe
 
@@ -140,11 +142,12 @@ def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
 
 
 def model_configs(model: ModelConfig) -> dict:
-    """The scheduler, UNet and VAE configs of `model`, read without any weights; {} for a
+    """The scheduler, backbone and VAE configs of `model`, read without any weights; {} for a
     single-file checkpoint without model.single_file_config (only the full load knows them)."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler
 
     quiet_libraries()
+    family = family_of(model.family)
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
         if not model.single_file_config:
@@ -157,18 +160,19 @@ def model_configs(model: ModelConfig) -> dict:
         return {
             # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
-            "unet_config": UNet2DConditionModel.load_config(location, subfolder="unet"),
+            "backbone_config": family.backbone_class().load_config(location, subfolder=family.backbone),
             "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
         }
     except (OSError, ValueError) as error:
-        raise UserError(f"model.source={source}: cannot read its configs ({str(error).splitlines()[0]}); "
-                        "download the model first or point model.source at a local diffusers folder") from error
+        raise UserError(f"model.source={source}: cannot read its {family.backbone}, VAE and scheduler configs "
+                        f"({str(error).splitlines()[0]}); download the model first or point model.source at a "
+                        "local diffusers folder of a {family.name} model") from error
 
 
 def pipeline_parts(model: ModelConfig) -> dict:
     """What running engines needs of the model besides its networks: tokenizers, the scheduler
-    config, and the UNet and VAE configs; none of the weights are loaded."""
-    from transformers import CLIPTokenizer
+    config, and the backbone and VAE configs; none of the weights are loaded."""
+    from transformers import AutoTokenizer
 
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
@@ -176,19 +180,12 @@ def pipeline_parts(model: ModelConfig) -> dict:
                         "(or hub id) for its tokenizers and scheduler, not a single file")
     configs = model_configs(model)
     location = folder_or_hub_id(source)
-    names = ["tokenizer", "tokenizer_2"] if Family(model.family) == Family.sdxl else ["tokenizer"]
     try:
-        return {"tokenizers": [CLIPTokenizer.from_pretrained(location, subfolder=name) for name in names], **configs}
+        return {"tokenizers": [AutoTokenizer.from_pretrained(location, subfolder=name)
+                               for name in family_of(model.family).tokenizer_folders], **configs}
     except (OSError, ValueError) as error:
         raise UserError(f"model.source={source}: cannot read its tokenizers "
                         f"({str(error).splitlines()[0]})") from error
-
-
-def native_image_size(configs: dict) -> int:
-    """The side the model was trained at, as diffusers' pipelines default to it: the UNet's sample
-    size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5, 64 for
-    scenes_sdxl)."""
-    return configs["unet_config"]["sample_size"] * vae_scale_factor(configs["vae_config"])
 
 
 def vae_scale_factor(vae_config) -> int:

@@ -45,12 +45,6 @@ def identities(loras) -> list[dict]:
     return [adapter.identity() for adapter in adapters(loras)]
 
 
-def carried_by(graph: str) -> bool:
-    """Whether an exported graph holds adapter weights: diffusers loads them into the UNet and
-    the text encoders, never into the VAE, so one VAE graph and engine serve every adapter."""
-    return graph != "vae"
-
-
 def describe(identity: list[dict]) -> str:
     """A recorded adapter list, short enough for one line."""
     if not identity:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
-from .networks import TOKENS, unet_graph_name
+from .networks import TOKENS
 from .progress import Progress
 from .stages import StageTimer
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "dpmpp_2m": "DPMSolverMultistepScheduler", "ddim": "DDIMScheduler",
-              "heun": "HeunDiscreteScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler"}
+              "heun": "HeunDiscreteScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler",
+              "flow_euler": "FlowMatchEulerDiscreteScheduler"}
 
 
 def make_scheduler(name: str, config: dict):
@@ -113,6 +114,7 @@ class TextToImage:
         self.sdxl = sdxl
         self.force_zeros = force_zeros_for_empty_prompt
         self.told: set[str] = set()  # the prompts already said to be cut
+        self.backbone = "unet_xl" if sdxl else "unet"
         if sdxl:
             from diffusers.models.embeddings import Timesteps
 
@@ -139,7 +141,7 @@ class TextToImage:
         for checking them against the engines' profiles before any work."""
         text = len(self.texts(settings))
         images = len(settings.image_prompts)
-        batches = {"clip1": text, unet_graph_name(self.sdxl): 2 * images if self.guided(settings) else images,
+        batches = {"clip1": text, self.backbone: 2 * images if self.guided(settings) else images,
                    "vae": images}
         if self.sdxl:
             batches["clip2"] = text
@@ -191,11 +193,13 @@ class TextToImage:
         """One generator per image, seeded with its own seed, as diffusers takes a list of them."""
         return [torch.Generator(device=self.device).manual_seed(seed) for seed in settings.seeds]
 
+    def latent_size(self, settings: SamplingSettings) -> tuple[int, int]:
+        return settings.height // self.vae_scale, settings.width // self.vae_scale
+
     def initial_latents(self, settings: SamplingSettings, generators: list | None = None) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
-        shape = (len(settings.image_prompts), self.unet_config.in_channels,
-                 settings.height // self.vae_scale, settings.width // self.vae_scale)
+        shape = (len(settings.image_prompts), self.unet_config.in_channels, *self.latent_size(settings))
         generators = generators or self.generators(settings)
         return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
 
@@ -216,7 +220,6 @@ class TextToImage:
         latents = self.initial_latents(settings, generators) if latents is None else latents
         latents = latents * self.scheduler.init_noise_sigma
         step_kwargs = self._step_kwargs(generators)
-        unet_name = unet_graph_name(self.sdxl)
         guided = self.guided(settings)
         steps = Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)
         for t in steps:
@@ -226,7 +229,7 @@ class TextToImage:
                       "context": context if guided else context[context.shape[0] // 2:]}
             if y is not None:
                 inputs["y"] = y if guided else y[y.shape[0] // 2:]
-            noise = timer.time(unet_name, self.stages[unet_name], **inputs)["out"].float()
+            noise = timer.time(self.backbone, self.stages[self.backbone], **inputs)["out"].float()
             if guided:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + settings.guidance_scale * (cond - uncond)

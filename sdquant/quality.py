@@ -31,8 +31,14 @@ from .load import folder_or_hub_id
 REFERENCE = "fp16"
 
 
+def prediction(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A backbone stage's one output: the UNet's noise or a DiT's velocity prediction."""
+    [value] = outputs.values()
+    return value
+
+
 class RecordingStage:
-    """Passes UNet calls through and keeps each call's inputs and noise prediction."""
+    """Passes backbone calls through and keeps each call's inputs and prediction."""
 
     def __init__(self, stage):
         self.stage = stage
@@ -40,18 +46,18 @@ class RecordingStage:
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         outputs = self.stage(**inputs)
-        self.calls.append((dict(inputs), outputs["out"]))
+        self.calls.append((dict(inputs), prediction(outputs)))
         return outputs
 
 
 @torch.no_grad()
 def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], stage) -> list[float]:
-    """Per UNet call of the reference run (one per scheduler timestep), the relative L2 error
-    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's noise prediction on the same input."""
+    """Per backbone call of the reference run (one per scheduler timestep), the relative L2 error
+    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's prediction on the same input."""
     errors = []
     for inputs, reference in calls:
         reference = reference.float()
-        difference = stage(**inputs)["out"].float() - reference
+        difference = prediction(stage(**inputs)).float() - reference
         errors.append(float(difference.norm() / reference.norm().clamp_min(torch.finfo(torch.float32).tiny)))
     return errors
 

@@ -1,38 +1,45 @@
-"""The quantization recipe: which UNet quantizers a (format, quant_level) pair turns on.
+"""The quantization recipe: which backbone quantizers a (format, quant_level) pair turns on, from a
+family's table of levels (sdquant.families), and how they are calibrated.
 
 The ModelOpt config is an ordered list in which later entries win, so it is written as: everything
-off, then what each level adds, then the exclusion filter last, so that no level can re-enable a
-layer that must stay in high precision.
+off, then what each level adds, then the family's high-precision patterns last, so that no level
+can re-enable a layer that must stay in high precision.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 
 import torch
 
 from .config import QuantFormat
 
-# Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
-HIGH_PRECISION_PATTERNS = (
-    "*time_embedding*",
-    "*time_emb_proj*",
-    "*add_embedding*",
-    "*conv_in*",
-    "*conv_out*",
-    "*conv_shortcut*",
-    "*norm*",
-)
-
-FFN_LINEAR = "*.ff.net.*"
-QKV_LINEAR = "*.to_[qkv]."
-# The attention quantizers see the outputs of the q/k/v projections (SDXL has no q/k norm).
-ATTENTION_QUANTIZER_SOURCES = {"q_bmm_quantizer": "to_q", "k_bmm_quantizer": "to_k",
-                               "v_bmm_quantizer": "to_v"}
-ATTENTION_QUANTIZERS = tuple(f"*{name}" for name in ATTENTION_QUANTIZER_SOURCES)
+# ModelOpt's attention quantizers: q, k and v where they enter attention, and softmax's output.
+ATTENTION_QUANTIZERS = ("*q_bmm_quantizer", "*k_bmm_quantizer", "*v_bmm_quantizer")
 SOFTMAX_QUANTIZER = "*softmax_quantizer"
 # Softmax outputs lie in [0, 1], so their range needs no calibration.
 SOFTMAX_AMAX = 1.0
+ATTENTION_LEVEL = 4.0
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers a level adds: a quantizer-name prefix pattern and the layer class it applies to."""
+
+    level: float
+    pattern: str
+    parent_class: str  # "nn.Conv2d" | "nn.Linear"
+
+
+@dataclass(frozen=True)
+class LevelTable:
+    """A family's quant levels: the layer groups each adds (a level holds every group at or below
+    it), whether level 4's FP8 attention exists, and the patterns that stay in high precision."""
+
+    levels: tuple[float, ...]
+    groups: tuple[LayerGroup, ...]
+    high_precision: tuple[str, ...]
 
 
 def _num_bits(fmt: QuantFormat):
@@ -51,24 +58,19 @@ def _weight_and_input(prefix: str, parent_class: str, num_bits) -> list[dict]:
     ]
 
 
-def quant_cfg_entries(fmt: QuantFormat, quant_level: float) -> list[dict]:
+def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -> list[dict]:
     num_bits = _num_bits(fmt)
     level = float(quant_level)
     entries: list[dict] = [{"quantizer_name": "*", "enable": False}]
-    entries += _weight_and_input("*", "nn.Conv2d", num_bits)
-    if level >= 3.0:
-        entries += _weight_and_input("*", "nn.Linear", num_bits)
-    else:
-        if level >= 2.0:
-            entries += _weight_and_input(FFN_LINEAR, "nn.Linear", num_bits)
-        if level >= 2.5:
-            entries += _weight_and_input(QKV_LINEAR, "nn.Linear", num_bits)
-    if level >= 4.0:
+    for group in table.groups:
+        if level >= group.level:
+            entries += _weight_and_input(group.pattern, group.parent_class, num_bits)
+    if level >= ATTENTION_LEVEL:
         entries += [{"quantizer_name": name, "cfg": {"num_bits": num_bits, "axis": None}}
                     for name in ATTENTION_QUANTIZERS]
         entries.append({"quantizer_name": SOFTMAX_QUANTIZER,
                         "cfg": {"num_bits": num_bits, "axis": None, "constant_amax": SOFTMAX_AMAX}})
-    entries += [{"quantizer_name": pattern, "enable": False} for pattern in HIGH_PRECISION_PATTERNS]
+    entries += [{"quantizer_name": pattern, "enable": False} for pattern in table.high_precision]
     return entries
 
 

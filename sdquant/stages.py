@@ -1,9 +1,9 @@
 """The stages: each network of the pipeline behind one interface. Called with named tensors, a
-stage returns named tensors, with the names of the ONNX graphs (sdquant.networks: clip1:
-input_ids -> hidden_states; clip2: input_ids -> hidden_states, pooled; unet: x, timesteps,
-context[, y] -> out; vae: latent -> images). Here the ``onnxruntime`` stage (the ONNX files) and
-the ``torch`` stage (the diffusers modules, wrapped as the export wraps them), and the timer of
-stage calls; the TensorRT engines' stage is in sdquant.trt_stages.
+stage returns named tensors, with the names of the ONNX graphs (each family's networks, e.g.
+SDXL's clip1: input_ids -> hidden_states; unet_xl: x, timesteps, context, y -> out; vae: latent
+-> images). Here the ``onnxruntime`` stage (the ONNX files) and the ``torch`` stage (the diffusers
+modules, wrapped as the export wraps them), and the timer of stage calls; the TensorRT engines'
+stage is in sdquant.trt_stages, and each family builds its torch stages (ModelFamily.torch_stages).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import networks
 from .errors import UserError
-from .export import TextEncoderGraph, UNetGraph, VaeDecoderGraph, check_graph_file
-from .networks import Network, unet_graph_name
+from .export import check_graph_file
+from .networks import Network
 
 
 class OnnxRuntimeStage:
@@ -68,21 +67,6 @@ class TorchStage:
         outputs = self.graph(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return dict(zip(self.network.output_names, outputs))
-
-
-def torch_stages(pipe, sdxl: bool, dtype: torch.dtype) -> dict:
-    stages = {"clip1": TorchStage(TextEncoderGraph(pipe.text_encoder, penultimate=sdxl, pooled=False),
-                                  networks.text_encoder("clip1", pooled=False), dtype),
-              "vae": TorchStage(VaeDecoderGraph(pipe.vae), networks.VAE, next(pipe.vae.parameters()).dtype)}
-    if sdxl:
-        stages["clip2"] = TorchStage(TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True),
-                                     networks.text_encoder("clip2", pooled=True), dtype)
-    stages[unet_graph_name(sdxl)] = unet_stage(pipe.unet, sdxl, dtype)
-    return stages
-
-
-def unet_stage(unet: torch.nn.Module, sdxl: bool, dtype: torch.dtype) -> TorchStage:
-    return TorchStage(UNetGraph(unet, sdxl), networks.unet(sdxl), dtype)
 
 
 class StageTimer:

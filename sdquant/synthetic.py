@@ -10,11 +10,11 @@ any real checkpoint, so tests exercise the real loading path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 SEED = 1234
+# CLIP's window.
+TOKENS_CLIP = 77
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,6 @@ def build_pipeline(family: str, sizes: Sizes = TINY):
     )
 
 
-def build_tiny_pipeline(family: str, folder: Path) -> None:
-    """Builds the tiny pipeline of `family` and saves it to `folder`."""
-    build_pipeline(family, TINY).save_pretrained(folder)
-
-
 def full_size_sdxl_on_gpu():
     """The full-size SDXL with random fp16 weights built directly on the GPU (seconds, not the
     minutes a CPU build and copy take), its scheduler's tables on the CPU as pipelines expect."""
@@ -153,3 +148,86 @@ def full_size_sdxl_on_gpu():
     pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _char_t5_tokenizer():
+    """A T5 tokenizer (SentencePiece-style unigram) whose pieces are single characters, so any ASCII
+    prompt encodes; it saves and loads as T5's own."""
+    import string
+
+    from transformers import T5TokenizerFast
+
+    pieces = ["\u2581", *string.ascii_letters, *string.digits, *string.punctuation]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(piece, -1.0) for piece in pieces]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+@dataclass(frozen=True)
+class FluxSizes:
+    clip_width: int
+    clip_layers: int
+    t5_width: int
+    t5_layers: int
+    t5_heads: int
+    t5_ff: int
+    double_blocks: int
+    single_blocks: int
+    heads: int
+    head_dim: int
+    rope_axes: tuple[int, int, int]
+    vae_channels: tuple[int, ...]
+    vae_groups: int
+    image_size: int
+    guidance: bool = True
+
+
+TINY_FLUX = FluxSizes(clip_width=32, clip_layers=2, t5_width=32, t5_layers=2, t5_heads=4, t5_ff=64,
+                      double_blocks=2, single_blocks=2, heads=2, head_dim=16, rope_axes=(4, 6, 6),
+                      vae_channels=(8, 8, 16, 16), vae_groups=8, image_size=64)
+
+# Flux.1-dev's sizes (random weights); its VAE as Flux.1's (16 latent channels).
+FULL_FLUX_DEV = FluxSizes(clip_width=768, clip_layers=12, t5_width=4096, t5_layers=24, t5_heads=64, t5_ff=10240,
+                          double_blocks=19, single_blocks=38, heads=24, head_dim=128, rope_axes=(16, 56, 56),
+                          vae_channels=(128, 256, 512, 512), vae_groups=32, image_size=1024)
+
+
+def build_flux_pipeline(sizes: FluxSizes = None):
+    """A FluxPipeline at `sizes` (the tiny one by default): CLIP and T5 encoders, a
+    FluxTransformer2DModel and a 16-channel AutoencoderKL, random weights from a fixed seed, and
+    Flux.1-dev's flow-matching scheduler (dynamic shifting)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    sizes = sizes or TINY_FLUX
+    torch.manual_seed(SEED)
+    clip_tokenizer, t5_tokenizer = _byte_level_tokenizer(), _char_t5_tokenizer()
+    clip_vocab = len(clip_tokenizer)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=clip_vocab, hidden_size=sizes.clip_width, intermediate_size=4 * sizes.clip_width,
+        num_attention_heads=max(1, sizes.clip_width // 64), num_hidden_layers=sizes.clip_layers,
+        max_position_embeddings=TOKENS_CLIP, projection_dim=sizes.clip_width, bos_token_id=clip_vocab - 2,
+        eos_token_id=clip_vocab - 1, pad_token_id=clip_vocab - 1, hidden_act="quick_gelu"))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tokenizer), d_model=sizes.t5_width, d_kv=sizes.t5_width // sizes.t5_heads,
+        d_ff=sizes.t5_ff, num_layers=sizes.t5_layers, num_heads=sizes.t5_heads, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, use_cache=False))
+    latent_channels = 16
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=sizes.double_blocks,
+        num_single_layers=sizes.single_blocks, attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads,
+        joint_attention_dim=sizes.t5_width, pooled_projection_dim=sizes.clip_width, guidance_embeds=sizes.guidance,
+        axes_dims_rope=sizes.rope_axes)
+    depth = len(sizes.vae_channels)
+    vae = AutoencoderKL(
+        block_out_channels=sizes.vae_channels, down_block_types=("DownEncoderBlock2D",) * depth,
+        up_block_types=("UpDecoderBlock2D",) * depth, latent_channels=latent_channels,
+        norm_num_groups=sizes.vae_groups, layers_per_block=2, sample_size=sizes.image_size,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, use_dynamic_shifting=True)
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer,
+                        text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=transformer)
+
+
+def build_tiny_flux():
+    return build_flux_pipeline(TINY_FLUX)

@@ -123,42 +123,42 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
     return conv
 
 
-def runs_as_fp8(unet: torch.nn.Module) -> list[str]:
-    """Why the checkpoint in `unet` cannot run with FP8 GEMMs: one reason per kind of quantizer
+def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
+    """Why the checkpoint in `backbone` cannot run with FP8 GEMMs: one reason per kind of quantizer
     this path has no kernel for; empty when it can."""
     reasons = []
-    sites = quantized_inputs(unet)
+    sites = quantized_inputs(backbone)
     if any(not site.fp8 for site in sites):
         reasons.append("INT8 layers (format=int8)")
-    if quantized_attention(unet):
+    if quantized_attention(backbone):
         reasons.append("FP8 attention (quant_level=4)")
-    if unsupported_quantizers(unet):
-        reasons.append(f"quantizers on {', '.join(unsupported_quantizers(unet)[:3])}")
+    if unsupported_quantizers(backbone):
+        reasons.append(f"quantizers on {', '.join(unsupported_quantizers(backbone)[:3])}")
     if not sites:
         reasons.append("no calibrated layer")
     return reasons
 
 
-def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
+def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
     """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
     Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
     module class with its plain torch layer; returns how many layers run in FP8."""
     from modelopt.torch.quantization.nn import QuantModule
 
-    reasons = runs_as_fp8(unet)
+    reasons = runs_as_fp8(backbone)
     if reasons:
         raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
                         "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
-                        "that, or quantize with format=fp8 at quant_level 1 to 3")
+                        "that, or quantize with format=fp8 below quant_level 4")
     amax: dict[str, dict[str, torch.Tensor]] = {}
-    for site in quantized_inputs(unet):
+    for site in quantized_inputs(backbone):
         amax.setdefault(site.layer, {})[site.role] = site.amax
-    for name, layer in list(unet.named_modules()):
+    for name, layer in list(backbone.named_modules()):
         if not isinstance(layer, QuantModule):
             continue
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
             parent_name, _, child = name.rpartition(".")
-            setattr(unet.get_submodule(parent_name), child,
+            setattr(backbone.get_submodule(parent_name), child,
                     _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
         else:
             # Norms and attention blocks whose quantizers the recipe left off: back to diffusers' class.
@@ -168,7 +168,7 @@ def convert_to_fp8(unet: torch.nn.Module, checkpoint: str) -> int:
 
 class GraphReplayStage:
     """A stage replayed as one CUDA graph per input signature, so the host launches one graph
-    instead of every kernel of the UNet."""
+    instead of every kernel of the backbone."""
 
     def __init__(self, stage):
         self.stage = stage
@@ -196,19 +196,21 @@ class GraphReplayStage:
         return CapturedGraph(graph, static_inputs, static_outputs)
 
 
-def speed_up(pipe, stages: dict, block, cuda_graph: bool, unet_name: str, quantized: bool) -> dict:
+def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
+    backbone = getattr(pipe, family.backbone)
+    replayed = (family.backbone_graph, "vae")
     if block.compile:
         # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v.
-        pipe.unet.to(memory_format=torch.channels_last)
+        backbone.to(memory_format=torch.channels_last)
         pipe.vae.to(memory_format=torch.channels_last)
         if not quantized:
-            pipe.unet.fuse_qkv_projections()
-        for name in (unet_name, "vae"):
+            backbone.fuse_qkv_projections()
+        for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
     if cuda_graph and pipe.device.type == "cuda":
         # The text encoders stay as they are: they build masks from host tensors, which a
         # capture cannot take.
-        for name in (unet_name, "vae"):
+        for name in replayed:
             stages[name] = GraphReplayStage(stages[name])
     return stages

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .build import Flavour, built_by, engine_record
+from .build import Flavour, built_by, engine_record, run_sizes
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
-from .networks import BATCH, CONTEXT, HEIGHT, TOKENS, WIDTH, dynamic_axes, sized
+from .families import dynamic_axes, sized
+from .networks import BATCH, CONTEXT, TOKENS
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -65,7 +66,7 @@ def check_within_profiles(profiles: dict[str, dict[str, tuple]], batches: dict[s
     `context_tokens`: the UNet's context length (one CLIP window unless long prompts are chunked).
     """
     for stage, batch in batches.items():
-        sizes = {BATCH: batch, HEIGHT: latent_size[0], WIDTH: latent_size[1], CONTEXT: context_tokens}
+        sizes = {BATCH: batch, **run_sizes(*latent_size, context_tokens)}
         for tensor, profile in profiles[stage].items():
             # Each dynamic axis as this run sizes it (as build.profile_shapes sized it for the
             # build), the rest as the profile has them.

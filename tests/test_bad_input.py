@@ -14,7 +14,7 @@ from sdquant.workflow.quantize import run_quantize
 from conftest import compose_config
 
 BAD_QUANTIZE = [
-    (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is unknown"),
+    (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is not a level of sdxl models"),
     (["quantize.quant_level=4"], "needs quantize.format=fp8"),
     (["quantize.calib_size=3"], "quantize.calib_size=3 must be a multiple of quantize.batch_size=2"),
     (["quantize.calib_size=4", "quantize.batch_size=8"], "quantize.calib_size=4 must be a multiple"),

@@ -7,6 +7,7 @@ import torch
 from diffusers import HeunDiscreteScheduler
 
 from sdquant.calibrate import PercentileCalibrator, StepClock, StepStatistics, attach_clock
+from sdquant.families import family_of
 
 # amax seen at each step (rows) in each of three calibration batches (columns).
 AMAX = [
@@ -78,7 +79,7 @@ def test_per_channel_axis_keeps_one_amax_per_channel():
 def _steps_seen(pipe, n_steps: int, **call) -> list[int]:
     clock = StepClock()
     seen = []
-    hooks = [attach_clock(pipe, clock),
+    hooks = [attach_clock(pipe, family_of("sdxl"), clock),
              pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
     try:
         pipe(prompt=["a red fox"], num_inference_steps=n_steps, output_type="latent",
@@ -110,7 +111,7 @@ def test_clock_counts_steps_with_unbatched_guidance(tiny_pipeline):
     pipe.scheduler.set_timesteps(3)
     clock = StepClock()
     seen = []
-    hooks = [attach_clock(pipe, clock),
+    hooks = [attach_clock(pipe, family_of("sd15"), clock),
              pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
     sample = torch.zeros(1, 4, 8, 8)
     context = torch.zeros(1, 77, pipe.unet.config.cross_attention_dim)

@@ -85,7 +85,7 @@ def test_two_process_calibration_equals_one_process_exactly(model_cache, tmp_pat
     [single], [split] = _sidecars(tmp_path / "one"), _sidecars(tmp_path / "two")
     assert split["job"]["processes"] == 2 and single["job"]["processes"] == 1
     assert split["calibration"]["batches"] == single["calibration"]["batches"] == 4
-    assert split["calibration"]["unet_calls"] == single["calibration"]["unet_calls"]
+    assert split["calibration"]["backbone_calls"] == single["calibration"]["backbone_calls"]
     expected, got = _quantizer_state(tmp_path / "one"), _quantizer_state(tmp_path / "two")
     smoothing = [key for key in expected if key.endswith("_pre_quant_scale")]
     amax = [key for key in expected if key.endswith("input_quantizer._amax")]

@@ -13,6 +13,7 @@ import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant import checkpoint, export, networks
+from sdquant.families.stable_diffusion import SDXL, UNetGraph, sdxl_y
 from sdquant.errors import UserError
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.quantize import run_quantize
@@ -49,7 +50,7 @@ def _unet_feeds(unet, dtype=np.float32, seed=0):
 
 
 def _torch_unet(unet, feeds):
-    graph = export.UNetGraph(unet, sdxl="y" in feeds)
+    graph = UNetGraph(unet, sdxl="y" in feeds)
     with torch.no_grad():
         return graph(*[torch.from_numpy(feeds[k]) for k in ("x", "timesteps", "context", "y") if k in feeds]).numpy()
 
@@ -108,7 +109,7 @@ def test_y_is_pooled_embedding_and_fourier_time_ids(tiny_pipeline):
     args = (torch.randn(2, 4, 8, 8), torch.tensor([10.0, 10.0]), torch.randn(2, 77, 64))
     with torch.no_grad():
         reference = unet(*args, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
-        via_y = export.UNetGraph(unet, sdxl=True)(*args, export.sdxl_y(unet, pooled, time_ids))
+        via_y = UNetGraph(unet, sdxl=True)(*args, sdxl_y(unet, pooled, time_ids))
     assert torch.allclose(reference, via_y)
 
 
@@ -219,7 +220,7 @@ def test_export_leaves_the_quantized_unet_as_it_was(quantize_cfg, tiny_pipeline,
     checkpoint.restore(pipe.unet, folder)
     feeds = _unet_feeds(pipe.unet)
     before, enabled = _torch_unet(pipe.unet, feeds), _enabled_quantizers(pipe.unet)
-    spec = export.graph_specs(pipe, "sdxl", 2, LATENT, torch.float32, torch.float32)[-1]
+    spec = SDXL.graph_specs(pipe, 2, LATENT, torch.float32, torch.float32)[-1]
     assert spec.on_meta
     export.export_graph(spec, tmp_path / "unet_xl", 19, {}, torch.float32)
     assert not any(t.is_meta for t in (*pipe.unet.parameters(), *pipe.unet.buffers()))
@@ -254,7 +255,7 @@ def test_qdq_written_by_the_export_match_modelopts_own(quantize_cfg, tiny_pipeli
     pipe = tiny_pipeline()
     checkpoint.restore(pipe.unet, folder)
     export.prepare_quantizers_for_export(pipe.unet, dtype)
-    spec = export.graph_specs(pipe, "sdxl", 2, LATENT, dtype, torch.float32)[-1]
+    spec = SDXL.graph_specs(pipe, 2, LATENT, dtype, torch.float32)[-1]
     assert spec.on_meta
     export.export_graph(spec, tmp_path / "inserted", 19, {}, dtype)
     export.export_graph(dataclasses.replace(spec, on_meta=False), tmp_path / "modelopt", 19, {}, dtype)

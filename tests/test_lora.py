@@ -13,6 +13,7 @@ import torch
 from onnx import numpy_helper
 
 from sdquant import build, checkpoint, export, lora, networks, refit
+from sdquant.families.stable_diffusion import SDXL
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
 from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device
@@ -193,7 +194,7 @@ def fp32_exports(lora_files, model_cache, tmp_path_factory):
                                            "run_trt_export=false", "onnx.precision=fp32"])
     run_export(base)
     metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text())
-             for name in networks.graph_names("sdxl")}
+             for name in SDXL.graph_names()}
     with_a = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                              "run_trt_export=false", "onnx.precision=fp32",
                                              _loras((lora_files["a"], 0.7))])
@@ -282,7 +283,7 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
     trt = build.load_flavour("tensorrt_rtx")
     logger = trt.module.Logger(trt.module.Logger.ERROR)
     pipe_b = _pipeline(_loras((lora_files["b"], 1.0)), dtype=torch.float16)
-    specs = {spec.name: spec for spec in export.graph_specs(pipe_b, "sdxl", 1, 8, torch.float16, torch.float32)}
+    specs = {spec.name: spec for spec in SDXL.graph_specs(pipe_b, 1, 8, torch.float16, torch.float32)}
     for name in ("clip1", "clip2", "unet_xl"):
         onnx_a = networks.onnx_path(fp16_graphs["a"], name)
         expected = refit.refittable_weights(onnx_a)
@@ -319,7 +320,7 @@ def test_refit_refuses_engines_that_cannot_take_other_adapters(tmp_path):
 def _graphs_of(source, out):
     """A fresh export folder whose ONNX graphs are those in `source`."""
     (out / "onnx").mkdir(parents=True)
-    for name in networks.graph_names("sdxl"):
+    for name in SDXL.graph_names():
         (out / "onnx" / name).symlink_to(networks.onnx_path(source, name).parent)
     return out
 

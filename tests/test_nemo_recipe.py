@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from sdquant.calibrate import max_abs, quantize_unet
+from sdquant.calibrate import max_abs, quantize_backbone
+from sdquant.families.stable_diffusion import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
 from sdquant.workflow.common import checked_checkpoint
@@ -54,11 +55,11 @@ class ExampleCalibrator:
 
 
 def _calibrate_beside(pipe, cfg, observe: dict) -> None:
-    """quantize_unet on `pipe`, with `observe[name](input)` called on each named module's input."""
+    """quantize_backbone on `pipe`, with `observe[name](input)` called on each named module's input."""
     handles = [module.register_forward_pre_hook(lambda _m, args, name=name: observe[name](args[0]))
                for name, module in pipe.unet.named_modules() if name in observe]
     try:
-        quantize_unet(pipe, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
+        quantize_backbone(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
     finally:
         for handle in handles:
             handle.remove()

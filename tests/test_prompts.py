@@ -12,7 +12,8 @@ from PIL import Image
 
 from sdquant.load import pipeline_parts
 from sdquant.pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
-from sdquant.stages import StageTimer, torch_stages
+from sdquant.families.stable_diffusion import SDXL
+from sdquant.stages import StageTimer
 from sdquant.workflow.common import sampling_parts, text_to_image
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
@@ -43,7 +44,7 @@ def _png(path) -> tuple[np.ndarray, dict]:
 
 def _tiny_sdxl(tiny_pipeline) -> TextToImage:
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl"])
-    return text_to_image(cfg, sampling_parts(cfg), torch_stages(tiny_pipeline(), True, torch.float32), CPU)
+    return text_to_image(cfg, sampling_parts(cfg), SDXL.torch_stages(tiny_pipeline(), torch.float32), CPU)
 
 
 def _settings(prompts: list[str], **options) -> SamplingSettings:

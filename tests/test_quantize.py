@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from sdquant import checkpoint
-from sdquant.calibrate import activation_amax, quantize_unet
+from sdquant.calibrate import activation_amax, quantize_backbone
+from sdquant.families import family_of
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
 from sdquant.workflow.quantize import run_quantize
@@ -18,7 +19,8 @@ from sdquant.workflow.quantize import run_quantize
 def _calibrate(tiny_pipeline, quantize_cfg, *overrides, model="tiny_sdxl"):
     cfg = quantize_cfg(*overrides, model=model)
     pipe = tiny_pipeline(model)
-    quantize_unet(pipe, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
+    quantize_backbone(pipe, family_of(cfg.model.family), load_prompts(None, cfg.quantize.calib_size), cfg.quantize,
+                      cfg.seed)
     return pipe
 
 
@@ -111,7 +113,7 @@ def test_out_of_memory_names_batch_size(tiny_pipeline, quantize_cfg):
 
     pipe.unet.register_forward_pre_hook(exhaust)
     with pytest.raises(UserError, match="lower quantize.batch_size"):
-        quantize_unet(pipe, load_prompts(None, 4), cfg.quantize, cfg.seed)
+        quantize_backbone(pipe, family_of(cfg.model.family), load_prompts(None, 4), cfg.quantize, cfg.seed)
 
 
 def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
@@ -121,7 +123,7 @@ def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
     assert sidecar["settings"]["quantize"]["quant_level"] == 3.0
     assert sidecar["resolved_config"]["quantize"]["alpha"] == 0.8
     assert sidecar["calibration"]["batches"] == 2
-    assert sidecar["calibration"]["unet_calls"] == 2 * 4
+    assert sidecar["calibration"]["backbone_calls"] == 2 * 4
     assert sidecar["calibration"]["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
     assert sidecar["amax_summary"]["quantizers"] == len(sidecar["activation_amax"]) > 100
     assert "nvidia-modelopt" in sidecar["versions"]

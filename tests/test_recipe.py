@@ -9,7 +9,8 @@ import pytest
 import torch.nn as nn
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant.recipe import is_enabled, quant_cfg_entries
+from sdquant.families.stable_diffusion import SDXL
+from sdquant.recipe import is_enabled
 
 EXCLUDED = ("time_embedding", "time_emb_proj", "add_embedding", "conv_in", "conv_out", "conv_shortcut")
 
@@ -60,7 +61,7 @@ def test_level_enables_exactly_its_layers(tiny_pipeline, fmt, level):
     unet = tiny_pipeline().unet
     kinds = _module_kinds(unet)
     assert kinds["excluded"] > 0 and kinds["other_linear"] > 0, "the tiny UNet must hold every kind"
-    mtq.quantize(unet, {"quant_cfg": quant_cfg_entries(fmt, level), "algorithm": None})
+    mtq.quantize(unet, {"quant_cfg": SDXL.quant_cfg_entries(fmt, level), "algorithm": None})
     enabled = _enabled_by_kind(unet)
 
     expected = collections.Counter()
@@ -76,7 +77,7 @@ def test_level_enables_exactly_its_layers(tiny_pipeline, fmt, level):
 
 def test_filter_wins_over_level(tiny_pipeline):
     unet = tiny_pipeline().unet
-    entries = quant_cfg_entries("int8", 3.0)
+    entries = SDXL.quant_cfg_entries("int8", 3.0)
     # Even a config that explicitly asks for the excluded layers earlier in the list must lose.
     entries.insert(1, {"quantizer_name": "*conv_in*", "cfg": {"num_bits": 8, "axis": None}})
     mtq.quantize(unet, {"quant_cfg": entries, "algorithm": None})
@@ -89,7 +90,7 @@ def test_filter_wins_over_level(tiny_pipeline):
 def test_calibration_hooks_read_the_recipe_as_modelopt_does(tiny_pipeline, fmt, level):
     """Calibration hooks the layers before ModelOpt inserts quantizers; both must pick the same."""
     unet = tiny_pipeline().unet
-    entries = quant_cfg_entries(fmt, level)
+    entries = SDXL.quant_cfg_entries(fmt, level)
     layer_kinds = ("input_quantizer", "weight_quantizer")
     attention_kinds = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer")
     ours = set()

@@ -11,8 +11,8 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant import torch_backend
 from sdquant.errors import UserError
-from sdquant.export import UNetGraph
-from sdquant.load import empty_unet
+from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.load import empty_backbone
 from sdquant.quantizers import quantized_inputs
 from sdquant.workflow.common import restore_quantized_unet
 from sdquant.workflow.infer_trt import run_infer
@@ -37,7 +37,7 @@ def fp8_l3(tmp_path_factory):
 
 def _restored(checkpoint):
     model = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
-    unet = empty_unet(model)
+    unet = empty_backbone(model)
     restore_quantized_unet(model, "quantized_unet", str(checkpoint), unet)
     return model, unet.float().eval()
 

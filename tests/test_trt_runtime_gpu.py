@@ -22,6 +22,7 @@ import torch
 
 import standin_tensorrt
 from sdquant import build
+from sdquant.families.stable_diffusion import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.stages import StageTimer
@@ -196,7 +197,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
     pipeline = TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
                            torch.device("cuda"), sdxl=True)
     batch = pipeline.stage_batches(settings)["clip1"]
-    profile = build.profile_shapes(InferBlock(batch_size=2), TrtBlock(static_batch=True), "clip1",
+    profile = build.profile_shapes(InferBlock(batch_size=2), TrtBlock(static_batch=True), SDXL, "clip1",
                                    {"input_ids": [None, 77]}, 8)["input_ids"]
     plan = standin_tensorrt.write_plan(stand_in.folder / "clip1.plan",
                                        {"input_ids": {"dtype": "INT32", "profile": [list(s) for s in profile]}},

@@ -3,15 +3,15 @@ sampling settings and text-to-image pipeline of infer_trt.py and evaluate.py."""
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import torch
 
-from .. import checkpoint, load, lora, networks
+from .. import checkpoint, load, lora
+from ..families import family_of
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
-from ..pipeline import SamplingSettings, TextToImage, make_scheduler
+from ..pipeline import SamplingSettings, make_scheduler
 
 
 def checked_checkpoint(model, key: str, value: str) -> dict:
@@ -92,17 +92,19 @@ def settled_image_size(block, prefix: str, model, configs: dict | None = None) -
                             "set model.single_file_config")
         validate_image_size(block, prefix)
         return asked["height"], asked["width"]
-    native = load.native_image_size(configs)
+    family = family_of(model.family)
+    native = family.native_image_size(configs)
     size = {key: native if value is None else value for key, value in asked.items()}
-    validate_image_size(size, prefix, load.vae_scale_factor(configs["vae_config"]))
+    validate_image_size(size, prefix, family.size_multiple(load.vae_scale_factor(configs["vae_config"])),
+                        family.size_reason)
     note = " (the model's native size)" if None in asked.values() else ""
     print(f"image size: {size['width']}x{size['height']}{note}", flush=True)
     return size["height"], size["width"]
 
 
-def text_to_image(cfg, parts: dict, stages: dict, device: torch.device) -> TextToImage:
-    """The denoising loop over `stages`, with the model's tokenizers and scheduler config (`parts`)."""
-    scheduler = make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
-    return TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["unet_config"]),
-                       load.vae_scale_factor(parts["vae_config"]), device, networks.is_sdxl(cfg.model.family))
-
+def text_to_image(cfg, parts: dict, stages: dict, device: torch.device):
+    """The family's denoising loop over `stages`, with the model's tokenizers and scheduler config
+    (`parts`)."""
+    family = family_of(cfg.model.family)
+    scheduler = make_scheduler(cfg.sampling.scheduler or family.default_scheduler(), parts["scheduler_config"])
+    return family.text_to_image(stages, parts, scheduler, device)

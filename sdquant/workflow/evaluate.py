@@ -10,15 +10,16 @@ from omegaconf import OmegaConf
 
 import torch
 
-from .. import build, networks, quality, report
+from .. import build, quality, report
+from ..families import family_of
 from ..export import check_graph_file
 from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
-from ..load import compute_dtype, empty_unet, load_pipeline, resolve_device
+from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
-from ..stages import OnnxRuntimeStage, StageTimer, torch_stages, unet_stage
+from ..stages import OnnxRuntimeStage, StageTimer
 from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
@@ -30,14 +31,14 @@ def run_evaluate(cfg) -> dict:
     parts = sampling_parts(cfg)
     runs = sampling_runs(cfg)
     device = resolve_device(cfg.device)
-    dtype = compute_dtype(device, cfg.dtype)
-    sdxl = networks.is_sdxl(cfg.model.family)
+    family = family_of(cfg.model.family)
+    dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
-        pipeline = text_to_image(cfg, parts, torch_stages(pipe, sdxl, dtype), device)
+        pipeline = text_to_image(cfg, parts, family.torch_stages(pipe, dtype), device)
         lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
                        quality.clip_metric(cfg.metrics.clip_model, device))
-    fp16_unet = pipeline.stages[networks.unet_graph_name(sdxl)]
+    fp16_backbone = pipeline.stages[family.backbone_graph]
     with stage("the fp16 reference runs"):
         references = _reference_runs(pipeline, runs, device)
     reference_clip = ([value for settings, _, images, _ in references
@@ -48,8 +49,8 @@ def run_evaluate(cfg) -> dict:
     scores = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            unet = _variant_unet(cfg, name, kind, fp16_unet, device, dtype)
-            scores[name], images = _variant_runs(cfg, pipeline, name, unet, references, [lpips, clip], device)
+            backbone = _variant_backbone(cfg, name, kind, fp16_backbone, device, dtype)
+            scores[name], images = _variant_runs(cfg, pipeline, name, backbone, references, [lpips, clip], device)
         columns.append(images)
     settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
                 "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
@@ -63,30 +64,30 @@ def run_evaluate(cfg) -> dict:
 
 
 def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
-    """Per pipeline call: its settings, initial latents, the fp16 UNet's images and its recorded calls."""
-    unet_name = networks.unet_graph_name(pipeline.sdxl)
-    fp16_unet = pipeline.stages[unet_name]
+    """Per pipeline call: its settings, initial latents, the fp16 backbone's images and its recorded
+    calls."""
+    fp16_backbone = pipeline.stages[pipeline.backbone]
     references = []
     for settings in Progress(runs, quality.REFERENCE, "prompt batches"):
         latents = pipeline.initial_latents(settings)
-        recorder = quality.RecordingStage(fp16_unet)
-        pipeline.stages[unet_name] = recorder
+        recorder = quality.RecordingStage(fp16_backbone)
+        pipeline.stages[pipeline.backbone] = recorder
         references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
                            recorder.calls))
-    pipeline.stages[unet_name] = fp16_unet
+    pipeline.stages[pipeline.backbone] = fp16_backbone
     return references
 
 
-def _variant_runs(cfg, pipeline, name: str, unet, references: list[tuple], metrics: list,
+def _variant_runs(cfg, pipeline, name: str, backbone, references: list[tuple], metrics: list,
                   device: torch.device) -> tuple[quality.VariantScores, torch.Tensor]:
     """One variant's scores, from the reference runs' initial latents, and its images."""
-    pipeline.stages[networks.unet_graph_name(pipeline.sdxl)] = unet
-    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 UNet again (self-check)"))
+    pipeline.stages[pipeline.backbone] = backbone
+    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 backbone again (self-check)"))
     images_per_batch = []
     for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
         images = pipeline(settings, StageTimer(device), latents=latents)
         variant.per_prompt += quality.score_images(reference, images, settings.image_prompts, metrics)
-        variant.step_errors.append(quality.teacher_forced_errors(calls, unet))
+        variant.step_errors.append(quality.teacher_forced_errors(calls, backbone))
         variant.adherence += quality.adherence(images, settings.image_prompts)
         images_per_batch.append(images)
     return variant, torch.cat(images_per_batch)
@@ -108,29 +109,29 @@ def _variant_kind(model, name: str, source: str | None) -> str:
         checked_checkpoint(model, f"variants.{name}", source)
         return "checkpoint"
     if path.suffix == ".onnx":
-        check_graph_file(path, f"variants.{name}", networks.unet(networks.is_sdxl(model.family)))
+        family = family_of(model.family)
+        check_graph_file(path, f"variants.{name}", family.network(family.backbone_graph))
         return "onnx"
     if path.suffix in ENGINE_SUFFIXES:
         return "engine"
-    raise UserError(f"variants.{name}={source} is not a quantize.py checkpoint folder, a UNet .onnx file "
+    raise UserError(f"variants.{name}={source} is not a quantize.py checkpoint folder, a backbone .onnx file "
                     f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
 
 
-def _variant_unet(cfg, name: str, kind: str, fp16_unet, device: torch.device, dtype: torch.dtype):
-    """The UNet stage a variant runs."""
+def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, device: torch.device, dtype: torch.dtype):
+    """The backbone stage a variant runs."""
     source = cfg.variants[name]
-    sdxl = networks.is_sdxl(cfg.model.family)
+    family = family_of(cfg.model.family)
     if kind == "fp16":
-        return fp16_unet
+        return fp16_backbone
     if kind == "onnx":
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
-                                networks.unet(sdxl))
+                                family.network(family.backbone_graph))
     if kind == "engine":
         from ..trt_stages import trt_stages
 
-        unet_name = networks.unet_graph_name(sdxl)
         plan = Path(source).expanduser()
-        return trt_stages(build.engine_flavour(plan), {unet_name: plan}, ())[unet_name]
-    unet = empty_unet(cfg.model)
-    restore_quantized_unet(cfg.model, f"variants.{name}", source, unet)
-    return unet_stage(unet.to(device=device, dtype=dtype), sdxl, dtype)
+        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph]
+    backbone = empty_backbone(cfg.model)
+    restore_quantized_unet(cfg.model, f"variants.{name}", source, backbone)
+    return family.backbone_stage(backbone.to(device=device, dtype=dtype), dtype)

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from .. import build, checkpoint, export, lora, networks, refit
+from ..families import family_of
 from ..artifacts import read_json
 from ..cli import stage
 from ..config import validate_export, validate_image_size
 from ..errors import UserError
-from ..load import empty_unet, load_pipeline, resolve_device
+from ..load import empty_backbone, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
 from .common import checked_checkpoint, restore_quantized_unet, settled_image_size
 
@@ -40,22 +41,23 @@ def export_onnx(cfg) -> list[Path]:
     dtype = _graph_dtype(cfg)
     # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
     # trace it on a 24 GB host.
+    family = family_of(cfg.model.family)
     quantized = None
     with stage("loading the model"):
         if cfg.quantized_unet:
-            # The checkpoint holds every UNet weight: loading the model's own first would hold the
-            # UNet twice, which a full-size SDXL cannot afford on a 24 GB host.
-            pipe = load_pipeline(cfg.model, device, dtype, unet=empty_unet(cfg.model))
-            quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
+            # The checkpoint holds every backbone weight: loading the model's own first would hold
+            # it twice, which a full-size SDXL cannot afford on a 24 GB host.
+            pipe = load_pipeline(cfg.model, device, dtype, backbone=empty_backbone(cfg.model))
+            quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet,
+                                               getattr(pipe, family.backbone))
             pipe.to(device)
         else:
             pipe = load_pipeline(cfg.model, device, dtype)
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
-        export.prepare_quantizers_for_export(pipe.unet, dtype)
+        export.prepare_quantizers_for_export(getattr(pipe, family.backbone), dtype)
     latent = cfg.onnx.trace_latent_size
-    specs = export.graph_specs(pipe, cfg.model.family, cfg.infer.batch_size, latent, dtype, vae_dtype)
-    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
+    specs = family.graph_specs(pipe, cfg.infer.batch_size, latent, dtype, vae_dtype)
     written, reused = [], []
     for spec in specs:
         folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
@@ -66,8 +68,8 @@ def export_onnx(cfg) -> list[Path]:
             continue
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name == unet_name else None,
-                "loras": lora.identities(cfg.model.loras) if lora.carried_by(spec.name) else [],
+                "quantized_unet": cfg.quantized_unet if spec.name == family.backbone_graph else None,
+                "loras": lora.identities(cfg.model.loras) if family.carries_adapters(spec.name) else [],
                 "vae_scale_factor": pipe.vae_scale_factor, "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
@@ -79,15 +81,16 @@ def export_onnx(cfg) -> list[Path]:
 
 
 def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
-    unet_name = networks.unet_graph_name(networks.is_sdxl(cfg.model.family))
+    family = family_of(cfg.model.family)
+    backbone = name == family.backbone_graph
     return checkpoint.fingerprint({
         "graph": name,
-        "model": checkpoint.model_identity(cfg.model, with_loras=lora.carried_by(name)),
+        "model": checkpoint.model_identity(cfg.model, with_loras=family.carries_adapters(name)),
         "dtype": str(dtype), "opset": cfg.onnx.opset, "trace_latent_size": cfg.onnx.trace_latent_size,
-        "quantized": (quantized or {}).get("fingerprint") if name == unet_name else None,
+        "quantized": (quantized or {}).get("fingerprint") if backbone else None,
         # UNet graphs traced before they took their upsampling sizes from the skip connections
         # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
-        **({"upsampling": "to skip sizes"} if name == unet_name else {}),
+        **({"upsampling": "to skip sizes"} if backbone else {}),
     })
 
 
@@ -102,8 +105,8 @@ def refit_engines(cfg) -> list[Path]:
     out = cfg.infer.out_path
     record = build.engines_record(out)
     wanted = lora.identities(cfg.model.loras)
-    plans = {name: build.plan_path(out, name) for name in networks.graph_names(cfg.model.family)
-             if lora.carried_by(name)}
+    family = family_of(cfg.model.family)
+    plans = {name: build.plan_path(out, name) for name in family.graph_names() if family.carries_adapters(name)}
     for name, plan in plans.items():
         if name not in record or not plan.is_file():
             raise UserError(f"{plan} does not exist: build the engines first (export_trt.py trt.refittable=true)")
@@ -116,8 +119,8 @@ def refit_engines(cfg) -> list[Path]:
     dtype = _graph_dtype(cfg)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, resolve_device(cfg.device), dtype)
-    modules = {spec.name: spec.module for spec in export.graph_specs(
-        pipe, cfg.model.family, 1, cfg.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
+    modules = {spec.name: spec.module for spec in family.graph_specs(
+        pipe, 1, cfg.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
     refitted = []
     for name in stale:
         # Only the TensorRT that built an engine can load it, and so refit it.
@@ -140,23 +143,25 @@ def build_engines(cfg) -> list[Path]:
     """Builds every engine from its ONNX file; returns the plan files."""
     start = time.perf_counter()
     out = cfg.infer.out_path
-    onnx_files = build.required_onnx(out, cfg.model.family)
+    family = family_of(cfg.model.family)
+    onnx_files = build.required_onnx(out, family)
     fp8 = {name: build.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
     builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
     # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
     vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
-    validate_image_size(cfg.infer, "infer", vae_scale)  # the graphs may be from another model.source
+    # The graphs may be from another model.source than the size was settled for.
+    validate_image_size(cfg.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
     record = build.engines_record(out)
     build.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, name, build.onnx_input_dims(onnx_file), vae_scale)
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale)
         plan = build.plan_path(out, name)
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
         # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
-        refittable = cfg.trt.refittable and lora.carried_by(name) and not graph_meta.get("quantized_unet")
+        refittable = cfg.trt.refittable and family.carries_adapters(name) and not graph_meta.get("quantized_unet")
         fingerprint = checkpoint.fingerprint({
             "onnx": graph_meta.get("fingerprint"),
             "shapes": shapes, "flavour": [builder.flavour, builder.version], "builder": builder.tool,

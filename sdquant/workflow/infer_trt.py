@@ -11,14 +11,15 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, networks, report
+from ..families import family_of
 from ..networks import TOKENS
 from ..cli import stage
 from ..config import validate_infer
 from ..errors import UserError
 from ..load import compute_dtype, load_pipeline, resolve_device
-from ..pipeline import SamplingSettings, TextToImage
+from ..pipeline import SamplingSettings
 from ..report import library_versions, print_summary
-from ..stages import OnnxRuntimeStage, StageTimer, torch_stages
+from ..stages import OnnxRuntimeStage, StageTimer
 from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
 
 
@@ -53,7 +54,7 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
     parts = sampling_parts(cfg)
     runs = sampling_runs(cfg)
     with stage(f"loading the {cfg.backend} stages"):
-        pipeline = text_to_image(cfg, parts, load_stages(cfg, device, networks.is_sdxl(cfg.model.family)), device)
+        pipeline = text_to_image(cfg, parts, load_stages(cfg, device), device)
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, runs)
 
@@ -80,48 +81,46 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
 
 
 def _stage_files(cfg) -> dict[str, Path]:
-    """Engine file per stage, from NeMo's keys (unet_xl names the UNet engine for SD 1.5 too)."""
-    return {name: Path(cfg[_KEYS[name]]).expanduser() for name in networks.graph_names(cfg.model.family)}
+    """Engine file per stage, from the config key the family names it by (NeMo's for SDXL)."""
+    keys = family_of(cfg.model.family).engine_keys()
+    return {name: Path(cfg[keys[name]]).expanduser() for name in family_of(cfg.model.family).graph_names()}
 
 
-# NeMo's key of each graph's engine (unet_xl names the UNet engine for SD 1.5 too).
-_KEYS = {"clip1": "clip1", "clip2": "clip2", "unet_xl": "unet_xl", "unet": "unet_xl", "vae": "vae"}
-
-
-def load_stages(cfg, device: torch.device, sdxl: bool) -> dict:
+def load_stages(cfg, device: torch.device) -> dict:
+    family = family_of(cfg.model.family)
     files = _stage_files(cfg)
     if cfg.backend == "onnxruntime":
+        keys = family.engine_keys()
         return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers),
-                                       _KEYS[name], networks.network(cfg.model.family, name))
+                                       keys[name], family.network(name))
                 for name, plan in files.items()}
     if cfg.backend == "torch":
         from .. import torch_backend
 
-        dtype = compute_dtype(device)
+        dtype = compute_dtype(device, gpu_dtype=family.gpu_dtype)
         pipe = load_pipeline(cfg.model, device, dtype)
+        backbone = getattr(pipe, family.backbone)
         if cfg.quantized_unet:
-            restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, pipe.unet)
-            pipe.unet.to(device=device, dtype=dtype)
+            restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, backbone)
+            backbone.to(device=device, dtype=dtype)
             if cfg.torch_backend.quantized == "fp8":
-                torch_backend.convert_to_fp8(pipe.unet, cfg.quantized_unet)
-        return torch_backend.speed_up(pipe, torch_stages(pipe, sdxl, dtype), cfg.torch_backend, cfg.cuda_graph,
-                                      networks.unet_graph_name(sdxl), quantized=bool(cfg.quantized_unet))
+                torch_backend.convert_to_fp8(backbone, cfg.quantized_unet)
+        return torch_backend.speed_up(pipe, family, family.torch_stages(pipe, dtype), cfg.torch_backend,
+                                      cfg.cuda_graph, quantized=bool(cfg.quantized_unet))
     from ..trt_stages import trt_stages
 
     for name, plan in files.items():
         if not plan.is_file():
-            raise UserError(f"{name}={plan}: no such engine; build it with export_trt.py")
+            raise UserError(f"{family.engine_keys()[name]}={plan}: no such engine; build it with export_trt.py")
     flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
-    unet_name = networks.unet_graph_name(sdxl)
-    return trt_stages(flavours, files, (unet_name,) if cfg.cuda_graph else ())
+    return trt_stages(flavours, files, (family.backbone_graph,) if cfg.cuda_graph else ())
 
 
-def _check_engine_profiles(pipeline: TextToImage, runs: list[SamplingSettings]) -> None:
+def _check_engine_profiles(pipeline, runs: list[SamplingSettings]) -> None:
     """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
     from ..trt_stages import check_within_profiles
 
     profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
     for settings in runs:
-        check_within_profiles(profiles, pipeline.stage_batches(settings),
-                              (settings.height // pipeline.vae_scale, settings.width // pipeline.vae_scale),
+        check_within_profiles(profiles, pipeline.stage_batches(settings), pipeline.latent_size(settings),
                               pipeline.context_windows(settings) * TOKENS)

@@ -10,10 +10,11 @@ from omegaconf import OmegaConf
 
 from .. import checkpoint, parallel
 from ..artifacts import read_json
-from ..calibrate import activation_amax, amax_summary, quantize_unet
+from ..calibrate import activation_amax, amax_summary, quantize_backbone
 from ..cli import stage
 from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block, validate_steps
 from ..errors import UserError
+from ..families import family_of
 from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
 from ..networks import TOKENS
 from ..pipeline import say_truncated
@@ -28,10 +29,10 @@ def quantized_checkpoint_dir(cfg) -> Path:
 
 
 def run_quantize(cfg) -> Path:
-    """quantize.py: calibrates and quantizes the UNet, then exports and builds it when the
+    """quantize.py: calibrates and quantizes the backbone, then exports and builds it when the
     switches ask; returns the checkpoint folder."""
     start = time.perf_counter()
-    validate_quantize_block(cfg.quantize)
+    validate_quantize_block(cfg.quantize, family_of(cfg.model.family))
     folder = quantized_checkpoint_dir(cfg)
     export_cfg = _chained_export_config(cfg, folder) if cfg.run_onnx_export or cfg.run_trt_export else None
     if export_cfg is not None:
@@ -74,19 +75,22 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
         settled_image_size(cfg.quantize, "quantize", cfg.model, configs)
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
+    family = family_of(cfg.model.family)
     try:
-        dtype = compute_dtype(device, cfg.dtype)
+        dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
         with stage("loading the model"):
             pipe = load_pipeline(cfg.model, device, dtype)
-        validate_image_size(cfg.quantize, "quantize", pipe.vae_scale_factor)  # a single file's, known now
+        # A single file's VAE is known now.
+        validate_image_size(cfg.quantize, "quantize", family.size_multiple(pipe.vae_scale_factor), family.size_reason)
         # diffusers' pipeline, which calibration runs, cuts prompts to CLIP's window, as inference does.
-        tokenizers = [t for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
+        tokenizers = [getattr(pipe, name) for name in family.clip_tokenizers]
         already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
         truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
         with stage("calibration"):
-            result = quantize_unet(pipe, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
+            result = quantize_backbone(pipe, family, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
+        backbone = getattr(pipe, family.backbone)
         if world.is_main:
-            amax = activation_amax(pipe.unet)
+            amax = activation_amax(backbone)
             sidecar = {
                 "fingerprint": fingerprint,
                 "settings": checkpoint.calibration_settings(cfg),
@@ -100,7 +104,7 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                     "seconds": round(result.seconds, 3),
                     "record_seconds": round(result.record_seconds, 3),
                     "batches": result.batches,
-                    "unet_calls": result.unet_calls,
+                    "backbone_calls": result.backbone_calls,
                     "algorithm": result.algorithm,
                     "smoothquant": uses_smoothquant(cfg.quantize.format, cfg.quantize.quant_level),
                     "truncated_prompts": truncated,
@@ -109,7 +113,7 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                 "activation_amax": amax,
             }
             with stage(f"saving the checkpoint {folder}"):
-                written = checkpoint.save(pipe.unet, folder, sidecar)
+                written = checkpoint.save(backbone, folder, sidecar)
             notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
                      "were cut (named above)"] if truncated else []
             print_summary("quantize", written, time.perf_counter() - start, notes=notes)
