@@ -105,9 +105,9 @@ def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs:
         seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
         timer = StageTimer(torch.device("cuda"))
         pipeline(settings, timer, progress=False)
-        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps)
+        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps, "unet_xl")
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
-                                    "unet_ms_per_step": stage["ms"]["unet_per_step"], "vae_ms": stage["ms"]["vae"],
+                                    "unet_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
                                     "text_ms": stage["ms"]["text_encoders"]}
     return result
 

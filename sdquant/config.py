@@ -356,7 +356,7 @@ def validate_quantize_block(block: QuantizeBlock, family) -> None:
     levels = family.quant_levels()
     if level not in levels:
         raise UserError(
-            f"quantize.quant_level={block.quant_level} is not a level of {family.name} models: choose one of "
+            f"quantize.quant_level={level:g} is not a level of {family.name} models: choose one of "
             f"{', '.join(f'{lv:g}' for lv in levels)}"
             + (" (a DiT has no convolutions for level 1)" if level == 1.0 else "")
         )

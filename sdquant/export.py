@@ -123,6 +123,11 @@ def _swap_tensors(root: torch.nn.Module, replace) -> list[tuple[dict, str, torch
     return originals
 
 
+def _to_meta(output):
+    """A host module's output (a tensor, or a tuple of them as a rotary embedding gives) on meta."""
+    return tuple(_to_meta(each) for each in output) if isinstance(output, tuple) else output.to("meta")
+
+
 @contextlib.contextmanager
 def _traced_on_meta(spec: GraphSpec):
     """Makes `spec` traceable on the meta device: weights, buffers and inputs move to meta (real
@@ -133,7 +138,7 @@ def _traced_on_meta(spec: GraphSpec):
     enabled = [m for m in spec.module.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
     host = set(getattr(spec.module, "host_inputs", ()))
     args = tuple(a if name in host else a.to("meta") for name, a in zip(spec.input_names, spec.args))
-    hooks = [m.register_forward_hook(lambda _m, _i, out: out.to("meta"))
+    hooks = [m.register_forward_hook(lambda _m, _i, out: _to_meta(out))
              for m in (spec.module.host_modules() if host else [])]
     # ModelOpt's attention swaps in its FP8 attention function even with its quantizers off, and
     # that function takes ranges from the (meta) tensors: with every quantizer off for this trace,
@@ -222,7 +227,10 @@ def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
     import torch.onnx
 
     tracing = _traced_on_meta(spec) if spec.on_meta else contextlib.nullcontext(spec.args)
-    with tracing as args, _upsampling_to_skip_sizes(spec.module), torch.no_grad(), warnings.catch_warnings():
+    # A graph module may say what its model needs changed to trace with dynamic axes.
+    traceable = getattr(spec.module, "traceable", contextlib.nullcontext)
+    with tracing as args, _upsampling_to_skip_sizes(spec.module), _rms_norm_decomposed(spec.module), traceable(), \
+            torch.no_grad(), warnings.catch_warnings():
         # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(spec.module, args, str(onnx_file), input_names=spec.input_names,
@@ -247,6 +255,26 @@ def _upsampling_to_skip_sizes(root: torch.nn.Module):
     finally:
         for unet, count in zip(unets, upsamplers):
             unet.num_upsamplers = count
+
+
+def _rms_norm_forward(self, x):
+    """torch.nn.RMSNorm in ops every opset has: the exporter knows no aten::rms_norm before
+    opset 23 (Flux's q/k norms use it)."""
+    eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * self.weight if self.weight is not None else normed
+
+
+@contextlib.contextmanager
+def _rms_norm_decomposed(root: torch.nn.Module):
+    norms = [module for module in root.modules() if isinstance(module, torch.nn.RMSNorm)]
+    for norm in norms:
+        norm.forward = types.MethodType(_rms_norm_forward, norm)
+    try:
+        yield
+    finally:
+        for norm in norms:
+            del norm.forward
 
 
 def graph_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

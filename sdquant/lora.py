@@ -124,7 +124,8 @@ def fuse(pipe, loras) -> None:
         for name, adapter in zip(names, found):
             _load(pipe, adapter, name)
         pipe.set_adapters(names, adapter_weights=[adapter.scale for adapter in found])
-        pipe.fuse_lora(adapter_names=names)
+        # Every component the family's loader takes (Flux's fuse_lora would fuse the transformer only).
+        pipe.fuse_lora(components=list(pipe._lora_loadable_modules), adapter_names=names)
         pipe.unload_lora_weights()
 
 

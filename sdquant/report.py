@@ -62,14 +62,14 @@ def print_engine_table(record: dict) -> None:
     """One line per engine: its batch range, inputs and size."""
     if not record:
         return
-    print(f"\n{'engine':<10} {'batch min/opt/max':<18} {'MB':>8}  inputs")
+    print(f"\n{'engine':<12} {'batch min/opt/max':<18} {'MB':>8}  inputs")
     for name, info in record.items():
         inputs = info.get("inputs", {})
         profiles = [spec["profile"] for spec in inputs.values() if "profile" in spec]
         batch = "/".join(str(p[0]) for p in profiles[0]) if profiles else "?"
         size = f"{info['bytes'] / 1024**2:.1f}" if "bytes" in info else "-"
         dtypes = ", ".join(f"{n}:{spec.get('dtype', '?')}" for n, spec in inputs.items())
-        print(f"{name:<10} {batch:<18} {size:>8}  {dtypes}")
+        print(f"{name:<12} {batch:<18} {size:>8}  {dtypes}")
 
 
 def device_name(device) -> str:
@@ -104,9 +104,9 @@ def save_images(images, out: Path, batch_index: int, settings, engines: dict, ba
     return written
 
 
-def latency_report(timings: list, images_per_run: int, steps: int) -> dict:
-    """Mean figures over the timed runs: each stage, the UNet per step, the whole pipeline and
-    the pipeline's own overhead (end to end minus the stages)."""
+def latency_report(timings: list, images_per_run: int, steps: int, backbone: str) -> dict:
+    """Mean figures over the timed runs: each stage, the backbone (UNet or DiT, graph `backbone`)
+    per step, the whole pipeline and the pipeline's own overhead (end to end minus the stages)."""
     import statistics
 
     runs = len(timings)
@@ -115,15 +115,14 @@ def latency_report(timings: list, images_per_run: int, steps: int) -> dict:
     for _, stages in timings:
         for name, calls in stages.items():
             stage_totals[name] = stage_totals.get(name, 0.0) + sum(calls) / runs
-    unet = next((name for name in stage_totals if name.startswith("unet")), None)
-    text = sum(v for k, v in stage_totals.items() if k.startswith("clip"))
+    text = sum(v for k, v in stage_totals.items() if k not in (backbone, "vae"))
     in_stages = sum(stage_totals.values())
     return {
-        "timed_runs": runs, "images_per_run": images_per_run, "steps": steps,
+        "timed_runs": runs, "images_per_run": images_per_run, "steps": steps, "backbone": backbone,
         "ms": {
             "text_encoders": 1000 * text,
-            "unet_total": 1000 * stage_totals.get(unet, 0.0),
-            "unet_per_step": 1000 * stage_totals.get(unet, 0.0) / steps,
+            "backbone_total": 1000 * stage_totals.get(backbone, 0.0),
+            "backbone_per_step": 1000 * stage_totals.get(backbone, 0.0) / steps,
             "vae": 1000 * stage_totals.get("vae", 0.0),
             "end_to_end": 1000 * end_to_end,
             "pipeline_overhead": 1000 * (end_to_end - in_stages),
@@ -137,8 +136,10 @@ def latency_report(timings: list, images_per_run: int, steps: int) -> dict:
 def print_latency(report: dict) -> None:
     print(f"\nlatency over {report['timed_runs']} timed run(s), {report['images_per_run']} image(s), "
           f"{report['steps']} steps, backend {report.get('backend')} on {report.get('device')}")
-    labels = {"text_encoders": "text encoders", "unet_per_step": "UNet per step", "unet_total": "UNet total",
-              "vae": "VAE", "end_to_end": "whole pipeline", "pipeline_overhead": "pipeline overhead"}
+    backbone = report["backbone"]
+    labels = {"text_encoders": "text encoders", "backbone_per_step": f"{backbone} per step",
+              "backbone_total": f"{backbone} total", "vae": "VAE", "end_to_end": "whole pipeline",
+              "pipeline_overhead": "pipeline overhead"}
     for key, label in labels.items():
         print(f"  {label:<18} {report['ms'][key]:10.2f} ms")
     print(f"  {'images per second':<18} {report['images_per_second']:10.3f}")

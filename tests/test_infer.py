@@ -69,10 +69,10 @@ def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):
     latency = run_infer(_infer_cfg(fp32_graphs, tmp_path, "num_timed_runs=2"))
     saved = json.loads((tmp_path / "latency.json").read_text())
     assert set(saved["stage_ms"]) == {"clip1", "clip2", "unet_xl", "vae"}
-    assert set(saved["ms"]) == {"text_encoders", "unet_total", "unet_per_step", "vae", "end_to_end",
+    assert set(saved["ms"]) == {"text_encoders", "backbone_total", "backbone_per_step", "vae", "end_to_end",
                                 "pipeline_overhead"}
     assert saved["timed_runs"] == 2 and saved["steps"] == STEPS
-    assert saved["ms"]["unet_per_step"] == pytest.approx(saved["ms"]["unet_total"] / STEPS)
+    assert saved["ms"]["backbone_per_step"] == pytest.approx(saved["ms"]["backbone_total"] / STEPS)
     assert 0 < saved["ms"]["end_to_end"] and saved["images_per_second"] > 0
     assert latency["backend"] == "onnxruntime"
     info = Image.open(tmp_path / "image_000_00.png").text

@@ -11,6 +11,8 @@ as is the batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..networks import BATCH, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, VAE, Network
@@ -69,6 +71,19 @@ class T5Graph(torch.nn.Module):
         return self.encoder(input_ids).last_hidden_state
 
 
+def _rotated(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], sequence_dim: int = 2,
+             **_) -> torch.Tensor:
+    """Flux's rotary embedding of q or k (pairs of neighbouring features rotated by the position's
+    angles), with the pairs split by unflatten: diffusers' reshape to x.shape[:-1] records the
+    traced sequence length as a constant, which would pin the graph to one image size."""
+    cos, sin = cos_sin
+    index = (None, slice(None), None, slice(None)) if sequence_dim == 1 else (None, None, slice(None), slice(None))
+    cos, sin = cos[index].to(x.device), sin[index].to(x.device)
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
 class TransformerGraph(torch.nn.Module):
     # The timestep and guidance Fourier features and the rotary embedding of the position ids
     # build their frequencies with arange on their inputs' device: for a meta trace those inputs
@@ -81,6 +96,19 @@ class TransformerGraph(torch.nn.Module):
 
     def host_modules(self) -> list[torch.nn.Module]:
         return [self.transformer.time_text_embed.time_proj, self.transformer.pos_embed]
+
+    @contextlib.contextmanager
+    def traceable(self):
+        """For the ONNX trace: the rotary embedding and the split of the joint sequence written
+        so that the image and text token counts stay dynamic."""
+        from diffusers.models.transformers import transformer_flux
+
+        rotary = transformer_flux.apply_rotary_emb
+        transformer_flux.apply_rotary_emb = _rotated
+        try:
+            yield
+        finally:
+            transformer_flux.apply_rotary_emb = rotary
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                 guidance=None):

@@ -35,7 +35,8 @@ def run_infer(cfg) -> dict:
     # would synchronize extra on the legacy default stream.
     with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
         written, timings, images_per_run, first_call_seconds = _images_and_timings(cfg, device)
-    latency = report.latency_report(timings, images_per_run, cfg.sampling.steps)
+    latency = report.latency_report(timings, images_per_run, cfg.sampling.steps,
+                                    family_of(cfg.model.family).backbone_graph)
     # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
     # over a timed run is what a user waits once per process and shape.
     latency["first_call_seconds"] = first_call_seconds
