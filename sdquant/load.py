@@ -188,12 +188,6 @@ def pipeline_parts(model: ModelConfig) -> dict:
                         f"({str(error).splitlines()[0]})") from error
 
 
-def vae_scale_factor(vae_config) -> int:
-    """Image pixels per latent pixel along each side, as diffusers' pipelines compute it: 8 for SD
-    and SDXL, 4 for the scene model's three-level VAE."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
-
-
 def builtin_prompts_path() -> Path:
     return Path(__file__).parent / "data" / "calib_prompts.txt"
 

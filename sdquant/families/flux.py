@@ -12,12 +12,13 @@ as is the batch.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
 from ..networks import BATCH, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, VAE, Network
 from ..recipe import LayerGroup, LevelTable
-from . import ModelFamily
+from .base import ModelFamily, vae_scale_factor
 
 # The DiT's levels (every layer is a Linear, so there is no level 1): 2 the feed-forward layers of
 # both streams and the single blocks' MLP input projection; 2.5 + the q/k/v projections of both
@@ -191,10 +192,7 @@ class FluxFamily(ModelFamily):
         return TorchStage(TransformerGraph(backbone), transformer_network(backbone.config.guidance_embeds), dtype)
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
-        import types
-
         from ..flux_pipeline import FluxTextToImage
-        from ..load import vae_scale_factor
 
         return FluxTextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
                                vae_scale_factor(parts["vae_config"]), device)
@@ -202,7 +200,7 @@ class FluxFamily(ModelFamily):
     def default_scheduler(self) -> str:
         return "flow_euler"
 
-    def native_image_size(self, configs: dict) -> int:
+    def native_image_size(self, configs: dict, vae_scale: int) -> int:
         """The VAE's sample size: 1024 for Flux.1, which diffusers' FluxPipeline hard-codes as its
         default (128 latent pixels), and the small size a tiny or scene model was made at."""
         return configs["vae_config"]["sample_size"]

@@ -11,7 +11,7 @@ import torch
 
 from ..networks import BATCH, CONTEXT, LATENT, TOKENS, VAE, Network
 from ..recipe import LayerGroup, LevelTable
-from . import ModelFamily
+from .base import ModelFamily, vae_scale_factor
 
 # Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
 HIGH_PRECISION = ("*time_embedding*", "*time_emb_proj*", "*add_embedding*", "*conv_in*", "*conv_out*",
@@ -162,7 +162,6 @@ class StableDiffusionFamily(ModelFamily):
         return TorchStage(UNetGraph(backbone, self.sdxl), unet(self.sdxl), dtype)
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
-        from ..load import vae_scale_factor
         from ..pipeline import TextToImage
 
         return TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),

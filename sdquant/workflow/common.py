@@ -9,6 +9,7 @@ import torch
 
 from .. import checkpoint, load, lora
 from ..families import family_of
+from ..families.base import vae_scale_factor
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
 from ..pipeline import SamplingSettings, make_scheduler
@@ -93,10 +94,10 @@ def settled_image_size(block, prefix: str, model, configs: dict | None = None) -
         validate_image_size(block, prefix)
         return asked["height"], asked["width"]
     family = family_of(model.family)
-    native = family.native_image_size(configs)
+    vae_scale = vae_scale_factor(configs["vae_config"])
+    native = family.native_image_size(configs, vae_scale)
     size = {key: native if value is None else value for key, value in asked.items()}
-    validate_image_size(size, prefix, family.size_multiple(load.vae_scale_factor(configs["vae_config"])),
-                        family.size_reason)
+    validate_image_size(size, prefix, family.size_multiple(vae_scale), family.size_reason)
     note = " (the model's native size)" if None in asked.values() else ""
     print(f"image size: {size['width']}x{size['height']}{note}", flush=True)
     return size["height"], size["width"]
