@@ -231,3 +231,17 @@ def build_flux_pipeline(sizes: FluxSizes = None):
 
 def build_tiny_flux():
     return build_flux_pipeline(TINY_FLUX)
+
+
+def full_size_flux_on_gpu():
+    """Flux.1-dev's architecture with random bf16 weights built directly on the GPU, its
+    scheduler's tables on the CPU as pipelines expect."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            pipe = build_flux_pipeline(FULL_FLUX_DEV)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -80,8 +80,12 @@ class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
         pad = -rows.shape[0] % GEMM_ALIGNMENT
         if pad:
             rows = F.pad(rows, (0, 0, 0, pad))
+        # Fast accumulation on GPUs, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's
+        # FP8 tensor cores then skip the periodic promotion to full fp32 along K. The CPU kernel's
+        # fast path rounds more (0.8 dB on the tiny UNet) and gains nothing there.
         out = torch._scaled_mm(to_fp8(rows, self.input_inverse_scale), self.weight_fp8.t(), scale_a=self.input_scale,
-                               scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype)
+                               scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype,
+                               use_fast_accum=rows.is_cuda)
         if pad:
             out = out[:-pad]
         return out.reshape(*x.shape[:-1], self.out_features)

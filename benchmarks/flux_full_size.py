@@ -1,0 +1,140 @@
+"""infer_trt.py's torch backend on the full-size Flux.1-dev architecture (random bf16 weights,
+1024x1024, 28 steps, guidance 3.5, one image) against diffusers' own compiled FluxPipeline, each
+variant in its own process (so peak memory is its own): the peer, the peer with torchao's per-row
+dynamic FP8 (where torchao is installed), our compiled bf16 backend, and our backend with FP8 GEMMs
+from this project's FP8 level-3 calibration. End to end, transformer
+per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+
+    python benchmarks/flux_full_size.py --variants peer --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants torchao --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
+
+The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
+transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised
+max-autotune takes longer than the device's ten minutes a call). The torchao variant adds, between
+the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
+`quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`. The FP8 variant calibrates the
+transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
+quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
+the values) and runs it with torch_backend.quantized=fp8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sdquant import report, torch_backend
+from sdquant.calibrate import quantize_backbone
+from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.families.flux import FLUX
+from sdquant.load import quiet_libraries
+from sdquant.pipeline import SamplingSettings, make_scheduler
+from sdquant.stages import StageTimer
+from sdquant.synthetic import full_size_flux_on_gpu
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
+CUDA = torch.device("cuda")
+
+
+def timed(call, runs: int) -> list[float]:
+    seconds = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def peer(pipe, runs: int, torchao: bool = False) -> dict:
+    pipe.transformer.fuse_qkv_projections()
+    if torchao:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True)
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True)
+
+    def call():
+        pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
+             generator=torch.Generator("cuda").manual_seed(42))
+
+    torch.cuda.reset_peak_memory_stats()
+    first = timed(call, 1)[0]
+    seconds = timed(call, runs)
+    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+            "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def fp8_transformer(pipe) -> int:
+    block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
+                          width=SIZE, guidance_scale=GUIDANCE)
+    quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
+    return torch_backend.convert_to_fp8(pipe.transformer, "the benchmark's FP8 level-3 transformer")
+
+
+def ours(pipe, quantized: bool, runs: int) -> dict:
+    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16),
+                                    TorchBackendBlock(compile=True), cuda_graph=True, quantized=quantized)
+    parts = {"tokenizers": [pipe.tokenizer, pipe.tokenizer_2], "backbone_config": dict(pipe.transformer.config),
+             "vae_config": dict(pipe.vae.config)}
+    pipeline = FLUX.text_to_image(stages, parts, make_scheduler("flow_euler", dict(pipe.scheduler.config)), CUDA)
+    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
+                                height=SIZE, width=SIZE, seed=42)
+    torch.cuda.reset_peak_memory_stats()
+    first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
+    pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
+    seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
+    timer = StageTimer(CUDA)
+    pipeline(settings, timer, progress=False)
+    stage = report.latency_report([(min(seconds), timer.finish())], 1, STEPS, "transformer")
+    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+            "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
+            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="peer,compiled,fp8")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    quiet_libraries()
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {
+        "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
+        "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
+    for variant in args.variants.split(","):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        pipe = full_size_flux_on_gpu()
+        build_s = time.perf_counter() - start
+        fp8_layers = fp8_transformer(pipe) if variant == "fp8" else 0
+        # Set-up (building, calibrating, converting) peaks apart from what inference holds.
+        setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+        if variant in ("peer", "torchao"):
+            row = peer(pipe, args.runs, torchao=variant == "torchao")
+        else:
+            row = ours(pipe, variant == "fp8", args.runs)
+        row.update(fp8_layers=fp8_layers, build_s=build_s, setup_peak_gib=setup_peak_gib,
+                   wall_s=time.perf_counter() - start)
+        results["variants"][variant] = row
+        print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
+              f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {setup_peak_gib:.1f}), transformer "
+              f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
