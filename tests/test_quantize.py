@@ -119,6 +119,9 @@ def test_out_of_memory_names_batch_size(tiny_pipeline, quantize_cfg):
 def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
     cfg = quantize_cfg("quantize.quant_level=3")
     folder = run_quantize(cfg)
+    # Two runs of four steps under NeMo's divisor: the convolutions' min-mean ranges are halved.
+    assert "over 2 runs and divided by n_steps=4, as NeMo does: its ranges are 0.5x the runs' mean" in (
+        capsys.readouterr().out)
     sidecar = json.loads((folder / checkpoint.SIDECAR_FILE).read_text())
     assert sidecar["settings"]["quantize"]["quant_level"] == 3.0
     assert sidecar["resolved_config"]["quantize"]["alpha"] == 0.8
@@ -136,6 +139,9 @@ def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
 
     run_quantize(OmegaConf.merge(cfg, {"force": True}))
     assert (folder / checkpoint.UNET_FILE).stat().st_mtime_ns != mtime
+    capsys.readouterr()
+    run_quantize(OmegaConf.merge(cfg, {"quantize": {"mean_divisor": "runs"}}))
+    assert "as NeMo does" not in capsys.readouterr().out
 
 
 def test_script_runs_on_tiny_model(run_script, tmp_path):

@@ -116,6 +116,11 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                 written = checkpoint.save(backbone, folder, sidecar)
             notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
                      "were cut (named above)"] if truncated else []
+            scale = result.range_scale(cfg.quantize)
+            if scale != 1.0:
+                notes.append(f"min-mean summed each step's ranges over {result.batches} runs and divided by "
+                             f"n_steps={cfg.quantize.n_steps}, as NeMo does: its ranges are {scale:.2g}x the runs' mean "
+                             "(quantize.mean_divisor=runs takes the mean; README: Percentile Quant)")
             print_summary("quantize", written, time.perf_counter() - start, notes=notes)
     finally:
         # Waits for rank 0's save, so no process moves on before the checkpoint exists.
