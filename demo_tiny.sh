@@ -7,12 +7,11 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 model=scenes_sdxl
-# Plain max calibration: on this small model NeMo's min-mean Percentile Quant clips too much
-# (README, the scene model's recipe table).
-python "$here/quantize.py" model=$model quantize.quant_level=3 quantize.collect_method=max quantize.calib_size=8 \
-    out_dir=quantized
+# NeMo's recipe at its defaults (32 prompts, 20 steps, min-mean Percentile Quant on convolution
+# inputs, SmoothQuant alpha 0.8 on Linear layers), at level 3.
+python "$here/quantize.py" model=$model quantize.quant_level=3 out_dir=quantized
 # The folder is named from the settings and ends in their fingerprint.
-checkpoint="$(ls -d quantized/nemo_${model}_int8_l3_a0.8_max_p1_s20_c8_b1_seed42_*)"
+checkpoint="$(ls -d quantized/nemo_${model}_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_*)"
 python "$here/export_trt.py" model=$model quantized_unet="$checkpoint" infer.width=64 infer.height=64
 python "$here/infer_trt.py" model=$model backend=onnxruntime sampling.width=64 sampling.height=64 sampling.steps=20 \
     'sampling.prompts=["a large purple triangle at the bottom, white background","a small blue circle on the left, pink background"]'

@@ -13,7 +13,7 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     result = subprocess.run(["bash", str(REPO / "demo_tiny.sh")], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    [checkpoint] = (tmp_path / "quantized").glob("nemo_scenes_sdxl_int8_l3_a0.8_max_p1_s20_c8_b1_seed42_*")
+    [checkpoint] = (tmp_path / "quantized").glob("nemo_scenes_sdxl_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_*")
     assert (checkpoint / "unet.mto").is_file()
     engines = json.loads((tmp_path / "sdxl_export/plan/engines.json").read_text())
     assert set(engines) == {"clip1", "clip2", "unet_xl", "vae"}
@@ -23,10 +23,11 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     quality = json.loads((tmp_path / "quality/quality.json").read_text())
     assert set(quality["variants"]) == {"int8", "int8_onnx"}
     # The trained model draws what 16 held-out prompts ask (issue 12: at least 80% all attributes
-    # right), and its INT8 level-3 UNet stays within 10 points of it.
+    # right), and its INT8 level-3 UNet at NeMo's defaults keeps at least 15 of them, in torch and
+    # in ONNX Runtime.
     adherence = {name: summary["mean"]["all"] for name, summary in quality["adherence"].items()}
     assert quality["adherence"]["fp16"]["scored"] == 16 and adherence["fp16"] >= 0.8
-    assert adherence["int8"] >= adherence["fp16"] - 0.10 and adherence["int8_onnx"] >= adherence["fp16"] - 0.10
+    assert adherence["int8"] >= 15 / 16 and adherence["int8_onnx"] >= 15 / 16
     for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout
     # The build loaded TensorRT for RTX, and its summary says so.
