@@ -37,21 +37,11 @@ from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, make_scheduler
 from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_flux_on_gpu
+from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
 CUDA = torch.device("cuda")
-
-
-def timed(call, runs: int) -> list[float]:
-    seconds = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
 
 
 def peer(pipe, runs: int, torchao: bool = False) -> dict:
