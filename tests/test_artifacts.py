@@ -85,6 +85,9 @@ CASES = {
 def sweep(kind: str, existing: bool, root: Path) -> None:
     """Interrupts one write of `kind` at instruction 1, 2, 3, ... until one finishes untouched."""
     write, state, make_old, new, old = CASES[kind]
+    # A process started with SIGINT ignored (any job a non-interactive shell puts in the
+    # background, as CI runners may) keeps ignoring it, and Python then installs no handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     instruction, outcomes = 0, set()
     while True:
         instruction += 1
