@@ -151,7 +151,8 @@ def _traced_on_meta(spec: GraphSpec):
             module.forward = types.MethodType(module.original_cls.forward, module)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid")
-            library.impl("convolution", _convolution_as_traced_op, "Meta")
+            # torch 2.11 refuses to override its own Python meta kernel unless told to.
+            library.impl("convolution", _convolution_as_traced_op, "Meta", allow_override=True)
         for quantizer in enabled:
             quantizer.disable()
         originals = _swap_tensors(spec.module, lambda t: t.to("meta"))
