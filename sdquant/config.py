@@ -286,11 +286,30 @@ class EvaluateApp:
 
 @dataclass
 class SceneArchitecture:
-    """Widths of the scene model; every UNet and VAE width must divide by norm_groups (32)."""
+    """Widths of the SDXL scene model; every UNet and VAE width must divide by norm_groups (32)."""
 
     unet_channels: list[int] = field(default_factory=lambda: [64, 96, 128])
     text_widths: list[int] = field(default_factory=lambda: [64, 128])
     text_layers: int = 3
+    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    vae_layers: int = 2
+    norm_groups: int = 32
+
+
+@dataclass
+class FluxSceneArchitecture:
+    """Sizes of the Flux scene model: a FluxTransformer2DModel of heads x head_dim width, CLIP and
+    T5 encoders, a 16-channel AutoencoderKL whose widths divide by norm_groups."""
+
+    heads: int = 5
+    head_dim: int = 32
+    # Rotary axes (a text-position axis and the image's two), summing to head_dim, as Flux.1's 16/56/56.
+    rope_axes: list[int] = field(default_factory=lambda: [8, 12, 12])
+    double_blocks: int = 4
+    single_blocks: int = 8
+    clip_width: int = 64
+    t5_width: int = 128
+    text_layers: int = 2
     vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
     vae_layers: int = 2
     norm_groups: int = 32
@@ -307,31 +326,45 @@ class VaeTraining:
 
 @dataclass
 class DenoiserTraining:
+    """The denoiser (UNet or transformer) and the text encoders, trained together."""
+
     steps: int = 4500
     batch_size: int = 512
     learning_rate: float = 5e-4
-    # Share of captions replaced by zeros, the SDXL pipeline's empty negative prompt.
+    # Share of captions dropped (to zeros for SDXL, as its pipeline feeds an empty negative prompt;
+    # to the empty caption for Flux, what diffusers' true CFG feeds), for classifier-free guidance.
     empty_caption_rate: float = 0.1
     ema_decay: float = 0.999
 
 
 @dataclass
 class TrainSceneApp:
-    """The built-in scene model, trained from scratch (tools/train_scene_model.py)."""
+    """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
 
     out_dir: str = "scenes_sdxl"
     # Rendered training scenes (jittered); each is seen many times over the steps.
     dataset_size: int = 65536
+    # The share of them that hold two objects (the rest hold one).
+    two_object_share: float = 0.5
     seed: int = 0
     device: str = "auto"
     force: bool = False
     architecture: SceneArchitecture = field(default_factory=SceneArchitecture)
     vae: VaeTraining = field(default_factory=VaeTraining)
-    unet: DenoiserTraining = field(default_factory=DenoiserTraining)
-    # Held-out prompts scored at the end (0 skips it), sampled as the README's figures are.
+    denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)
+    # Held-out prompts of each kind (one object, two objects) scored at the end (0 skips it),
+    # sampled as the README's figures are.
     eval_prompts: int = 64
     eval_steps: int = 20
     guidance_scale: float = 5.0
+
+
+@dataclass
+class TrainFluxSceneApp(TrainSceneApp):
+    """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
+
+    out_dir: str = "scenes_flux"
+    architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
 
 
 def shipped_model_folder(name: str) -> str:
@@ -343,6 +376,7 @@ def register_schemas() -> None:
     OmegaConf.register_new_resolver("sdquant_model", shipped_model_folder, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_scene_schema", node=TrainSceneApp)
+    store.store(name="train_scene_flux_schema", node=TrainFluxSceneApp)
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
@@ -477,17 +511,23 @@ def validate_evaluate(cfg) -> None:
 
 def validate_train_scene(cfg) -> None:
     arch = cfg.architecture
-    for key in ("unet_channels", "vae_channels"):
+    for key in [key for key in ("unet_channels", "vae_channels") if key in arch]:
         if not arch[key] or any(width < arch.norm_groups or width % arch.norm_groups for width in arch[key]):
             raise UserError(f"architecture.{key}={list(arch[key])}: every width must be a positive multiple of "
                             f"architecture.norm_groups={arch.norm_groups}")
-    if len(arch.text_widths) != 2 or any(width < 32 or width % 32 for width in arch.text_widths):
+    if "text_widths" in arch and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
+                                                                    for width in arch.text_widths)):
         raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
-    for key in ("vae", "unet"):
+    if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
+        raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
+                        f"architecture.head_dim={arch.head_dim}")
+    for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
-    if not 0 <= cfg.unet.empty_caption_rate < 1:
-        raise UserError(f"unet.empty_caption_rate={cfg.unet.empty_caption_rate} is outside [0, 1)")
+    if not 0 <= cfg.denoiser.empty_caption_rate < 1:
+        raise UserError(f"denoiser.empty_caption_rate={cfg.denoiser.empty_caption_rate} is outside [0, 1)")
+    if not 0 <= cfg.two_object_share <= 1:
+        raise UserError(f"two_object_share={cfg.two_object_share} is outside [0, 1]")
     if cfg.dataset_size < 1 or cfg.eval_prompts < 0 or cfg.eval_steps < 1:
         raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 

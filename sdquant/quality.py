@@ -154,13 +154,23 @@ def adherence(images: torch.Tensor, prompts: list[str]) -> list[dict]:
     return [score(pixels, prompt) for pixels, prompt in zip(to_pixels(images), prompts)]
 
 
+# "All attributes right" among the prompts of one object and of two.
+OBJECT_COLUMNS = {1: "one_object", 2: "two_objects"}
+
+
 def adherence_summary(rows: list[dict]) -> dict:
     """Share of scorable prompts with each attribute right, and with all of them right."""
     from .scenes import ATTRIBUTES
 
     scored = [row for row in rows if row["scorable"]]
-    means = {name: (statistics.fmean(float(row[name]) for row in scored) if scored else None)
-             for name in (*ATTRIBUTES, "all")}
+
+    def share(name: str, objects: int | None = None) -> float | None:
+        # A two-object prompt has no size to score; each share counts the prompts that have one.
+        values = [float(row[name]) for row in scored if name in row and objects in (None, row["objects"])]
+        return statistics.fmean(values) if values else None
+
+    means = {name: share(name) for name in (*ATTRIBUTES, "all")}
+    means.update({column: share("all", objects) for objects, column in OBJECT_COLUMNS.items()})
     return {"scored": len(scored), "not_scorable": len(rows) - len(scored), "mean": means, "per_prompt": rows}
 
 
@@ -254,15 +264,17 @@ def _adherence_lines(adherence: dict) -> list[str]:
     lines = ["", "## Prompt adherence", "",
              f"Attributes read back from each image by the scene detector, on {reference['scored']} scene prompts"
              + (f" ({reference['not_scorable']} not scorable)" if reference["not_scorable"] else "") + ".", "",
-             "| model | " + " | ".join(ATTRIBUTES) + " | all attributes |", "| --- |" + " --- |" * (len(ATTRIBUTES) + 1)]
+             "| model | " + " | ".join(ATTRIBUTES) + " | all attributes | one object: all | two objects: all |",
+             "| --- |" + " --- |" * (len(ATTRIBUTES) + 3)]
     for name, summary in adherence.items():
-        lines.append(f"| {name} | " + " | ".join(_percent(summary["mean"][key]) for key in (*ATTRIBUTES, "all")) + " |")
+        lines.append(f"| {name} | " + " | ".join(_percent(summary["mean"][key])
+                                                 for key in (*ATTRIBUTES, "all", *OBJECT_COLUMNS.values())) + " |")
     lines += ["", "| prompt | " + " | ".join(adherence) + " |", "| --- |" + " --- |" * len(adherence)]
     for index, row in enumerate(reference["per_prompt"]):
         cells = []
         for summary in adherence.values():
             result = summary["per_prompt"][index]
-            wrong = [key for key in ATTRIBUTES if not result.get(key)]
+            wrong = [key for key in ATTRIBUTES if key in result and not result[key]]
             cells.append("not scorable" if not result["scorable"] else ("right" if not wrong else
                                                                         "wrong " + ", ".join(wrong)))
         lines.append(f"| {row.get('prompt', index)} | " + " | ".join(cells) + " |")

@@ -64,3 +64,56 @@ def test_score_names_the_wrong_attribute():
 
 def test_a_plain_image_has_no_scene():
     assert scenes.detect(np.full((64, 64, 3), 0.5)) is None
+
+
+def _two(first, second, background="white") -> scenes.TwoObjectScene:
+    return scenes.TwoObjectScene(scenes.Placed(*first), scenes.Placed(*second), background)
+
+
+def test_detector_reads_both_objects_of_500_two_object_scenes_also_blurred():
+    from scipy.ndimage import gaussian_filter
+
+    drawn = scenes.sample(400, seed=31, objects=2) + scenes.sample(100, seed=32, held_out=True, objects=2)
+    images = scenes.render(drawn, seed=33) / 255.0
+    assert np.mean([scenes.detect_two(image) == scene for image, scene in zip(images, drawn)]) >= 0.99
+    assert np.mean([scenes.score(image, scene.caption())["all"] for image, scene in zip(images, drawn)]) >= 0.99
+    noise = np.random.default_rng(1)
+    blurred = [gaussian_filter(image, (1.2, 1.2, 0)) + noise.normal(0, 0.03, image.shape) for image in images[:200]]
+    assert np.mean([scenes.detect_two(image) == scene for image, scene in zip(blurred, drawn)]) >= 0.97
+
+
+def test_held_out_colour_orders_reach_training_only_swapped():
+    held_out = scenes.held_out_colour_orders()
+    assert len(held_out) == scenes.HELD_OUT_COLOUR_ORDERS
+    seen = {(s.first.colour, s.second.colour) for s in scenes.split(held_out=False, objects=2)}
+    assert not held_out & seen
+    assert {(second, first) for first, second in held_out} <= seen
+    assert all(scenes.is_held_out(scene) for scene in scenes.split(held_out=True, objects=2))
+
+
+def test_every_two_object_caption_parses_back_to_its_scene():
+    for scene in scenes.all_scenes(objects=2):
+        assert scenes.parse_caption(scene.caption()) == scene
+    # Named right to left, the same scene.
+    assert scenes.parse_caption("a blue square on the right and a red circle on the left, white background") == \
+        _two(("circle", "red", "left"), ("square", "blue", "right"))
+
+
+@pytest.mark.parametrize("prompt", ["a red circle on the left and a red square on the right, white background",
+                                    "a red circle on the left and a blue square at the top, white background",
+                                    "a red circle on the left and a teal square on the right, white background"])
+def test_two_objects_of_one_colour_or_at_unpaired_places_are_not_scorable(prompt):
+    image = scenes.render([_two(("circle", "red", "left"), ("square", "blue", "right"))])[0] / 255.0
+    assert scenes.score(image, prompt) == {"scorable": False}
+
+
+def test_swapped_objects_get_neither_shape_nor_colour_right():
+    image = scenes.render([_two(("circle", "red", "left"), ("square", "blue", "right"))])[0] / 255.0
+    right = scenes.score(image, "a red circle on the left and a blue square on the right, white background")
+    assert right["all"] and right["objects"] == 2 and "size" not in right
+    swapped = scenes.score(image, "a blue square on the left and a red circle on the right, white background")
+    assert not swapped["shape"] and not swapped["colour"] and not swapped["all"]
+    assert swapped["position"] and swapped["background"]
+    # Only one of the two drawn: its place is not enough.
+    one = scenes.render([scenes.Scene("circle", "red", "left", "small", "white")])[0] / 255.0
+    assert not scenes.score(one, "a red circle on the left and a blue square on the right, white background")["all"]

@@ -9,19 +9,23 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from sdquant import scenes
 from sdquant.config import ModelConfig
 from sdquant.errors import EXIT_USER_ERROR
 from sdquant.load import load_pipeline
 
 from conftest import REPO
 
-SMOKE = ["device=cpu", "dataset_size=32", "vae.steps=2", "vae.batch_size=4", "unet.steps=3", "unet.batch_size=4",
-         "eval_prompts=2", "eval_steps=2", "architecture.unet_channels=[32,32,32]",
-         "architecture.vae_channels=[32,32,32]", "architecture.vae_layers=1", "architecture.text_layers=2"]
+SMOKE = ["device=cpu", "dataset_size=32", "vae.steps=2", "vae.batch_size=4", "denoiser.steps=3", "denoiser.batch_size=4",
+         "eval_prompts=2", "eval_steps=2", "architecture.vae_channels=[32,32,32]", "architecture.vae_layers=1",
+         "architecture.text_layers=2"]
+SDXL_SMOKE = [*SMOKE, "architecture.unet_channels=[32,32,32]"]
+FLUX_SMOKE = ["--config-name", "train_scene_flux", *SMOKE, "architecture.double_blocks=1",
+              "architecture.single_blocks=1"]
 
 
-def _train(tmp_path, *overrides):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "train_scene_model.py"), *SMOKE, *overrides,
+def _train(tmp_path, *overrides, smoke=SDXL_SMOKE):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "train_scene_model.py"), *smoke, *overrides,
                            f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, timeout=600)
 
 
@@ -30,11 +34,12 @@ def test_smoke_run_writes_a_loadable_fp16_sdxl_folder_with_its_training_record(t
     result = _train(tmp_path, f"out_dir={out}")
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "training.json").read_text())
-    assert record["config"]["unet"]["steps"] == 3 and record["config"]["seed"] == 0
+    assert record["config"]["denoiser"]["steps"] == 3 and record["config"]["seed"] == 0
     assert set(record["final_loss"]) == {"vae", "unet"} and all(v > 0 for v in record["final_loss"].values())
-    assert record["held_out_adherence"]["prompts"] == 2 and "torch" in record["versions"]
+    assert record["held_out_adherence"]["prompts"] == 4 and "torch" in record["versions"]
     assert (out / "loss_log.csv").read_text().startswith("phase,step,loss\n")
-    assert len((out / "heldout_prompts.txt").read_text().splitlines()) == 64
+    held_out = (out / "heldout_prompts.txt").read_text().splitlines()
+    assert [scenes.parse_caption(prompt).objects for prompt in held_out] == [1] * 64 + [2] * 64
 
     pipe = load_pipeline(ModelConfig(name="scenes", family="sdxl", source=str(out)), torch.device("cpu"),
                          torch.float32)
@@ -57,3 +62,19 @@ def test_an_existing_folder_is_kept_unless_forced_and_bad_widths_are_refused(tmp
     bad = _train(tmp_path, f"out_dir={tmp_path / 'other'}", "architecture.unet_channels=[48,64]")
     assert bad.returncode == EXIT_USER_ERROR and "architecture.unet_channels" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "other").exists()
+
+
+def test_flux_smoke_run_writes_a_folder_that_loads_as_flux(tmp_path):
+    out = tmp_path / "scenes_flux"
+    result = _train(tmp_path, f"out_dir={out}", smoke=FLUX_SMOKE)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((out / "training.json").read_text())
+    assert record["family"] == "flux" and set(record["final_loss"]) == {"vae", "transformer"}
+    assert record["held_out_adherence"]["prompts"] == 4
+    pipe = load_pipeline(ModelConfig(name="scenes_flux", family="flux", source=str(out)), torch.device("cpu"),
+                         torch.float32)
+    assert pipe.transformer.config.num_layers == 1 and not pipe.transformer.config.guidance_embeds
+    assert pipe.vae.config.latent_channels == 16 and pipe.vae.config.shift_factor is not None
+    # Every caption word is one piece of the T5 tokenizer too (and the end token).
+    assert len(pipe.tokenizer_2("a red circle on the left and a blue square on the right, white background")
+               .input_ids) == 16 + 1

@@ -1,7 +1,9 @@
-"""Trains the built-in scene model, an SDXL-architecture pipeline, from scratch on captioned scenes.
+"""Trains a built-in scene model from scratch on captioned scenes of one and two objects: the
+SDXL-architecture one (the default config) or the Flux-architecture one (train_scene_flux).
 
-    python tools/train_scene_model.py out_dir=scenes_sdxl                  # one H100, about 15 minutes
-    python tools/train_scene_model.py device=cpu vae.steps=2 unet.steps=2 ...   # a CPU smoke run
+    python tools/train_scene_model.py out_dir=scenes_sdxl                        # one H100
+    python tools/train_scene_model.py --config-name train_scene_flux out_dir=scenes_flux
+    python tools/train_scene_model.py device=cpu vae.steps=2 denoiser.steps=2 ...   # a CPU smoke run
 """
 
 import hydra

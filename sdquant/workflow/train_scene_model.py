@@ -19,7 +19,8 @@ def run_train_scene_model(cfg) -> Path:
     out, record = train_scene_model(cfg, resolve_device(cfg.device))
     adherence = record["held_out_adherence"]
     if adherence["prompts"]:
-        print(f"held-out prompts, all attributes right: {adherence['all']:.1%} of {adherence['prompts']} "
+        print(f"held-out prompts, all attributes right: one object {adherence['one_object']:.1%}, two objects "
+              f"{adherence['two_objects']:.1%} of {adherence['prompts']} "
               f"({', '.join(f'{name} {adherence[name]:.0%}' for name in ('shape', 'colour', 'position', 'size', 'background'))})")
     print_summary("scene model training", sorted(p for p in out.rglob("*") if p.is_file()),
                   time.perf_counter() - start)
