@@ -2,7 +2,7 @@
 # The whole workflow on the built-in scene model (model=scenes_sdxl, shipped in the package; no
 # download), writing into the current folder: calibrate and quantize the UNet to INT8, export ONNX
 # and build TensorRT(-RTX) engines, draw two scenes, and compare the INT8 UNet with the fp16 one on
-# held-out prompts (images, PSNR/SSIM, prompt adherence, grid.png). Images are made with the
+# held-out prompts of one and two objects (images, PSNR/SSIM, prompt adherence, grid.png). Images are made with the
 # exported graphs in ONNX Runtime, since engines need a GPU they were built for.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,6 +16,7 @@ python "$here/export_trt.py" model=$model quantized_unet="$checkpoint" infer.wid
 python "$here/infer_trt.py" model=$model backend=onnxruntime sampling.width=64 sampling.height=64 sampling.steps=20 \
     'sampling.prompts=["a large purple triangle at the bottom, white background","a small blue circle on the left, pink background"]'
 held_out="$(python -c 'from sdquant.config import shipped_model_folder as f; print(f("scenes_sdxl"))')/heldout_prompts.txt"
-head -n 16 "$held_out" > prompts.txt
+# The file holds 64 one-object prompts, then 64 two-object ones: eight of each.
+{ head -n 8 "$held_out"; sed -n 65,72p "$held_out"; } > prompts.txt
 python "$here/evaluate.py" model=$model +variants.int8="$checkpoint" +variants.int8_onnx=sdxl_export/onnx/unet_xl/model.onnx \
     sampling.prompts_file=prompts.txt sampling.width=64 sampling.height=64 sampling.steps=20 sampling.batch_size=16

@@ -22,12 +22,12 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     assert latency["ms"]["end_to_end"] > 0
     quality = json.loads((tmp_path / "quality/quality.json").read_text())
     assert set(quality["variants"]) == {"int8", "int8_onnx"}
-    # The trained model draws what 16 held-out prompts ask (issue 12: at least 80% all attributes
-    # right), and its INT8 level-3 UNet at NeMo's defaults keeps at least 15 of them, in torch and
-    # in ONNX Runtime.
+    # The trained model draws what 16 held-out prompts ask, 8 of one object and 8 of two (at least
+    # 80% with every attribute right), and its INT8 level-3 UNet at NeMo's defaults loses at most
+    # one of them, in torch and in ONNX Runtime.
     adherence = {name: summary["mean"]["all"] for name, summary in quality["adherence"].items()}
     assert quality["adherence"]["fp16"]["scored"] == 16 and adherence["fp16"] >= 0.8
-    assert adherence["int8"] >= 15 / 16 and adherence["int8_onnx"] >= 15 / 16
+    assert adherence["int8"] >= adherence["fp16"] - 1 / 16 and adherence["int8_onnx"] >= adherence["fp16"] - 1 / 16
     for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout
     # The build loaded TensorRT for RTX, and its summary says so.
