@@ -25,6 +25,7 @@ from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
 from .interrupts import interrupts_deferred
 from .families import sized
+from .flux_pipeline import T5_TOKENS
 from .networks import BATCH, CONTEXT, HEIGHT, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, WIDTH, onnx_path
 
 PLAN_DIR = "plan"
@@ -61,24 +62,25 @@ def batch_range(infer, trt, family, graph: str) -> BatchRange:
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def run_sizes(latent_height: int, latent_width: int, context_tokens: int) -> dict[str, int]:
-    """The size of every dynamic axis but the batch, for latents of this size: the UNet's CLIP
-    context, and a DiT's 2x2-packed image tokens and T5 text tokens."""
-    from .flux_pipeline import T5_TOKENS
+def run_sizes(latent_height: int, latent_width: int, sequences: dict[str, int]) -> dict[str, int]:
+    """The size of every dynamic axis but the batch, for latents of this size: the latent's sides
+    and a DiT's 2x2-packed image tokens, and the sequence lengths given (the UNet's CLIP context,
+    a DiT's T5 tokens)."""
+    return {HEIGHT: latent_height, WIDTH: latent_width, IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2),
+            **sequences}
 
-    return {HEIGHT: latent_height, WIDTH: latent_width, CONTEXT: context_tokens,
-            IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2), TEXT_TOKENS: T5_TOKENS}
 
-
-def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
+def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int,
+                   text_tokens: int = T5_TOKENS) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
     batch from batch_range, latent height and width (and a DiT's image tokens) from infer's image
     size and the VAE's scale factor, context length from one CLIP window up to
-    trt.max_prompt_chunks of them (long prompts encoded window by window); static dims as the
-    graph has them."""
+    trt.max_prompt_chunks of them (long prompts encoded window by window), a DiT's T5 tokens as
+    its export recorded them; static dims as the graph has them."""
     batch = batch_range(infer, trt, family, graph)
     context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
-    sizes = [{BATCH: samples, **run_sizes(infer.height // vae_scale, infer.width // vae_scale, context[which])}
+    sizes = [{BATCH: samples, **run_sizes(infer.height // vae_scale, infer.width // vae_scale,
+                                          {CONTEXT: context[which], TEXT_TOKENS: text_tokens})}
              for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
-from .networks import TOKENS
+from .networks import CONTEXT, TOKENS
 from .progress import Progress
 from .stages import StageTimer
 
@@ -154,6 +154,10 @@ class TextToImage:
             return 1
         return max(len(prompt_windows(tokenizer, text)) for tokenizer in self.tokenizers
                    for text in self.texts(settings))
+
+    def sequence_sizes(self, settings: SamplingSettings) -> dict[str, int]:
+        """The length of each sequence axis of the graphs in a run: the UNet's context."""
+        return {CONTEXT: self.context_windows(settings) * TOKENS}
 
     def token_ids(self, tokenizer, settings: SamplingSettings) -> torch.Tensor:
         """(windows, texts, TOKENS) int32 token ids of the texts, each padded to the same windows."""

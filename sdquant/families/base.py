@@ -66,6 +66,15 @@ class ModelFamily:
         """The sampling.scheduler the family runs when none is asked for."""
         raise NotImplementedError
 
+    def text_tokens(self, pipe) -> int | None:
+        """The length of the pipeline's T5 sequence, for a family that has one."""
+        return None
+
+    def pipeline_call_kwargs(self, pipe) -> dict:
+        """What a call of the diffusers pipeline needs besides prompts, steps, guidance and size,
+        so that calibration and training's check see the inputs the graphs will."""
+        return {}
+
     def native_image_size(self, configs: dict, vae_scale: int) -> int:
         """The side the model was trained at, as diffusers' pipelines default to it: the backbone's
         sample size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5)."""

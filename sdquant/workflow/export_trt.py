@@ -14,6 +14,7 @@ from ..artifacts import read_json
 from ..cli import stage
 from ..config import validate_export, validate_image_size
 from ..errors import UserError
+from ..flux_pipeline import T5_TOKENS
 from ..load import empty_backbone, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
 from .common import checked_checkpoint, restore_quantized_unet, settled_image_size
@@ -70,7 +71,8 @@ def export_onnx(cfg) -> list[Path]:
                 "inputs": spec.input_names, "outputs": spec.output_names,
                 "quantized_unet": cfg.quantized_unet if spec.name == family.backbone_graph else None,
                 "loras": lora.identities(cfg.model.loras) if family.carries_adapters(spec.name) else [],
-                "vae_scale_factor": pipe.vae_scale_factor, "versions": library_versions()}
+                "vae_scale_factor": pipe.vae_scale_factor, "text_tokens": family.text_tokens(pipe),
+                "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
             export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
@@ -149,15 +151,19 @@ def build_engines(cfg) -> list[Path]:
     builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
-    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
-    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
+    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8; before
+    # the T5 length was, every Flux graph took diffusers' 512 tokens.
+    vae_meta = read_json(onnx_files["vae"].parent / export.META_FILE) or {}
+    vae_scale = vae_meta.get("vae_scale_factor", 8)
+    text_tokens = vae_meta.get("text_tokens") or T5_TOKENS
     # The graphs may be from another model.source than the size was settled for.
     validate_image_size(cfg.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
     record = build.engines_record(out)
     build.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale)
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale,
+                                      text_tokens)
         plan = build.plan_path(out, name)
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
         # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.

@@ -12,7 +12,6 @@ import torch
 
 from .. import build, networks, report
 from ..families import family_of
-from ..networks import TOKENS
 from ..cli import stage
 from ..config import validate_infer
 from ..errors import UserError
@@ -124,4 +123,4 @@ def _check_engine_profiles(pipeline, runs: list[SamplingSettings]) -> None:
     profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
     for settings in runs:
         check_within_profiles(profiles, pipeline.stage_batches(settings), pipeline.latent_size(settings),
-                              pipeline.context_windows(settings) * TOKENS)
+                              pipeline.sequence_sizes(settings))
