@@ -184,6 +184,22 @@ class ExportApp:
 
 
 @dataclass
+class CacheBlock:
+    """Step caching: what a denoising step reuses from an earlier one."""
+
+    # none, or deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
+    # between, which take the deep blocks' feature from the last whole pass. The defaults are
+    # ModelOpt's cache diffusion for SDXL (only down_blocks.0 and up_blocks.2 on alternate steps).
+    method: str = "none"
+    interval: int = 2
+    # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
+    branch: int = 0
+
+
+CACHE_METHODS = ("none", "deepcache")
+
+
+@dataclass
 class SamplingBlock:
     prompts: list[str] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
     # A file of prompts, one a line, used instead of `prompts` when set.
@@ -205,6 +221,7 @@ class SamplingBlock:
     # Prompts past CLIP's 77 tokens: truncate (cut, as diffusers does, saying which words are
     # dropped) or chunk (encoded in 77-token windows whose embeddings are joined).
     long_prompts: str = "truncate"
+    cache: CacheBlock = field(default_factory=CacheBlock)
 
 
 LONG_PROMPTS = ("truncate", "chunk")
@@ -566,3 +583,6 @@ def validate_sampling(sampling: SamplingBlock) -> None:
     if sampling.long_prompts not in LONG_PROMPTS:
         raise UserError(f"sampling.long_prompts={sampling.long_prompts!r} is unknown: choose "
                         f"{' or '.join(LONG_PROMPTS)}")
+    if sampling.cache.method not in CACHE_METHODS:
+        raise UserError(f"sampling.cache.method={sampling.cache.method!r} is unknown: choose "
+                        f"{' or '.join(CACHE_METHODS)}")

@@ -48,6 +48,8 @@ class SamplingSettings:
     # A prompt longer than one CLIP window: cut to it ("truncate", as diffusers does), or encoded
     # window by window with the windows' embeddings joined into a longer context ("chunk").
     long_prompts: str = "truncate"
+    # Step caching (sdquant.deep_cache.DeepCache), or None: the whole backbone at every step.
+    cache: object | None = None
 
     @property
     def image_prompts(self) -> list[str]:
@@ -114,6 +116,7 @@ class TextToImage:
         self.sdxl = sdxl
         self.force_zeros = force_zeros_for_empty_prompt
         self.told: set[str] = set()  # the prompts already said to be cut
+        self.deep: torch.Tensor | None = None  # with a step cache: the deep feature of the last full pass
         self.backbone = "unet_xl" if sdxl else "unet"
         if sdxl:
             from diffusers.models.embeddings import Timesteps
@@ -214,6 +217,20 @@ class TextToImage:
 
         return {"generator": generators} if "generator" in inspect.signature(self.scheduler.step).parameters else {}
 
+    def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer: StageTimer) -> torch.Tensor:
+        """The backbone's output at this step: the whole UNet, or with a step cache its full pass
+        (which also gives the deep feature to keep) or its shallow pass (which takes it)."""
+        from .deep_cache import DEEP, FULL, SHALLOW
+
+        cache = settings.cache
+        if cache is None:
+            return timer.time(self.backbone, self.stages[self.backbone], **inputs)["out"]
+        if cache.full_step(step):
+            outputs = timer.time(self.backbone, self.stages[FULL.format(self.backbone)], **inputs)
+            self.deep = outputs[DEEP]
+            return outputs["out"]
+        return timer.time(self.backbone, self.stages[SHALLOW.format(self.backbone)], **inputs, deep=self.deep)["out"]
+
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
         """Images in [0, 1], (B, 3, H, W), float32."""
@@ -226,14 +243,14 @@ class TextToImage:
         step_kwargs = self._step_kwargs(generators)
         guided = self.guided(settings)
         steps = Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)
-        for t in steps:
+        for step, t in enumerate(steps):
             x = torch.cat([latents] * 2) if guided else latents
             x = self.scheduler.scale_model_input(x, t)
             inputs = {"x": x, "timesteps": t.float().expand(x.shape[0]),
                       "context": context if guided else context[context.shape[0] // 2:]}
             if y is not None:
                 inputs["y"] = y if guided else y[y.shape[0] // 2:]
-            noise = timer.time(self.backbone, self.stages[self.backbone], **inputs)["out"].float()
+            noise = self.predict(settings, step, inputs, timer).float()
             if guided:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + settings.guidance_scale * (cond - uncond)

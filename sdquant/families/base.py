@@ -66,6 +66,13 @@ class ModelFamily:
         """The sampling.scheduler the family runs when none is asked for."""
         raise NotImplementedError
 
+    # sampling.cache.method values the family's backbone takes.
+    cache_methods: tuple[str, ...] = ("none",)
+
+    def cache_stages(self, backbone, dtype, cache) -> dict:
+        """The backbone's stages under a step cache (sampling.cache), by graph name."""
+        raise NotImplementedError
+
     def text_tokens(self, pipe) -> int | None:
         """The length of the pipeline's T5 sequence, for a family that has one."""
         return None

@@ -85,6 +85,7 @@ class UNetGraph(torch.nn.Module):
 
 class StableDiffusionFamily(ModelFamily):
     backbone = "unet"
+    cache_methods = ("none", "deepcache")
 
     def __init__(self, sdxl: bool):
         self.sdxl = sdxl
@@ -160,6 +161,14 @@ class StableDiffusionFamily(ModelFamily):
         from ..stages import TorchStage
 
         return TorchStage(UNetGraph(backbone, self.sdxl), unet(self.sdxl), dtype)
+
+    def cache_stages(self, backbone, dtype, cache) -> dict:
+        from ..deep_cache import FullPass, ShallowPass, passes
+        from ..stages import TorchStage
+
+        full, shallow = passes(unet(self.sdxl))
+        return {full.name: TorchStage(FullPass(backbone, cache.branch), full, dtype),
+                shallow.name: TorchStage(ShallowPass(backbone, cache.branch), shallow, dtype)}
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         from ..pipeline import TextToImage

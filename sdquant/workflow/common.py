@@ -54,8 +54,30 @@ def sampling_runs(cfg) -> list[SamplingSettings]:
     return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
                              guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
                              seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
-                             long_prompts=sampling.long_prompts)
+                             long_prompts=sampling.long_prompts, cache=step_cache(sampling.cache))
             for index, prompts in enumerate(batches)]
+
+
+def step_cache(block):
+    """sampling.cache as the pipelines take it: None for none."""
+    from ..deep_cache import DeepCache
+
+    return None if block.method == "none" else DeepCache(block.interval, block.branch)
+
+
+def check_cache(cfg, parts: dict) -> None:
+    """Refuses, before any work, a step cache the model's backbone or the backend cannot take."""
+    method = cfg.sampling.cache.method
+    if method == "none":
+        return
+    family = family_of(cfg.model.family)
+    if method not in family.cache_methods:
+        raise UserError(f"sampling.cache.method={method}: model={cfg.model.name}'s {family.backbone} takes "
+                        f"{' or '.join(family.cache_methods)}")
+    if cfg.get("backend", "torch") != "torch":
+        raise UserError(f"sampling.cache.method={method} runs on backend=torch; the cached UNet's graphs and "
+                        f"engines are not exported yet")
+    step_cache(cfg.sampling.cache).check(parts["backbone_config"], "sampling.cache")
 
 
 def _prompt_batches(sampling) -> list[list[str]]:
@@ -77,6 +99,7 @@ def sampling_parts(cfg) -> dict:
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
+    check_cache(cfg, parts)
     return parts
 
 

@@ -19,7 +19,8 @@ from ..load import compute_dtype, load_pipeline, resolve_device
 from ..pipeline import SamplingSettings
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer
-from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+from .common import (checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, step_cache,
+                     text_to_image)
 
 
 def run_infer(cfg) -> dict:
@@ -105,8 +106,12 @@ def load_stages(cfg, device: torch.device) -> dict:
             backbone.to(device=device, dtype=dtype)
             if cfg.torch_backend.quantized == "fp8":
                 torch_backend.convert_to_fp8(backbone, cfg.quantized_unet)
-        return torch_backend.speed_up(pipe, family, family.torch_stages(pipe, dtype), cfg.torch_backend,
-                                      cfg.cuda_graph, quantized=bool(cfg.quantized_unet))
+        stages = family.torch_stages(pipe, dtype)
+        cache = step_cache(cfg.sampling.cache)
+        if cache is not None:
+            stages.update(family.cache_stages(backbone, dtype, cache))
+        return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph,
+                                      quantized=bool(cfg.quantized_unet))
     from ..trt_stages import trt_stages
 
     for name, plan in files.items():
