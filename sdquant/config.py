@@ -293,6 +293,9 @@ class EvaluateApp:
     # name -> a quantize.py checkpoint (run as ModelOpt fake quant), a UNet .onnx file (ONNX
     # Runtime) or a UNet engine (.plan, TensorRT); null runs the fp16 UNet again, as a self-check.
     variants: dict[str, Optional[str]] = field(default_factory=dict)
+    # name -> the step cache that variant runs with; the others run with sampling.cache, the fp16
+    # reference always without one.
+    variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
     sampling: SamplingBlock = field(default_factory=SamplingBlock)
     metrics: MetricsBlock = field(default_factory=MetricsBlock)
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
@@ -521,6 +524,12 @@ def validate_evaluate(cfg) -> None:
     if not cfg.variants:
         raise UserError("no variants to evaluate: add one per quantized UNet, e.g. "
                         "+variants.int8=quantized/<checkpoint folder>")
+    for name, block in cfg.variant_cache.items():
+        if name not in cfg.variants:
+            raise UserError(f"variant_cache.{name}: there is no variants.{name} to run with it")
+        if block.method not in CACHE_METHODS:
+            raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
+                            f"{' or '.join(CACHE_METHODS)}")
     if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
         raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")

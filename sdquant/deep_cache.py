@@ -48,6 +48,9 @@ class DeepCache:
     def full_step(self, step: int) -> bool:
         return step % self.interval == 0
 
+    def describe(self) -> str:
+        return f"DeepCache, the whole UNet every {self.interval} steps, branch {self.branch} live"
+
     def check(self, unet_config, key: str) -> None:
         """Refuses, in one line naming `key`, a setting this UNet cannot take."""
         blocks = len(unet_config["down_block_types"])

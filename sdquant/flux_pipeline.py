@@ -144,6 +144,10 @@ class FluxTextToImage:
             inputs["guidance"] = guidance
         return inputs
 
+    def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer: StageTimer) -> torch.Tensor:
+        """The transformer's velocity at this step."""
+        return timer.time(self.backbone, self.stages[self.backbone], **inputs)["latent"]
+
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
         """Images in [0, 1], (B, 3, H, W), float32."""
@@ -156,9 +160,9 @@ class FluxTextToImage:
         guidance = (torch.full([latents.shape[0]], settings.guidance_scale, device=self.device, dtype=torch.float32)
                     if self.guidance_embedded else None)
         self.scheduler.set_begin_index(0)
-        for t in Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False):
+        for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
             inputs = self.backbone_inputs(latents, t, hidden, pooled, image_ids, guidance)
-            velocity = timer.time(self.backbone, self.stages[self.backbone], **inputs)["latent"]
+            velocity = self.predict(settings, step, inputs, timer)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
         unpacked = self.unpack(latents, height, width)
         images = timer.time("vae", self.stages["vae"], latent=unpacked)["images"].float()

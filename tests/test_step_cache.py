@@ -69,7 +69,7 @@ def test_deepcache_at_interval_one_is_no_cache_and_every_second_step_stays_close
     (["sampling.cache.method=deepcache", "sampling.cache.branch=2"], r"sampling.cache.branch=2: .* 0 to 1"),
     (["sampling.cache.method=deepcache", "sampling.cache.interval=0"], "sampling.cache.interval=0"),
     (["sampling.cache.method=fastest"], "sampling.cache.method='fastest' is unknown"),
-    (["sampling.cache.method=deepcache", "backend=onnxruntime"], "runs on backend=torch"),
+    (["sampling.cache.method=deepcache", "backend=onnxruntime"], "runs on the diffusers modules"),
     (["sampling.cache.method=deepcache", "model=tiny_flux"], "takes none"),
 ])
 def test_a_cache_the_backbone_or_backend_cannot_take_is_refused_before_any_work(tmp_path, model_cache, overrides,
@@ -78,3 +78,30 @@ def test_a_cache_the_backbone_or_backend_cannot_take_is_refused_before_any_work(
         run_infer(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
                                                          f"out_path={tmp_path}", *overrides]))
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_evaluate_scores_a_cached_variant_against_the_uncached_reference(tmp_path):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=scenes_sdxl", f"out_path={tmp_path}", "device=cpu", f"sampling.prompts={PROMPTS}", "sampling.steps=6",
+        "sampling.batch_size=2", "+variants.same=null", "+variants.cached=null",
+        "+variant_cache={cached:{method:deepcache,interval:3}}"]))
+    same, cached = report["variants"]["same"], report["variants"]["cached"]
+    assert same["step_error"] == [0.0] * 6
+    # Teacher-forced, the full passes (steps 0 and 3) are the UNet itself; the shallow ones are not.
+    assert [error == 0.0 for error in cached["step_error"]] == [True, False, False, True, False, False]
+    assert 0 < max(cached["step_error"]) < 1
+    assert "cached (DeepCache" in cached["source"] and all(row["psnr"] < 100 for row in cached["per_prompt"])
+
+
+def test_a_cached_graph_variant_is_refused_naming_the_key(tmp_path):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    graph = tmp_path / "unet_xl.plan"
+    graph.write_bytes(b"")
+    with pytest.raises(UserError, match="variant_cache.x.method=deepcache runs on the diffusers modules"):
+        run_evaluate(compose_config("sd_xl_evaluate", [
+            "model=scenes_sdxl", f"out_path={tmp_path / 'q'}", "device=cpu", f"+variants.x={graph}",
+            "+variant_cache={x:{method:deepcache}}"]))
+    assert not (tmp_path / "q").exists()

@@ -65,19 +65,20 @@ def step_cache(block):
     return None if block.method == "none" else DeepCache(block.interval, block.branch)
 
 
-def check_cache(cfg, parts: dict) -> None:
-    """Refuses, before any work, a step cache the model's backbone or the backend cannot take."""
-    method = cfg.sampling.cache.method
-    if method == "none":
+def check_cache(block, key: str, model, parts: dict, on_modules: bool) -> None:
+    """Refuses, before any work, a step cache (config `key`) the model's backbone cannot take, or
+    that would run on graphs or engines (`on_modules` false)."""
+    if block.method == "none":
         return
-    family = family_of(cfg.model.family)
-    if method not in family.cache_methods:
-        raise UserError(f"sampling.cache.method={method}: model={cfg.model.name}'s {family.backbone} takes "
+    family = family_of(model.family)
+    if block.method not in family.cache_methods:
+        raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone} takes "
                         f"{' or '.join(family.cache_methods)}")
-    if cfg.get("backend", "torch") != "torch":
-        raise UserError(f"sampling.cache.method={method} runs on backend=torch; the cached UNet's graphs and "
-                        f"engines are not exported yet")
-    step_cache(cfg.sampling.cache).check(parts["backbone_config"], "sampling.cache")
+    if not on_modules:
+        raise UserError(f"{key}.method={block.method} runs on the diffusers modules (infer_trt.py backend=torch; "
+                        "in evaluate.py the fp16 backbone or a quantize.py checkpoint): the cached UNet's graphs "
+                        "and engines are not exported yet")
+    step_cache(block).check(parts["backbone_config"], key)
 
 
 def _prompt_batches(sampling) -> list[list[str]]:
@@ -99,7 +100,7 @@ def sampling_parts(cfg) -> dict:
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
-    check_cache(cfg, parts)
+    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, cfg.get("backend", "torch") == "torch")
     return parts
 
 

@@ -3,6 +3,7 @@ from identical initial latents."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer
-from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+from .common import (check_cache, checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs,
+                     step_cache, text_to_image)
 
 
 def run_evaluate(cfg) -> dict:
@@ -29,7 +31,14 @@ def run_evaluate(cfg) -> dict:
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(cfg.model, name, source) for name, source in cfg.variants.items()}
     parts = sampling_parts(cfg)
-    runs = sampling_runs(cfg)
+    caches = {}
+    for name, kind in kinds.items():
+        key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
+        block = OmegaConf.select(cfg, key)
+        check_cache(block, key, cfg.model, parts, on_modules=kind in ("fp16", "checkpoint"))
+        caches[name] = step_cache(block)
+    # The reference is the uncached fp16 backbone whatever the variants cache.
+    runs = [dataclasses.replace(settings, cache=None) for settings in sampling_runs(cfg)]
     device = resolve_device(cfg.device)
     family = family_of(cfg.model.family)
     dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
@@ -49,8 +58,12 @@ def run_evaluate(cfg) -> dict:
     scores = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            backbone = _variant_backbone(cfg, name, kind, fp16_backbone, device, dtype)
-            scores[name], images = _variant_runs(cfg, pipeline, name, backbone, references, [lpips, clip], device)
+            backbone, module = _variant_backbone(cfg, name, kind, fp16_backbone, getattr(pipe, family.backbone),
+                                                 device, dtype)
+            if caches[name] is not None:
+                pipeline.stages.update(family.cache_stages(module, dtype, caches[name]))
+            scores[name], images = _variant_runs(cfg, pipeline, name, backbone, caches[name], references,
+                                                 [lpips, clip], device)
         columns.append(images)
     settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
                 "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
@@ -78,16 +91,20 @@ def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
     return references
 
 
-def _variant_runs(cfg, pipeline, name: str, backbone, references: list[tuple], metrics: list,
+def _variant_runs(cfg, pipeline, name: str, backbone, cache, references: list[tuple], metrics: list,
                   device: torch.device) -> tuple[quality.VariantScores, torch.Tensor]:
-    """One variant's scores, from the reference runs' initial latents, and its images."""
+    """One variant's scores, from the reference runs' initial latents, and its images; with a step
+    cache (whose stages the pipeline holds), teacher forcing runs the cached passes too."""
     pipeline.stages[pipeline.backbone] = backbone
-    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 backbone again (self-check)"))
+    source = str(cfg.variants[name] or "the fp16 backbone again (self-check)")
+    variant = quality.VariantScores(source=source if cache is None else f"{source}, cached ({cache.describe()})")
     images_per_batch = []
     for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
+        settings = dataclasses.replace(settings, cache=cache)
         images = pipeline(settings, StageTimer(device), latents=latents)
         variant.per_prompt += quality.score_images(reference, images, settings.image_prompts, metrics)
-        variant.step_errors.append(quality.teacher_forced_errors(calls, backbone))
+        variant.step_errors.append(quality.teacher_forced_errors(
+            calls, lambda step, inputs: pipeline.predict(settings, step, inputs, StageTimer(device))))
         variant.adherence += quality.adherence(images, settings.image_prompts)
         images_per_batch.append(images)
     return variant, torch.cat(images_per_batch)
@@ -118,20 +135,22 @@ def _variant_kind(model, name: str, source: str | None) -> str:
                     f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
 
 
-def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, device: torch.device, dtype: torch.dtype):
-    """The backbone stage a variant runs."""
+def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, fp16_module, device: torch.device,
+                      dtype: torch.dtype):
+    """The backbone stage a variant runs, and its module where it runs one (for a step cache)."""
     source = cfg.variants[name]
     family = family_of(cfg.model.family)
     if kind == "fp16":
-        return fp16_backbone
+        return fp16_backbone, fp16_module
     if kind == "onnx":
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
-                                family.network(family.backbone_graph))
+                                family.network(family.backbone_graph)), None
     if kind == "engine":
         from ..trt_stages import trt_stages
 
         plan = Path(source).expanduser()
-        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph]
+        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph], None
     backbone = empty_backbone(cfg.model)
     restore_quantized_unet(cfg.model, f"variants.{name}", source, backbone)
-    return family.backbone_stage(backbone.to(device=device, dtype=dtype), dtype)
+    backbone.to(device=device, dtype=dtype)
+    return family.backbone_stage(backbone, dtype), backbone
