@@ -25,6 +25,7 @@ from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
 from .interrupts import interrupts_deferred
 from .families import sized
+from .deep_cache import deep_sizes
 from .flux_pipeline import T5_TOKENS
 from .networks import BATCH, CONTEXT, HEIGHT, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, WIDTH, onnx_path
 
@@ -58,7 +59,7 @@ def batch_range(infer, trt, family, graph: str) -> BatchRange:
         images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
     if graph not in family.guided_graphs():
         return images
-    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph == family.backbone_graph else images.min
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph in family.backbone_graphs() else images.min
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
@@ -71,16 +72,18 @@ def run_sizes(latent_height: int, latent_width: int, sequences: dict[str, int]) 
 
 
 def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int,
-                   text_tokens: int = T5_TOKENS) -> dict[str, tuple]:
+                   text_tokens: int = T5_TOKENS, deep_branch: int | None = None) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
     batch from batch_range, latent height and width (and a DiT's image tokens) from infer's image
     size and the VAE's scale factor, context length from one CLIP window up to
     trt.max_prompt_chunks of them (long prompts encoded window by window), a DiT's T5 tokens as
-    its export recorded them; static dims as the graph has them."""
+    its export recorded them, a cached UNet pass's deep feature from its branch; static dims as the
+    graph has them."""
     batch = batch_range(infer, trt, family, graph)
     context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
-    sizes = [{BATCH: samples, **run_sizes(infer.height // vae_scale, infer.width // vae_scale,
-                                          {CONTEXT: context[which], TEXT_TOKENS: text_tokens})}
+    latent = (infer.height // vae_scale, infer.width // vae_scale)
+    deep = {} if deep_branch is None else deep_sizes(*latent, deep_branch)
+    sizes = [{BATCH: samples, **run_sizes(*latent, {CONTEXT: context[which], TEXT_TOKENS: text_tokens, **deep})}
              for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
@@ -473,10 +476,12 @@ def save_engines_record(out_path, record: dict) -> Path:
 
 
 def required_onnx(out_path, family) -> dict[str, Path]:
-    """The ONNX file of every graph; a missing one names the step that makes it."""
+    """The ONNX file of every graph, and of the cached backbone passes where they were exported; a
+    missing one names the step that makes it."""
     files = {name: onnx_path(out_path, name) for name in family.graph_names()}
     for name, path in files.items():
         if not path.is_file():
             raise UserError(f"{path} does not exist: export the ONNX graphs first "
                             "(python export_trt.py run_onnx_export=true ...)")
-    return files
+    cached = {network.name: onnx_path(out_path, network.name) for network in family.cache_networks()}
+    return {**files, **{name: path for name, path in cached.items() if path.is_file()}}

@@ -166,6 +166,22 @@ class QuantizeApp:
 
 
 @dataclass
+class CacheBlock:
+    """Step caching: what a denoising step reuses from an earlier one."""
+
+    # none, or deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
+    # between, which take the deep blocks' feature from the last whole pass. The defaults are
+    # ModelOpt's cache diffusion for SDXL (only down_blocks.0 and up_blocks.2 on alternate steps).
+    method: str = "none"
+    interval: int = 2
+    # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
+    branch: int = 0
+
+
+CACHE_METHODS = ("none", "deepcache")
+
+
+@dataclass
 class ExportApp:
     infer: InferBlock = field(default_factory=InferBlock)
     trt: TrtBlock = field(default_factory=TrtBlock)
@@ -181,22 +197,9 @@ class ExportApp:
     # Instead of both: write the weights of model.loras into the refittable engines in
     # infer.out_path (built with trt.refittable=true), without exporting or rebuilding.
     run_refit: bool = False
-
-
-@dataclass
-class CacheBlock:
-    """Step caching: what a denoising step reuses from an earlier one."""
-
-    # none, or deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
-    # between, which take the deep blocks' feature from the last whole pass. The defaults are
-    # ModelOpt's cache diffusion for SDXL (only down_blocks.0 and up_blocks.2 on alternate steps).
-    method: str = "none"
-    interval: int = 2
-    # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
-    branch: int = 0
-
-
-CACHE_METHODS = ("none", "deepcache")
+    # The step cache the engines are for: deepcache also exports and builds the UNet's full and
+    # shallow passes (unet_xl_full, unet_xl_shallow) for its `branch`; `interval` is sampling's.
+    cache: CacheBlock = field(default_factory=CacheBlock)
 
 
 @dataclass

@@ -27,14 +27,24 @@ from .networks import BATCH, Network
 # cached feature between them, whose height and width are the latent's halved once per skipped
 # upsampler.
 FULL, SHALLOW, DEEP = "{}_full", "{}_shallow", "deep"
-DEEP_AXES = {0: BATCH, 2: "DH", 3: "DW"}
+DEEP_HEIGHT, DEEP_WIDTH = "DH", "DW"
+DEEP_AXES = {0: BATCH, 2: DEEP_HEIGHT, 3: DEEP_WIDTH}
+
+
+def deep_sizes(latent_height: int, latent_width: int, branch: int) -> dict[str, int]:
+    """The cached feature's height and width: the latent's after the `branch` stride-2 downsamplers
+    above it (each rounds up), which is where the first live up block meets it."""
+    for _ in range(branch):
+        latent_height, latent_width = -(-latent_height // 2), -(-latent_width // 2)
+    return {DEEP_HEIGHT: latent_height, DEEP_WIDTH: latent_width}
 
 
 def passes(backbone: Network) -> tuple[Network, Network]:
     """The networks of the full pass (the backbone's, and the deep feature out) and of the shallow
     pass (the backbone's inputs and the deep feature in)."""
     full = Network(FULL.format(backbone.name), backbone.inputs, {**backbone.outputs, DEEP: DEEP_AXES})
-    shallow = Network(SHALLOW.format(backbone.name), {**backbone.inputs, DEEP: DEEP_AXES}, backbone.outputs)
+    shallow = Network(SHALLOW.format(backbone.name), {**backbone.inputs, DEEP: DEEP_AXES}, backbone.outputs,
+                      optional=("context",))
     return full, shallow
 
 

@@ -159,8 +159,12 @@ class TextToImage:
                    for text in self.texts(settings))
 
     def sequence_sizes(self, settings: SamplingSettings) -> dict[str, int]:
-        """The length of each sequence axis of the graphs in a run: the UNet's context."""
-        return {CONTEXT: self.context_windows(settings) * TOKENS}
+        """The size of each axis of the graphs in a run besides the batch and the latent's: the UNet's
+        context, and with a step cache its deep feature's height and width."""
+        from .deep_cache import deep_sizes
+
+        deep = {} if settings.cache is None else deep_sizes(*self.latent_size(settings), settings.cache.branch)
+        return {CONTEXT: self.context_windows(settings) * TOKENS, **deep}
 
     def token_ids(self, tokenizer, settings: SamplingSettings) -> torch.Tensor:
         """(windows, texts, TOKENS) int32 token ids of the texts, each padded to the same windows."""

@@ -69,7 +69,6 @@ def test_deepcache_at_interval_one_is_no_cache_and_every_second_step_stays_close
     (["sampling.cache.method=deepcache", "sampling.cache.branch=2"], r"sampling.cache.branch=2: .* 0 to 1"),
     (["sampling.cache.method=deepcache", "sampling.cache.interval=0"], "sampling.cache.interval=0"),
     (["sampling.cache.method=fastest"], "sampling.cache.method='fastest' is unknown"),
-    (["sampling.cache.method=deepcache", "backend=onnxruntime"], "runs on the diffusers modules"),
     (["sampling.cache.method=deepcache", "model=tiny_flux"], "takes none"),
 ])
 def test_a_cache_the_backbone_or_backend_cannot_take_is_refused_before_any_work(tmp_path, model_cache, overrides,
@@ -105,3 +104,54 @@ def test_a_cached_graph_variant_is_refused_naming_the_key(tmp_path):
             "model=scenes_sdxl", f"out_path={tmp_path / 'q'}", "device=cpu", f"+variants.x={graph}",
             "+variant_cache={x:{method:deepcache}}"]))
     assert not (tmp_path / "q").exists()
+
+
+@pytest.fixture(scope="module")
+def cached_export(tmp_path_factory):
+    """The scene model's graphs in fp32 with DeepCache's two UNet passes, and their TensorRT-RTX engines."""
+    from sdquant.workflow.export_trt import run_export
+
+    out = tmp_path_factory.mktemp("export")
+    run_export(compose_config("sd_xl_export", [
+        "model=scenes_sdxl", f"infer.out_path={out}", "device=cpu", "onnx.precision=fp32", "infer.batch_size=2",
+        "trt.backend=tensorrt_rtx", "cache.method=deepcache"]))
+    return out
+
+
+def _engines(folder) -> list[str]:
+    return [f"{name}={folder}/plan/{name}.plan" for name in ("clip1", "clip2", "unet_xl", "vae")]
+
+
+def test_cached_passes_export_build_and_draw_in_onnx_runtime_what_torch_draws(cached_export, tmp_path):
+    import json
+
+    from skimage.metrics import peak_signal_noise_ratio
+
+    engines = json.loads((cached_export / "plan" / "engines.json").read_text())
+    assert {"unet_xl_full", "unet_xl_shallow"} <= set(engines)
+    meta = json.loads((cached_export / "onnx" / "unet_xl_shallow" / "export.json").read_text())
+    assert meta["inputs"] == ["x", "timesteps", "context", "y", "deep"] and meta["deep_cache_branch"] == 0
+    cached = ["sampling.cache.method=deepcache", "sampling.cache.interval=3"]
+    in_torch = _images(tmp_path / "torch", *cached)
+    in_onnx_runtime = _images(tmp_path / "ort", "backend=onnxruntime", *cached, *_engines(cached_export))
+    assert peak_signal_noise_ratio(in_torch, in_onnx_runtime) > 40
+    # The plain graph still runs without the cache.
+    assert peak_signal_noise_ratio(_images(tmp_path / "plain", "backend=onnxruntime", *_engines(cached_export)),
+                                   _images(tmp_path / "plain_torch")) > 40
+
+
+def test_missing_cached_passes_are_named_with_the_export_that_makes_them(cached_export, tmp_path):
+    import shutil
+
+    graphs = tmp_path / "graphs"
+    shutil.copytree(cached_export, graphs)
+    shutil.rmtree(graphs / "onnx" / "unet_xl_full")
+    with pytest.raises(UserError, match="unet_xl_full"):
+        _images(tmp_path / "ort", "backend=onnxruntime", "sampling.cache.method=deepcache", *_engines(graphs))
+    with pytest.raises(UserError, match=r"unet_xl_full.plan: no such engine; build it with export_trt.py "
+                                        r"cache.method=deepcache cache.branch=0"):
+        from sdquant.workflow.infer_trt import load_stages
+
+        (graphs / "plan" / "unet_xl_full.plan").unlink()
+        load_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
+                                                            *_engines(graphs)]), torch.device("cpu"))

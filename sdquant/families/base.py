@@ -73,6 +73,18 @@ class ModelFamily:
         """The backbone's stages under a step cache (sampling.cache), by graph name."""
         raise NotImplementedError
 
+    def cache_networks(self) -> list[Network]:
+        """The graphs a step cache runs besides the pipeline's (DeepCache: the UNet's two passes)."""
+        return []
+
+    def cache_graph_specs(self, pipe, batch: int, latent: int, dtype, cache) -> list:
+        """What to trace for each of cache_networks()."""
+        raise NotImplementedError
+
+    def backbone_graphs(self) -> tuple[str, ...]:
+        """The graphs that run the backbone: its own and those of its cached passes."""
+        return (self.backbone_graph, *(network.name for network in self.cache_networks()))
+
     def text_tokens(self, pipe) -> int | None:
         """The length of the pipeline's T5 sequence, for a family that has one."""
         return None
@@ -112,7 +124,7 @@ class ModelFamily:
         return {network.name: network.name for network in self.networks()}
 
     def network(self, name: str) -> Network:
-        return {each.name: each for each in self.networks()}[name]
+        return {each.name: each for each in (*self.networks(), *self.cache_networks())}[name]
 
     def graph_names(self) -> tuple[str, ...]:
         return tuple(network.name for network in self.networks())

@@ -67,7 +67,7 @@ def step_cache(block):
 
 def check_cache(block, key: str, model, parts: dict, on_modules: bool) -> None:
     """Refuses, before any work, a step cache (config `key`) the model's backbone cannot take, or
-    that would run on graphs or engines (`on_modules` false)."""
+    that an evaluate.py variant of one graph or engine file would run (`on_modules` false)."""
     if block.method == "none":
         return
     family = family_of(model.family)
@@ -75,9 +75,9 @@ def check_cache(block, key: str, model, parts: dict, on_modules: bool) -> None:
         raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone} takes "
                         f"{' or '.join(family.cache_methods)}")
     if not on_modules:
-        raise UserError(f"{key}.method={block.method} runs on the diffusers modules (infer_trt.py backend=torch; "
-                        "in evaluate.py the fp16 backbone or a quantize.py checkpoint): the cached UNet's graphs "
-                        "and engines are not exported yet")
+        raise UserError(f"{key}.method={block.method} runs on the diffusers modules in evaluate.py (the fp16 "
+                        "backbone or a quantize.py checkpoint): a graph or engine variant is one file, and a cached "
+                        "UNet runs two (infer_trt.py runs the cached graphs and engines)")
     step_cache(block).check(parts["backbone_config"], key)
 
 
@@ -100,7 +100,7 @@ def sampling_parts(cfg) -> dict:
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
-    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, cfg.get("backend", "torch") == "torch")
+    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, on_modules=True)
     return parts
 
 

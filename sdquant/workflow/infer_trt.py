@@ -83,17 +83,29 @@ def _images_and_timings(cfg, device: torch.device) -> tuple[list[Path], list, in
 
 def _stage_files(cfg) -> dict[str, Path]:
     """Engine file per stage, from the config key the family names it by (NeMo's for SDXL)."""
-    keys = family_of(cfg.model.family).engine_keys()
-    return {name: Path(cfg[keys[name]]).expanduser() for name in family_of(cfg.model.family).graph_names()}
+    family = family_of(cfg.model.family)
+    keys = family.engine_keys()
+    files = {name: Path(cfg[keys[name]]).expanduser() for name in family.graph_names()}
+    if step_cache(cfg.sampling.cache) is not None:
+        # A cached backbone's passes lie beside its engine (or graph), as export_trt.py cache=... builds them.
+        backbone = files[family.backbone_graph]
+        files.update({network.name: backbone.with_name(f"{network.name}{backbone.suffix}")
+                      for network in family.cache_networks()})
+    return files
+
+
+def _stage_key(family, name: str, plan: Path) -> str:
+    """How an error names a stage's file: its config key, or the file for a cached pass."""
+    keys = family.engine_keys()
+    return keys[name] if name in keys else str(plan)
 
 
 def load_stages(cfg, device: torch.device) -> dict:
     family = family_of(cfg.model.family)
     files = _stage_files(cfg)
     if cfg.backend == "onnxruntime":
-        keys = family.engine_keys()
         return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers),
-                                       keys[name], family.network(name))
+                                       _stage_key(family, name, plan), family.network(name))
                 for name, plan in files.items()}
     if cfg.backend == "torch":
         from .. import torch_backend
@@ -116,9 +128,11 @@ def load_stages(cfg, device: torch.device) -> dict:
 
     for name, plan in files.items():
         if not plan.is_file():
-            raise UserError(f"{family.engine_keys()[name]}={plan}: no such engine; build it with export_trt.py")
+            how = (f"export_trt.py cache.method={cfg.sampling.cache.method} cache.branch={cfg.sampling.cache.branch}"
+                   if name in family.backbone_graphs()[1:] else "export_trt.py")
+            raise UserError(f"{_stage_key(family, name, plan)}={plan}: no such engine; build it with {how}")
     flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
-    return trt_stages(flavours, files, (family.backbone_graph,) if cfg.cuda_graph else ())
+    return trt_stages(flavours, files, family.backbone_graphs() if cfg.cuda_graph else ())
 
 
 def _check_engine_profiles(pipeline, runs: list[SamplingSettings]) -> None:
