@@ -203,6 +203,15 @@ class ExportApp:
 
 
 @dataclass
+class ShardBlock:
+    """This job's share of the prompt batches when independent jobs (Slurm array tasks) split them:
+    batch i goes to the job whose index is i mod count (within it, to torchrun rank i mod ranks)."""
+
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
 class SamplingBlock:
     prompts: list[str] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
     # A file of prompts, one a line, used instead of `prompts` when set.
@@ -270,6 +279,7 @@ class InferApp:
     num_timed_runs: int = 1
     cuda_graph: bool = False
     torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
+    shard: ShardBlock = field(default_factory=ShardBlock)
     model: ModelConfig = MISSING
     device: str = "auto"
 
@@ -490,7 +500,14 @@ def validate_export(cfg) -> None:
 INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 
 
+def validate_shard(shard) -> None:
+    if shard.count < 1 or not 0 <= shard.index < shard.count:
+        raise UserError(f"shard.index={shard.index} shard.count={shard.count}: give a count of 1 or more and an "
+                        "index from 0 to count - 1 (e.g. shard.index=$SLURM_ARRAY_TASK_ID)")
+
+
 def validate_infer(cfg) -> None:
+    validate_shard(cfg.shard)
     if cfg.backend not in INFER_BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
     torch_block = cfg.torch_backend
