@@ -310,6 +310,7 @@ class EvaluateApp:
     # reference always without one.
     variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
     sampling: SamplingBlock = field(default_factory=SamplingBlock)
+    shard: ShardBlock = field(default_factory=ShardBlock)
     metrics: MetricsBlock = field(default_factory=MetricsBlock)
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
     out_path: str = "quality"
@@ -539,6 +540,7 @@ def validate_providers(providers) -> None:
 
 
 def validate_evaluate(cfg) -> None:
+    validate_shard(cfg.shard)
     validate_sampling(cfg.sampling)
     validate_providers(cfg.onnx_providers)
     if not cfg.variants:

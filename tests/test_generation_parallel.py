@@ -62,3 +62,34 @@ def test_shard_jobs_make_the_one_process_images_and_the_last_merges_the_report(t
     assert single.keys() == jobs.keys() and all(np.array_equal(single[name], jobs[name]) for name in single)
     latency = json.loads(merged.read_text())
     assert latency["shards"] == 2 and latency["images_written"] == 10 and len(latency["parts"]) == 2
+
+
+EVALUATE = ["model=scenes_sdxl", "device=cpu", f"sampling.prompts={json.dumps(PROMPTS)}", "sampling.steps=6",
+            "+variants.cached=null", "+variant_cache={cached:{method:deepcache,interval:3}}"]
+
+
+def _quality(folder) -> tuple[dict, np.ndarray]:
+    result = json.loads((folder / "quality.json").read_text())
+    return result, np.asarray(Image.open(folder / "grid.png"))
+
+
+def test_evaluate_over_torchrun_ranks_and_shard_jobs_writes_the_one_process_report(tmp_path):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "evaluate.py", *EVALUATE, f"out_path={tmp_path / 'one'}",
+                          f"hydra.run.dir={tmp_path / 'h1'}"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "evaluate.py", *EVALUATE, f"out_path={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for index in (0, 1):
+        run_evaluate(compose_config("sd_xl_evaluate", [*EVALUATE, f"out_path={tmp_path / 'jobs'}",
+                                                       f"shard.index={index}", "shard.count=2"]))
+    (single, single_grid), (split, split_grid), (jobs, jobs_grid) = (_quality(tmp_path / name)
+                                                                     for name in ("one", "two", "jobs"))
+    for other in (split, jobs):
+        assert other["variants"] == single["variants"] and other["adherence"] == single["adherence"]
+    assert np.array_equal(single_grid, split_grid) and np.array_equal(single_grid, jobs_grid)
+    assert len(single["variants"]["cached"]["per_prompt"]) == 5
