@@ -25,6 +25,8 @@ from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
 from .interrupts import interrupts_deferred
 from .families import sized
+from .deep_cache import deep_sizes
+from .flux_pipeline import T5_TOKENS
 from .networks import BATCH, CONTEXT, HEIGHT, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, WIDTH, onnx_path
 
 PLAN_DIR = "plan"
@@ -57,28 +59,31 @@ def batch_range(infer, trt, family, graph: str) -> BatchRange:
         images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
     if graph not in family.guided_graphs():
         return images
-    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph == family.backbone_graph else images.min
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph in family.backbone_graphs() else images.min
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def run_sizes(latent_height: int, latent_width: int, context_tokens: int) -> dict[str, int]:
-    """The size of every dynamic axis but the batch, for latents of this size: the UNet's CLIP
-    context, and a DiT's 2x2-packed image tokens and T5 text tokens."""
-    from .flux_pipeline import T5_TOKENS
+def run_sizes(latent_height: int, latent_width: int, sequences: dict[str, int]) -> dict[str, int]:
+    """The size of every dynamic axis but the batch, for latents of this size: the latent's sides
+    and a DiT's 2x2-packed image tokens, and the sequence lengths given (the UNet's CLIP context,
+    a DiT's T5 tokens)."""
+    return {HEIGHT: latent_height, WIDTH: latent_width, IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2),
+            **sequences}
 
-    return {HEIGHT: latent_height, WIDTH: latent_width, CONTEXT: context_tokens,
-            IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2), TEXT_TOKENS: T5_TOKENS}
 
-
-def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int) -> dict[str, tuple]:
+def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int,
+                   text_tokens: int = T5_TOKENS, deep_branch: int | None = None) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
     batch from batch_range, latent height and width (and a DiT's image tokens) from infer's image
     size and the VAE's scale factor, context length from one CLIP window up to
-    trt.max_prompt_chunks of them (long prompts encoded window by window); static dims as the
+    trt.max_prompt_chunks of them (long prompts encoded window by window), a DiT's T5 tokens as
+    its export recorded them, a cached UNet pass's deep feature from its branch; static dims as the
     graph has them."""
     batch = batch_range(infer, trt, family, graph)
     context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
-    sizes = [{BATCH: samples, **run_sizes(infer.height // vae_scale, infer.width // vae_scale, context[which])}
+    latent = (infer.height // vae_scale, infer.width // vae_scale)
+    deep = {} if deep_branch is None else deep_sizes(*latent, deep_branch)
+    sizes = [{BATCH: samples, **run_sizes(*latent, {CONTEXT: context[which], TEXT_TOKENS: text_tokens, **deep})}
              for which, samples in enumerate((batch.min, batch.opt, batch.max))]
     shapes = {}
     for name, dims in input_dims.items():
@@ -471,10 +476,12 @@ def save_engines_record(out_path, record: dict) -> Path:
 
 
 def required_onnx(out_path, family) -> dict[str, Path]:
-    """The ONNX file of every graph; a missing one names the step that makes it."""
+    """The ONNX file of every graph, and of the cached backbone passes where they were exported; a
+    missing one names the step that makes it."""
     files = {name: onnx_path(out_path, name) for name in family.graph_names()}
     for name, path in files.items():
         if not path.is_file():
             raise UserError(f"{path} does not exist: export the ONNX graphs first "
                             "(python export_trt.py run_onnx_export=true ...)")
-    return files
+    cached = {network.name: onnx_path(out_path, network.name) for network in family.cache_networks()}
+    return {**files, **{name: path for name, path in cached.items() if path.is_file()}}

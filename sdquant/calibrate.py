@@ -446,7 +446,7 @@ def calibration_batches(prompts: list[str], batch_size: int) -> list[list[str]]:
     return [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
 
 
-def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: QuantizeBlock, seed: int,
+def run_calibration_prompts(pipe, family, batches: list[tuple[int, list[str]]], block: QuantizeBlock, seed: int,
                             progress: bool = True) -> int:
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
@@ -454,7 +454,8 @@ def run_calibration_prompts(pipe, batches: list[tuple[int, list[str]]], block: Q
     for index, batch in Progress(batches, "calibrating", "batches", show=progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
-             height=block.height, width=block.width, generator=generator, output_type="latent")
+             height=block.height, width=block.width, generator=generator, output_type="latent",
+             **family.pipeline_call_kwargs(pipe))
     return len(batches)
 
 
@@ -477,7 +478,7 @@ def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, se
              backbone.register_forward_pre_hook(lambda *_: backbone_calls.append(1))]
     start = time.perf_counter()
     try:
-        batches = run_calibration_prompts(pipe, shard(calibration_batches(prompts, block.batch_size), world),
+        batches = run_calibration_prompts(pipe, family, shard(calibration_batches(prompts, block.batch_size), world),
                                           block, seed, progress=world.is_main)
     except torch.OutOfMemoryError as error:
         raise UserError(

@@ -166,6 +166,22 @@ class QuantizeApp:
 
 
 @dataclass
+class CacheBlock:
+    """Step caching: what a denoising step reuses from an earlier one."""
+
+    # none, or deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
+    # between, which take the deep blocks' feature from the last whole pass. The defaults are
+    # ModelOpt's cache diffusion for SDXL (only down_blocks.0 and up_blocks.2 on alternate steps).
+    method: str = "none"
+    interval: int = 2
+    # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
+    branch: int = 0
+
+
+CACHE_METHODS = ("none", "deepcache")
+
+
+@dataclass
 class ExportApp:
     infer: InferBlock = field(default_factory=InferBlock)
     trt: TrtBlock = field(default_factory=TrtBlock)
@@ -181,6 +197,18 @@ class ExportApp:
     # Instead of both: write the weights of model.loras into the refittable engines in
     # infer.out_path (built with trt.refittable=true), without exporting or rebuilding.
     run_refit: bool = False
+    # The step cache the engines are for: deepcache also exports and builds the UNet's full and
+    # shallow passes (unet_xl_full, unet_xl_shallow) for its `branch`; `interval` is sampling's.
+    cache: CacheBlock = field(default_factory=CacheBlock)
+
+
+@dataclass
+class ShardBlock:
+    """This job's share of the prompt batches when independent jobs (Slurm array tasks) split them:
+    batch i goes to the job whose index is i mod count (within it, to torchrun rank i mod ranks)."""
+
+    index: int = 0
+    count: int = 1
 
 
 @dataclass
@@ -205,6 +233,7 @@ class SamplingBlock:
     # Prompts past CLIP's 77 tokens: truncate (cut, as diffusers does, saying which words are
     # dropped) or chunk (encoded in 77-token windows whose embeddings are joined).
     long_prompts: str = "truncate"
+    cache: CacheBlock = field(default_factory=CacheBlock)
 
 
 LONG_PROMPTS = ("truncate", "chunk")
@@ -250,6 +279,7 @@ class InferApp:
     num_timed_runs: int = 1
     cuda_graph: bool = False
     torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
+    shard: ShardBlock = field(default_factory=ShardBlock)
     model: ModelConfig = MISSING
     device: str = "auto"
 
@@ -276,7 +306,11 @@ class EvaluateApp:
     # name -> a quantize.py checkpoint (run as ModelOpt fake quant), a UNet .onnx file (ONNX
     # Runtime) or a UNet engine (.plan, TensorRT); null runs the fp16 UNet again, as a self-check.
     variants: dict[str, Optional[str]] = field(default_factory=dict)
+    # name -> the step cache that variant runs with; the others run with sampling.cache, the fp16
+    # reference always without one.
+    variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
     sampling: SamplingBlock = field(default_factory=SamplingBlock)
+    shard: ShardBlock = field(default_factory=ShardBlock)
     metrics: MetricsBlock = field(default_factory=MetricsBlock)
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
     out_path: str = "quality"
@@ -467,7 +501,14 @@ def validate_export(cfg) -> None:
 INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 
 
+def validate_shard(shard) -> None:
+    if shard.count < 1 or not 0 <= shard.index < shard.count:
+        raise UserError(f"shard.index={shard.index} shard.count={shard.count}: give a count of 1 or more and an "
+                        "index from 0 to count - 1 (e.g. shard.index=$SLURM_ARRAY_TASK_ID)")
+
+
 def validate_infer(cfg) -> None:
+    validate_shard(cfg.shard)
     if cfg.backend not in INFER_BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
     torch_block = cfg.torch_backend
@@ -499,11 +540,18 @@ def validate_providers(providers) -> None:
 
 
 def validate_evaluate(cfg) -> None:
+    validate_shard(cfg.shard)
     validate_sampling(cfg.sampling)
     validate_providers(cfg.onnx_providers)
     if not cfg.variants:
         raise UserError("no variants to evaluate: add one per quantized UNet, e.g. "
                         "+variants.int8=quantized/<checkpoint folder>")
+    for name, block in cfg.variant_cache.items():
+        if name not in cfg.variants:
+            raise UserError(f"variant_cache.{name}: there is no variants.{name} to run with it")
+        if block.method not in CACHE_METHODS:
+            raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
+                            f"{' or '.join(CACHE_METHODS)}")
     if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
         raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")
@@ -566,3 +614,6 @@ def validate_sampling(sampling: SamplingBlock) -> None:
     if sampling.long_prompts not in LONG_PROMPTS:
         raise UserError(f"sampling.long_prompts={sampling.long_prompts!r} is unknown: choose "
                         f"{' or '.join(LONG_PROMPTS)}")
+    if sampling.cache.method not in CACHE_METHODS:
+        raise UserError(f"sampling.cache.method={sampling.cache.method!r} is unknown: choose "
+                        f"{' or '.join(CACHE_METHODS)}")

@@ -328,6 +328,6 @@ def check_graph_file(path: Path, key: str, network: Network | None = None) -> No
             raise UserError(f"{key}={path}: its weights file {data_file} is missing or shorter than the graph "
                             f"says ({needed} bytes): {again}")
     inputs = {value.name for value in model.graph.input} - {t.name for t in model.graph.initializer}
-    if network is not None and not set(network.input_names) <= inputs:
+    if network is not None and not set(network.required_inputs) <= inputs:
         raise UserError(f"{key}={path} is not a {network.name} graph (its inputs are {', '.join(sorted(inputs))}, "
                         f"a {network.name} takes {', '.join(network.input_names)})")

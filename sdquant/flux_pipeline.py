@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .networks import TEXT_TOKENS
 from .pipeline import SamplingSettings, say_truncated, warn_if_not_finite
 from .progress import Progress
 from .stages import StageTimer
@@ -16,6 +17,12 @@ from .stages import StageTimer
 # T5's sequence in diffusers' FluxPipeline (its max_sequence_length; Flux.1-schnell users often
 # pass 256, which the graphs also take: their text axis is dynamic).
 T5_TOKENS = 512
+
+
+def text_tokens(t5_tokenizer) -> int:
+    """T5's sequence length for a model: its tokenizer's own length up to diffusers' 512, so a model
+    trained on short captions (the Flux scene model's 32) runs at the length it learned."""
+    return min(T5_TOKENS, int(t5_tokenizer.model_max_length))
 
 
 def calculate_shift(image_tokens: int, config) -> float:
@@ -59,8 +66,13 @@ class FluxTextToImage:
         images = len(settings.image_prompts)
         return {"clip": len(settings.prompts), "t5": len(settings.prompts), self.backbone: images, "vae": images}
 
-    def context_windows(self, settings: SamplingSettings) -> int:
-        return 1
+    @property
+    def text_tokens(self) -> int:
+        return text_tokens(self.t5_tokenizer)
+
+    def sequence_sizes(self, settings: SamplingSettings) -> dict[str, int]:
+        """The length of each sequence axis of the graphs in a run: T5's tokens."""
+        return {TEXT_TOKENS: self.text_tokens}
 
     def _ids(self, tokenizer, texts: list[str], length: int) -> torch.Tensor:
         ids = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
@@ -73,7 +85,7 @@ class FluxTextToImage:
         pooled = timer.time("clip", self.stages["clip"], input_ids=self._ids(
             self.clip_tokenizer, list(settings.prompts), self.clip_tokenizer.model_max_length))["pooled"]
         hidden = timer.time("t5", self.stages["t5"], input_ids=self._ids(
-            self.t5_tokenizer, list(settings.prompts), T5_TOKENS))["hidden_states"]
+            self.t5_tokenizer, list(settings.prompts), self.text_tokens))["hidden_states"]
         repeat = settings.images_per_prompt
         return hidden.repeat_interleave(repeat, 0), pooled.repeat_interleave(repeat, 0)
 
@@ -132,6 +144,10 @@ class FluxTextToImage:
             inputs["guidance"] = guidance
         return inputs
 
+    def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer: StageTimer) -> torch.Tensor:
+        """The transformer's velocity at this step."""
+        return timer.time(self.backbone, self.stages[self.backbone], **inputs)["latent"]
+
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
         """Images in [0, 1], (B, 3, H, W), float32."""
@@ -144,9 +160,9 @@ class FluxTextToImage:
         guidance = (torch.full([latents.shape[0]], settings.guidance_scale, device=self.device, dtype=torch.float32)
                     if self.guidance_embedded else None)
         self.scheduler.set_begin_index(0)
-        for t in Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False):
+        for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
             inputs = self.backbone_inputs(latents, t, hidden, pooled, image_ids, guidance)
-            velocity = timer.time(self.backbone, self.stages[self.backbone], **inputs)["latent"]
+            velocity = self.predict(settings, step, inputs, timer)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
         unpacked = self.unpack(latents, height, width)
         images = timer.time("vae", self.stages["vae"], latent=unpacked)["images"].float()

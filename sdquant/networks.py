@@ -35,10 +35,17 @@ class Network:
     name: str
     inputs: dict[str, dict[int, str]]
     outputs: dict[str, dict[int, str]]
+    # Inputs the exporter leaves out of a graph that never reads them (DeepCache's shallow pass
+    # reads no text where its live blocks have no cross-attention).
+    optional: tuple[str, ...] = ()
 
     @property
     def input_names(self) -> list[str]:
         return list(self.inputs)
+
+    @property
+    def required_inputs(self) -> list[str]:
+        return [name for name in self.inputs if name not in self.optional]
 
     @property
     def output_names(self) -> list[str]:

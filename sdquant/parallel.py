@@ -63,12 +63,30 @@ def stop(world: World) -> None:
         dist.destroy_process_group()
 
 
-def shard(batches: list, world: World) -> list[tuple[int, list]]:
+def shard(batches: list, world: World,
+          what: str = "calibration batches (quantize.calib_size / quantize.batch_size)") -> list[tuple[int, object]]:
     """(global index, batch) pairs this rank runs."""
     if len(batches) < world.size:
-        raise UserError(f"{len(batches)} calibration batches (quantize.calib_size / quantize.batch_size) cannot "
-                        f"be split over {world.size} processes: raise calib_size or use fewer processes")
+        raise UserError(f"{len(batches)} {what} cannot be split over {world.size} processes: give more or use "
+                        "fewer processes")
     return [(index, batch) for index, batch in enumerate(batches) if index % world.size == world.rank]
+
+
+def share_of(world: World, jobs) -> World:
+    """This process's part among `jobs.count` independent jobs (shard.index of them) of world.size
+    torchrun processes each, as one world: part index * size + rank of count * size."""
+    return World(jobs.index * world.size + world.rank, jobs.count * world.size, world.local_rank)
+
+
+def gather(value, world: World) -> list:
+    """Every rank's `value`, in rank order (just [value] outside torchrun)."""
+    import torch.distributed as dist
+
+    if not world.is_parallel:
+        return [value]
+    values = [None] * world.size
+    dist.all_gather_object(values, value)
+    return values
 
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
-from .networks import TOKENS
+from .networks import CONTEXT, TOKENS
 from .progress import Progress
 from .stages import StageTimer
 
@@ -48,6 +48,8 @@ class SamplingSettings:
     # A prompt longer than one CLIP window: cut to it ("truncate", as diffusers does), or encoded
     # window by window with the windows' embeddings joined into a longer context ("chunk").
     long_prompts: str = "truncate"
+    # Step caching (sdquant.deep_cache.DeepCache), or None: the whole backbone at every step.
+    cache: object | None = None
 
     @property
     def image_prompts(self) -> list[str]:
@@ -114,6 +116,7 @@ class TextToImage:
         self.sdxl = sdxl
         self.force_zeros = force_zeros_for_empty_prompt
         self.told: set[str] = set()  # the prompts already said to be cut
+        self.deep: torch.Tensor | None = None  # with a step cache: the deep feature of the last full pass
         self.backbone = "unet_xl" if sdxl else "unet"
         if sdxl:
             from diffusers.models.embeddings import Timesteps
@@ -154,6 +157,14 @@ class TextToImage:
             return 1
         return max(len(prompt_windows(tokenizer, text)) for tokenizer in self.tokenizers
                    for text in self.texts(settings))
+
+    def sequence_sizes(self, settings: SamplingSettings) -> dict[str, int]:
+        """The size of each axis of the graphs in a run besides the batch and the latent's: the UNet's
+        context, and with a step cache its deep feature's height and width."""
+        from .deep_cache import deep_sizes
+
+        deep = {} if settings.cache is None else deep_sizes(*self.latent_size(settings), settings.cache.branch)
+        return {CONTEXT: self.context_windows(settings) * TOKENS, **deep}
 
     def token_ids(self, tokenizer, settings: SamplingSettings) -> torch.Tensor:
         """(windows, texts, TOKENS) int32 token ids of the texts, each padded to the same windows."""
@@ -210,6 +221,20 @@ class TextToImage:
 
         return {"generator": generators} if "generator" in inspect.signature(self.scheduler.step).parameters else {}
 
+    def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer: StageTimer) -> torch.Tensor:
+        """The backbone's output at this step: the whole UNet, or with a step cache its full pass
+        (which also gives the deep feature to keep) or its shallow pass (which takes it)."""
+        from .deep_cache import DEEP, FULL, SHALLOW
+
+        cache = settings.cache
+        if cache is None:
+            return timer.time(self.backbone, self.stages[self.backbone], **inputs)["out"]
+        if cache.full_step(step):
+            outputs = timer.time(self.backbone, self.stages[FULL.format(self.backbone)], **inputs)
+            self.deep = outputs[DEEP]
+            return outputs["out"]
+        return timer.time(self.backbone, self.stages[SHALLOW.format(self.backbone)], **inputs, deep=self.deep)["out"]
+
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:
         """Images in [0, 1], (B, 3, H, W), float32."""
@@ -222,14 +247,14 @@ class TextToImage:
         step_kwargs = self._step_kwargs(generators)
         guided = self.guided(settings)
         steps = Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)
-        for t in steps:
+        for step, t in enumerate(steps):
             x = torch.cat([latents] * 2) if guided else latents
             x = self.scheduler.scale_model_input(x, t)
             inputs = {"x": x, "timesteps": t.float().expand(x.shape[0]),
                       "context": context if guided else context[context.shape[0] // 2:]}
             if y is not None:
                 inputs["y"] = y if guided else y[y.shape[0] // 2:]
-            noise = timer.time(self.backbone, self.stages[self.backbone], **inputs)["out"].float()
+            noise = self.predict(settings, step, inputs, timer).float()
             if guided:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + settings.guidance_scale * (cond - uncond)

@@ -51,13 +51,14 @@ class RecordingStage:
 
 
 @torch.no_grad()
-def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], stage) -> list[float]:
+def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], predict) -> list[float]:
     """Per backbone call of the reference run (one per scheduler timestep), the relative L2 error
-    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's prediction on the same input."""
+    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's prediction on the same input;
+    `predict(step, inputs)` is the variant's (with a step cache, its full or shallow pass)."""
     errors = []
-    for inputs, reference in calls:
+    for step, (inputs, reference) in enumerate(calls):
         reference = reference.float()
-        difference = prediction(stage(**inputs)).float() - reference
+        difference = predict(step, inputs).float() - reference
         errors.append(float(difference.norm() / reference.norm().clamp_min(torch.finfo(torch.float32).tiny)))
     return errors
 

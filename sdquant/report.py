@@ -148,9 +148,39 @@ def print_latency(report: dict) -> None:
               f"{report['setup_seconds']:.1f} s once per shape)")
 
 
-def write_report(out: Path, report: dict) -> Path:
+def write_report(out: Path, report: dict, name: str = "latency.json") -> Path:
     from .artifacts import write_json
 
-    path = Path(out) / "latency.json"
+    path = Path(out) / name
     write_json(path, report)
     return path
+
+
+def merged_latency(parts: list[dict]) -> dict:
+    """One report for processes that each made their share of the images side by side: each part's
+    figures, their mean per stage, and the throughput of all of them together (the sum of the
+    parts' images per second)."""
+    import statistics
+
+    merged = {key: value for key, value in parts[0].items() if key != "parts"}
+    merged["ms"] = {key: statistics.mean(part["ms"][key] for part in parts) for key in parts[0]["ms"]}
+    merged["images_per_second"] = sum(part["images_per_second"] for part in parts)
+    merged["images_written"] = sum(part["images_written"] for part in parts)
+    merged["first_call_seconds"] = max(part["first_call_seconds"] for part in parts)
+    merged["parts"] = [{key: value for key, value in part.items() if key not in ("settings", "versions")}
+                       for part in parts]
+    return merged
+
+
+def merge_shard_reports(out: Path, count: int) -> dict | None:
+    """The merged report of shard.count jobs once every one has written its own, else None (the
+    last job to finish merges; two finishing together write the same file)."""
+    import json
+
+    paths = [Path(out) / f"latency.shard{index}of{count}.json" for index in range(count)]
+    if not all(path.is_file() for path in paths):
+        return None
+    reports = [json.loads(path.read_text()) for path in paths]
+    merged = merged_latency([part for report in reports for part in report.get("parts", [report])])
+    merged.update(versions=reports[0].get("versions"), settings=reports[0].get("settings"), shards=count)
+    return merged

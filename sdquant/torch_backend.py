@@ -202,8 +202,13 @@ class GraphReplayStage:
 
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
+    from .deep_cache import FULL, SHALLOW
+
     backbone = getattr(pipe, family.backbone)
-    replayed = (family.backbone_graph, "vae")
+    # The backbone (or, with a step cache, each of its passes: one compiled graph and one CUDA
+    # graph per branch) and the VAE.
+    graph = family.backbone_graph
+    replayed = [name for name in (graph, FULL.format(graph), SHALLOW.format(graph), "vae") if name in stages]
     if block.compile:
         # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v.
         backbone.to(memory_format=torch.channels_last)

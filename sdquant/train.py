@@ -32,6 +32,7 @@ from . import scenes
 from .artifacts import atomic_folder
 from .cli import stage
 from .errors import UserError
+from .families import family_of
 from .progress import Progress
 from .report import library_versions
 
@@ -42,6 +43,10 @@ HELD_OUT_PROMPTS = "heldout_prompts.txt"
 # SDXL's own noise schedule and time ids convention (original size, crop, target size).
 SCHEDULE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
 TIME_ID_WIDTH = 8
+# The Flux scene model's T5 sequence: its longest caption is 17 pieces with the end token. The
+# pipelines take the length from the saved tokenizer; diffusers' 512 would make nine tenths of
+# every training step and every sampling step padding.
+SCENE_TEXT_TOKENS = 32
 
 
 def scene_tokenizer():
@@ -70,13 +75,11 @@ def scene_t5_tokenizer():
     word still encodes, letter by letter. It saves and loads as T5's own."""
     from transformers import T5TokenizerFast
 
-    from .flux_pipeline import T5_TOKENS
-
     letters = list(string.ascii_letters + string.digits + string.punctuation)
     words = [("\u2581" + word, 0.0) for word in scenes.caption_vocabulary() if word.isalnum()]
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -5.0), *words,
              *[(letter, -10.0) for letter in letters]]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=T5_TOKENS)
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=SCENE_TEXT_TOKENS)
 
 
 def build_sdxl_scenes(arch, tokenizer):
@@ -379,7 +382,8 @@ SCENE_MODELS = {
 
 
 @torch.no_grad()
-def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int) -> dict:
+def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int,
+                       call_kwargs: dict) -> dict:
     """The trained pipeline's prompt adherence on held-out scenes, with diffusers' own sampler."""
     from .quality import adherence, adherence_summary
 
@@ -389,7 +393,7 @@ def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: flo
         chunk = prompts[start:start + batch]
         generator = torch.Generator(pipe.device).manual_seed(seed + start)
         images = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance_scale, output_type="pt",
-                      height=scenes.IMAGE_SIZE, width=scenes.IMAGE_SIZE, generator=generator).images
+                      height=scenes.IMAGE_SIZE, width=scenes.IMAGE_SIZE, generator=generator, **call_kwargs).images
         rows += adherence(images.float(), chunk)
     return adherence_summary(rows)["mean"]
 
@@ -433,7 +437,8 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     pipe.to(torch.float16).set_progress_bar_config(disable=True)
     prompts = held_out_prompts(cfg.eval_prompts)
     with stage("scoring the held-out prompts"):
-        adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed) if prompts else {}
+        adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
+                                       family_of(model.family).pipeline_call_kwargs(pipe)) if prompts else {}
     record = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "family": model.family,

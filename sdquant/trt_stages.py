@@ -57,16 +57,17 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
 
 
 def check_within_profiles(profiles: dict[str, dict[str, tuple]], batches: dict[str, int],
-                          latent_size: tuple[int, int], context_tokens: int = TOKENS) -> None:
+                          latent_size: tuple[int, int], sequences: dict[str, int] | None = None) -> None:
     """Refuses, before any image work, a run whose batch, image size or prompt length an engine
     cannot take.
 
     `profiles`: per stage, each input's (min, opt, max) shape; `batches`: samples per call of each
     stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents;
-    `context_tokens`: the UNet's context length (one CLIP window unless long prompts are chunked).
+    `sequences`: each sequence axis's length (the pipeline's sequence_sizes: the UNet's context,
+    one CLIP window unless long prompts are chunked; a DiT's T5 tokens).
     """
     for stage, batch in batches.items():
-        sizes = {BATCH: batch, **run_sizes(*latent_size, context_tokens)}
+        sizes = {BATCH: batch, **run_sizes(*latent_size, sequences or {CONTEXT: TOKENS})}
         for tensor, profile in profiles[stage].items():
             # Each dynamic axis as this run sizes it (as build.profile_shapes sized it for the
             # build), the rest as the profile has them.

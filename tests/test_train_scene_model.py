@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from sdquant import scenes
 from sdquant.config import ModelConfig
 from sdquant.errors import EXIT_USER_ERROR
+from sdquant.families.flux import FLUX
 from sdquant.load import load_pipeline
 
 from conftest import REPO
@@ -75,6 +76,14 @@ def test_flux_smoke_run_writes_a_folder_that_loads_as_flux(tmp_path):
                          torch.float32)
     assert pipe.transformer.config.num_layers == 1 and not pipe.transformer.config.guidance_embeds
     assert pipe.vae.config.latent_channels == 16 and pipe.vae.config.shift_factor is not None
-    # Every caption word is one piece of the T5 tokenizer too (and the end token).
+    # Every caption word is one piece of the T5 tokenizer too (and the end token), and the model's T5
+    # sequence is its tokenizer's 32, which the diffusers pipeline that calibration runs is told.
     assert len(pipe.tokenizer_2("a red circle on the left and a blue square on the right, white background")
                .input_ids) == 16 + 1
+    assert FLUX.pipeline_call_kwargs(pipe) == {"max_sequence_length": 32}
+    seen = []
+    pipe.transformer.register_forward_hook(lambda _m, _a, kwargs, _o: seen.append(kwargs["encoder_hidden_states"].shape),
+                                           with_kwargs=True)
+    pipe("a red circle on the left, white background", num_inference_steps=1, height=64, width=64,
+         output_type="latent", **FLUX.pipeline_call_kwargs(pipe))
+    assert [shape[1] for shape in seen] == [32]

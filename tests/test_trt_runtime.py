@@ -17,6 +17,7 @@ from sdquant import build
 from sdquant.families.stable_diffusion import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
+from sdquant.networks import CONTEXT
 from sdquant.pipeline import SamplingSettings, TextToImage
 from sdquant.families import family_of
 from sdquant.stages import StageTimer
@@ -105,9 +106,9 @@ def test_chunked_prompts_longer_than_the_unet_profile_are_refused_naming_the_reb
     infer = InferBlock(batch_size=1, width=64, height=64)
     unet = {"unet_xl": build.profile_shapes(infer, TrtBlock(), SDXL, "unet_xl", SDXL_DIMS["unet_xl"], 8)}
     assert unet["unet_xl"]["context"][2] == (16, 154, 2048), "two CLIP windows by default"
-    check_within_profiles(unet, {"unet_xl": 2}, (8, 8), 154)
+    check_within_profiles(unet, {"unet_xl": 2}, (8, 8), {CONTEXT: 154})
     with pytest.raises(UserError, match=r"input context: .*prompts need 3 CLIP windows.*trt.max_prompt_chunks=3"):
-        check_within_profiles(unet, {"unet_xl": 2}, (8, 8), 231)
+        check_within_profiles(unet, {"unet_xl": 2}, (8, 8), {CONTEXT: 231})
     longer = build.profile_shapes(infer, TrtBlock(max_prompt_chunks=3), SDXL, "unet_xl", SDXL_DIMS["unet_xl"], 8)
     assert longer["context"] == ((1, 77, 2048), (2, 77, 2048), (16, 231, 2048))
 

@@ -33,7 +33,7 @@ def all_families() -> list[ModelFamily]:
 def dynamic_axes(graph: str, tensor: str) -> dict[int, str]:
     """{axis: label} of the dynamic axes of input or output `tensor` of the graph named `graph`."""
     for family in all_families():
-        for network in family.networks():
+        for network in (*family.networks(), *family.cache_networks()):
             if network.name == graph:
                 return network.dynamic_axes.get(tensor, {})
     return {}

@@ -66,6 +66,34 @@ class ModelFamily:
         """The sampling.scheduler the family runs when none is asked for."""
         raise NotImplementedError
 
+    # sampling.cache.method values the family's backbone takes.
+    cache_methods: tuple[str, ...] = ("none",)
+
+    def cache_stages(self, backbone, dtype, cache) -> dict:
+        """The backbone's stages under a step cache (sampling.cache), by graph name."""
+        raise NotImplementedError
+
+    def cache_networks(self) -> list[Network]:
+        """The graphs a step cache runs besides the pipeline's (DeepCache: the UNet's two passes)."""
+        return []
+
+    def cache_graph_specs(self, pipe, batch: int, latent: int, dtype, cache) -> list:
+        """What to trace for each of cache_networks()."""
+        raise NotImplementedError
+
+    def backbone_graphs(self) -> tuple[str, ...]:
+        """The graphs that run the backbone: its own and those of its cached passes."""
+        return (self.backbone_graph, *(network.name for network in self.cache_networks()))
+
+    def text_tokens(self, pipe) -> int | None:
+        """The length of the pipeline's T5 sequence, for a family that has one."""
+        return None
+
+    def pipeline_call_kwargs(self, pipe) -> dict:
+        """What a call of the diffusers pipeline needs besides prompts, steps, guidance and size,
+        so that calibration and training's check see the inputs the graphs will."""
+        return {}
+
     def native_image_size(self, configs: dict, vae_scale: int) -> int:
         """The side the model was trained at, as diffusers' pipelines default to it: the backbone's
         sample size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5)."""
@@ -96,7 +124,7 @@ class ModelFamily:
         return {network.name: network.name for network in self.networks()}
 
     def network(self, name: str) -> Network:
-        return {each.name: each for each in self.networks()}[name]
+        return {each.name: each for each in (*self.networks(), *self.cache_networks())}[name]
 
     def graph_names(self) -> tuple[str, ...]:
         return tuple(network.name for network in self.networks())

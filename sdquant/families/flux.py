@@ -152,14 +152,21 @@ class FluxFamily(ModelFamily):
         # FluxPipeline hands the transformer t / 1000.
         return kwargs["timestep"] * 1000
 
+    def text_tokens(self, pipe) -> int:
+        from ..flux_pipeline import text_tokens
+
+        return text_tokens(pipe.tokenizer_2)
+
+    def pipeline_call_kwargs(self, pipe) -> dict:
+        return {"max_sequence_length": self.text_tokens(pipe)}
+
     def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype) -> list:
         from ..export import GraphSpec, VaeDecoderGraph
-        from ..flux_pipeline import T5_TOKENS
         from ..quantizers import unsupported_quantizers
 
         transformer = pipe.transformer.to(dtype)
         config = transformer.config
-        tokens, text = (latent // 2) ** 2, T5_TOKENS
+        tokens, text = (latent // 2) ** 2, self.text_tokens(pipe)
         args = [torch.randn(batch, tokens, config.in_channels, dtype=dtype),
                 torch.randn(batch, text, config.joint_attention_dim, dtype=dtype),
                 torch.randn(batch, config.pooled_projection_dim, dtype=dtype), torch.full((batch,), 0.5, dtype=dtype),

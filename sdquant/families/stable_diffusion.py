@@ -85,6 +85,7 @@ class UNetGraph(torch.nn.Module):
 
 class StableDiffusionFamily(ModelFamily):
     backbone = "unet"
+    cache_methods = ("none", "deepcache")
 
     def __init__(self, sdxl: bool):
         self.sdxl = sdxl
@@ -134,14 +135,17 @@ class StableDiffusionFamily(ModelFamily):
                                    (ids,)))
         vae = pipe.vae.to(vae_dtype)
         specs.append(GraphSpec(VAE, VaeDecoderGraph(vae), (torch.randn(batch, 4, latent, latent, dtype=vae_dtype),)))
-        unet_module = pipe.unet.to(dtype)
+        specs.append(GraphSpec(unet(self.sdxl), UNetGraph(pipe.unet.to(dtype), self.sdxl),
+                               self._unet_args(pipe.unet, batch, latent, dtype),
+                               on_meta=not unsupported_quantizers(pipe.unet)))
+        return specs
+
+    def _unet_args(self, unet_module, batch: int, latent: int, dtype) -> tuple:
         args = [torch.randn(batch, 4, latent, latent, dtype=dtype), torch.full((batch,), 500.0),
                 torch.randn(batch, TOKENS, unet_module.config.cross_attention_dim, dtype=dtype)]
         if self.sdxl:
             args.append(torch.randn(batch, unet_module.config.projection_class_embeddings_input_dim, dtype=dtype))
-        specs.append(GraphSpec(unet(self.sdxl), UNetGraph(unet_module, self.sdxl), tuple(args),
-                               on_meta=not unsupported_quantizers(unet_module)))
-        return specs
+        return tuple(args)
 
     def torch_stages(self, pipe, dtype) -> dict:
         from ..export import TextEncoderGraph, VaeDecoderGraph
@@ -161,6 +165,34 @@ class StableDiffusionFamily(ModelFamily):
 
         return TorchStage(UNetGraph(backbone, self.sdxl), unet(self.sdxl), dtype)
 
+    def cache_stages(self, backbone, dtype, cache) -> dict:
+        from ..deep_cache import FullPass, ShallowPass, passes
+        from ..stages import TorchStage
+
+        full, shallow = passes(unet(self.sdxl))
+        return {full.name: TorchStage(FullPass(backbone, cache.branch), full, dtype),
+                shallow.name: TorchStage(ShallowPass(backbone, cache.branch), shallow, dtype)}
+
+    def cache_networks(self) -> list[Network]:
+        from ..deep_cache import passes
+
+        return list(passes(unet(self.sdxl)))
+
+    def cache_graph_specs(self, pipe, batch: int, latent: int, dtype, cache) -> list:
+        from ..deep_cache import DEEP_HEIGHT, DEEP_WIDTH, FullPass, ShallowPass, deep_sizes
+        from ..export import GraphSpec
+        from ..quantizers import unsupported_quantizers
+
+        module = pipe.unet.to(dtype)
+        args = self._unet_args(module, batch, latent, dtype)
+        full, shallow = self.cache_networks()
+        sizes = deep_sizes(latent, latent, cache.branch)
+        deep = torch.randn(batch, module.config.block_out_channels[cache.branch + 1], sizes[DEEP_HEIGHT],
+                           sizes[DEEP_WIDTH], dtype=dtype)
+        on_meta = not unsupported_quantizers(module)
+        return [GraphSpec(full, FullPass(module, cache.branch), args, on_meta=on_meta),
+                GraphSpec(shallow, ShallowPass(module, cache.branch), (*args, deep), on_meta=on_meta)]
+
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         from ..pipeline import TextToImage
 
@@ -176,7 +208,7 @@ class StableDiffusionFamily(ModelFamily):
         build_pipeline("sdxl" if self.sdxl else "sd15", TINY).save_pretrained(folder)
 
     def guided_graphs(self) -> tuple[str, ...]:
-        return tuple(name for name in self.graph_names() if name != "vae")
+        return tuple(name for name in (*self.graph_names(), *self.backbone_graphs()[1:]) if name != "vae")
 
     def engine_keys(self) -> dict[str, str]:
         """NeMo's keys: unet_xl names the UNet engine for SD 1.5 too."""

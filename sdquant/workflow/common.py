@@ -54,8 +54,31 @@ def sampling_runs(cfg) -> list[SamplingSettings]:
     return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
                              guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
                              seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
-                             long_prompts=sampling.long_prompts)
+                             long_prompts=sampling.long_prompts, cache=step_cache(sampling.cache))
             for index, prompts in enumerate(batches)]
+
+
+def step_cache(block):
+    """sampling.cache as the pipelines take it: None for none."""
+    from ..deep_cache import DeepCache
+
+    return None if block.method == "none" else DeepCache(block.interval, block.branch)
+
+
+def check_cache(block, key: str, model, parts: dict, on_modules: bool) -> None:
+    """Refuses, before any work, a step cache (config `key`) the model's backbone cannot take, or
+    that an evaluate.py variant of one graph or engine file would run (`on_modules` false)."""
+    if block.method == "none":
+        return
+    family = family_of(model.family)
+    if block.method not in family.cache_methods:
+        raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone} takes "
+                        f"{' or '.join(family.cache_methods)}")
+    if not on_modules:
+        raise UserError(f"{key}.method={block.method} runs on the diffusers modules in evaluate.py (the fp16 "
+                        "backbone or a quantize.py checkpoint): a graph or engine variant is one file, and a cached "
+                        "UNet runs two (infer_trt.py runs the cached graphs and engines)")
+    step_cache(block).check(parts["backbone_config"], key)
 
 
 def _prompt_batches(sampling) -> list[list[str]]:
@@ -77,6 +100,7 @@ def sampling_parts(cfg) -> dict:
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
+    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, on_modules=True)
     return parts
 
 

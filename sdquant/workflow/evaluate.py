@@ -3,6 +3,7 @@ from identical initial latents."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from omegaconf import OmegaConf
 
 import torch
 
-from .. import build, quality, report
+from .. import build, parallel, quality, report
 from ..families import family_of
 from ..export import check_graph_file
 from ..cli import stage
@@ -20,7 +21,8 @@ from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer
-from .common import checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, text_to_image
+from .common import (check_cache, checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs,
+                     step_cache, text_to_image)
 
 
 def run_evaluate(cfg) -> dict:
@@ -29,8 +31,49 @@ def run_evaluate(cfg) -> dict:
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(cfg.model, name, source) for name, source in cfg.variants.items()}
     parts = sampling_parts(cfg)
-    runs = sampling_runs(cfg)
-    device = resolve_device(cfg.device)
+    caches = {}
+    for name, kind in kinds.items():
+        key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
+        block = OmegaConf.select(cfg, key)
+        check_cache(block, key, cfg.model, parts, on_modules=kind in ("fp16", "checkpoint"))
+        caches[name] = step_cache(block)
+    # The reference is the uncached fp16 backbone whatever the variants cache.
+    runs = [dataclasses.replace(settings, cache=None) for settings in sampling_runs(cfg)]
+    world = parallel.current_world()
+    device = parallel.rank_device(resolve_device(cfg.device), world)
+    parallel.start(world, device)
+    try:
+        part = parallel.share_of(world, cfg.shard)
+        mine = parallel.shard(runs, part, "prompt batches (prompts / sampling.batch_size)")
+        batches, sources, notes, dtype = _part_results(cfg, kinds, caches, parts, mine, device)
+        batches = {index: batch for each in parallel.gather(batches, world) for index, batch in each.items()}
+        if not world.is_main:
+            return {}
+        out = Path(cfg.out_path).expanduser()
+        if cfg.shard.count > 1:
+            batches = _with_other_shards(out, cfg.shard, batches)
+            if batches is None:
+                print(f"shard {cfg.shard.index} of {cfg.shard.count} done; the last shard to finish writes the report")
+                return {}
+        scores, reference_clip, reference_adherence, columns = _merged(batches, sources)
+        settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+                    "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions(),
+                    "processes": part.size}
+        result = quality.build_report(scores, reference_clip, reference_adherence, notes, settings)
+        with stage("writing the report"):
+            written = quality.write_outputs(out, result, quality.image_grid(columns))
+        quality.print_means(result)
+        print_summary("quality evaluation", written, time.perf_counter() - start)
+        return result
+    finally:
+        parallel.stop(world)
+
+
+def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[int, object]],
+                  device: torch.device) -> tuple[dict, dict, list, torch.dtype]:
+    """This process's prompt batches, each as a record of the reference's and every variant's
+    images and scores (so that parts merge in the run's batch order); also each variant's source,
+    the metrics' notes and the dtype."""
     family = family_of(cfg.model.family)
     dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
     with stage("loading the model"):
@@ -40,27 +83,57 @@ def run_evaluate(cfg) -> dict:
                        quality.clip_metric(cfg.metrics.clip_model, device))
     fp16_backbone = pipeline.stages[family.backbone_graph]
     with stage("the fp16 reference runs"):
-        references = _reference_runs(pipeline, runs, device)
-    reference_clip = ([value for settings, _, images, _ in references
-                       for value in clip.score(None, images, settings.image_prompts)] if clip.score else None)
-    reference_adherence = [row for settings, _, images, _ in references
-                           for row in quality.adherence(images, settings.image_prompts)]
-    columns = [torch.cat([images for _, _, images, _ in references])]
-    scores = {}
+        references = _reference_runs(pipeline, [settings for _, settings in mine], device)
+    batches = {}
+    for (index, _), (settings, _, images, _) in zip(mine, references):
+        batches[index] = {"reference": {
+            "images": images.cpu(), "adherence": quality.adherence(images, settings.image_prompts),
+            "clip": clip.score(None, images, settings.image_prompts) if clip.score else None}, "variants": {}}
+    sources = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            backbone = _variant_backbone(cfg, name, kind, fp16_backbone, device, dtype)
-            scores[name], images = _variant_runs(cfg, pipeline, name, backbone, references, [lpips, clip], device)
-        columns.append(images)
-    settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
-                "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions()}
-    result = quality.build_report(scores, reference_clip, reference_adherence,
-                                  [m.note for m in (lpips, clip) if m.note], settings)
-    with stage("writing the report"):
-        written = quality.write_outputs(Path(cfg.out_path).expanduser(), result, quality.image_grid(columns))
-    quality.print_means(result)
-    print_summary("quality evaluation", written, time.perf_counter() - start)
-    return result
+            backbone, module = _variant_backbone(cfg, name, kind, fp16_backbone, getattr(pipe, family.backbone),
+                                                 device, dtype)
+            if caches[name] is not None:
+                pipeline.stages.update(family.cache_stages(module, dtype, caches[name]))
+            source = str(cfg.variants[name] or "the fp16 backbone again (self-check)")
+            sources[name] = source if caches[name] is None else f"{source}, cached ({caches[name].describe()})"
+            runs = _variant_runs(pipeline, name, backbone, caches[name], references, [lpips, clip], device)
+            for (index, _), batch in zip(mine, runs):
+                batches[index]["variants"][name] = batch
+    return batches, sources, [m.note for m in (lpips, clip) if m.note], dtype
+
+
+def _with_other_shards(out: Path, shard, batches: dict) -> dict | None:
+    """All shard jobs' batch records once every job has saved its own (this one's now), else None."""
+    from ..artifacts import atomic_path
+
+    folder = out / "shards"
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(folder / f"part{shard.index}of{shard.count}.pt") as staging:
+        torch.save(batches, staging)
+    files = [folder / f"part{index}of{shard.count}.pt" for index in range(shard.count)]
+    if not all(path.is_file() for path in files):
+        return None
+    return {index: batch for path in files for index, batch in torch.load(path, weights_only=False).items()}
+
+
+def _merged(batches: dict, sources: dict) -> tuple[dict, list | None, list, list]:
+    """The batch records in the run's order, as the report takes them: each variant's scores, the
+    reference's CLIP scores and adherence, and the grid's columns."""
+    ordered = [batches[index] for index in sorted(batches)]
+    scores = {name: quality.VariantScores(source=source) for name, source in sources.items()}
+    for batch in ordered:
+        for name, variant in batch["variants"].items():
+            scores[name].per_prompt += variant["per_prompt"]
+            scores[name].step_errors.append(variant["step_errors"])
+            scores[name].adherence += variant["adherence"]
+    clip = [value for batch in ordered for value in batch["reference"]["clip"]] \
+        if ordered[0]["reference"]["clip"] is not None else None
+    adherence = [row for batch in ordered for row in batch["reference"]["adherence"]]
+    columns = [torch.cat([batch["reference"]["images"] for batch in ordered])]
+    columns += [torch.cat([batch["variants"][name]["images"] for batch in ordered]) for name in sources]
+    return scores, clip, adherence, columns
 
 
 def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
@@ -78,19 +151,21 @@ def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
     return references
 
 
-def _variant_runs(cfg, pipeline, name: str, backbone, references: list[tuple], metrics: list,
-                  device: torch.device) -> tuple[quality.VariantScores, torch.Tensor]:
-    """One variant's scores, from the reference runs' initial latents, and its images."""
+def _variant_runs(pipeline, name: str, backbone, cache, references: list[tuple], metrics: list,
+                  device: torch.device) -> list[dict]:
+    """Per reference run, one variant's images and scores from the same initial latents; with a
+    step cache (whose stages the pipeline holds), teacher forcing runs the cached passes too."""
     pipeline.stages[pipeline.backbone] = backbone
-    variant = quality.VariantScores(source=str(cfg.variants[name] or "the fp16 backbone again (self-check)"))
-    images_per_batch = []
+    batches = []
     for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
+        settings = dataclasses.replace(settings, cache=cache)
         images = pipeline(settings, StageTimer(device), latents=latents)
-        variant.per_prompt += quality.score_images(reference, images, settings.image_prompts, metrics)
-        variant.step_errors.append(quality.teacher_forced_errors(calls, backbone))
-        variant.adherence += quality.adherence(images, settings.image_prompts)
-        images_per_batch.append(images)
-    return variant, torch.cat(images_per_batch)
+        batches.append({
+            "images": images.cpu(), "adherence": quality.adherence(images, settings.image_prompts),
+            "per_prompt": quality.score_images(reference, images, settings.image_prompts, metrics),
+            "step_errors": quality.teacher_forced_errors(
+                calls, lambda step, inputs: pipeline.predict(settings, step, inputs, StageTimer(device)))})
+    return batches
 
 
 ENGINE_SUFFIXES = (".plan", ".engine")
@@ -118,20 +193,22 @@ def _variant_kind(model, name: str, source: str | None) -> str:
                     f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
 
 
-def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, device: torch.device, dtype: torch.dtype):
-    """The backbone stage a variant runs."""
+def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, fp16_module, device: torch.device,
+                      dtype: torch.dtype):
+    """The backbone stage a variant runs, and its module where it runs one (for a step cache)."""
     source = cfg.variants[name]
     family = family_of(cfg.model.family)
     if kind == "fp16":
-        return fp16_backbone
+        return fp16_backbone, fp16_module
     if kind == "onnx":
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
-                                family.network(family.backbone_graph))
+                                family.network(family.backbone_graph)), None
     if kind == "engine":
         from ..trt_stages import trt_stages
 
         plan = Path(source).expanduser()
-        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph]
+        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph], None
     backbone = empty_backbone(cfg.model)
     restore_quantized_unet(cfg.model, f"variants.{name}", source, backbone)
-    return family.backbone_stage(backbone.to(device=device, dtype=dtype), dtype)
+    backbone.to(device=device, dtype=dtype)
+    return family.backbone_stage(backbone, dtype), backbone

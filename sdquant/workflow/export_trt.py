@@ -8,15 +8,16 @@ from pathlib import Path
 
 import torch
 
-from .. import build, checkpoint, export, lora, networks, refit
+from .. import build, checkpoint, export, load, lora, networks, refit
 from ..families import family_of
 from ..artifacts import read_json
 from ..cli import stage
 from ..config import validate_export, validate_image_size
 from ..errors import UserError
+from ..flux_pipeline import T5_TOKENS
 from ..load import empty_backbone, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
-from .common import checked_checkpoint, restore_quantized_unet, settled_image_size
+from .common import check_cache, checked_checkpoint, restore_quantized_unet, settled_image_size, step_cache
 
 
 def run_export(cfg) -> list[Path]:
@@ -26,6 +27,8 @@ def run_export(cfg) -> list[Path]:
         checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
     if not cfg.run_refit:
         cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
+        if _export_cache(cfg) is not None:
+            check_cache(cfg.cache, "cache", cfg.model, load.model_configs(cfg.model), on_modules=True)
     if cfg.run_refit:
         return refit_engines(cfg)
     written = export_onnx(cfg) if cfg.run_onnx_export else []
@@ -58,19 +61,24 @@ def export_onnx(cfg) -> list[Path]:
         export.prepare_quantizers_for_export(getattr(pipe, family.backbone), dtype)
     latent = cfg.onnx.trace_latent_size
     specs = family.graph_specs(pipe, cfg.infer.batch_size, latent, dtype, vae_dtype)
+    cache = _export_cache(cfg)
+    if cache is not None:
+        specs += family.cache_graph_specs(pipe, cfg.infer.batch_size, latent, dtype, cache)
     written, reused = [], []
     for spec in specs:
         folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
         graph_dtype = vae_dtype if spec.name == "vae" else dtype
-        fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized)
+        fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized, cache)
         if not cfg.force and export.is_current(folder, fingerprint):
             reused.append(folder / networks.ONNX_FILE)
             continue
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name == family.backbone_graph else None,
+                "quantized_unet": cfg.quantized_unet if spec.name in family.backbone_graphs() else None,
+                **({"deep_cache_branch": cache.branch} if spec.name in family.backbone_graphs()[1:] else {}),
                 "loras": lora.identities(cfg.model.loras) if family.carries_adapters(spec.name) else [],
-                "vae_scale_factor": pipe.vae_scale_factor, "versions": library_versions()}
+                "vae_scale_factor": pipe.vae_scale_factor, "text_tokens": family.text_tokens(pipe),
+                "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
             export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
@@ -80,9 +88,14 @@ def export_onnx(cfg) -> list[Path]:
     return written + reused
 
 
-def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
+def _export_cache(cfg):
+    """The step cache the export makes graphs for (quantize.py's export steps make none)."""
+    return step_cache(cfg.cache) if "cache" in cfg else None
+
+
+def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None, cache=None) -> str:
     family = family_of(cfg.model.family)
-    backbone = name == family.backbone_graph
+    backbone = name in family.backbone_graphs()
     return checkpoint.fingerprint({
         "graph": name,
         "model": checkpoint.model_identity(cfg.model, with_loras=family.carries_adapters(name)),
@@ -91,6 +104,7 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         # UNet graphs traced before they took their upsampling sizes from the skip connections
         # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
         **({"upsampling": "to skip sizes"} if backbone else {}),
+        **({"deep_cache_branch": cache.branch} if name in family.backbone_graphs()[1:] else {}),
     })
 
 
@@ -149,17 +163,21 @@ def build_engines(cfg) -> list[Path]:
     builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
-    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
-    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
+    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8; before
+    # the T5 length was, every Flux graph took diffusers' 512 tokens.
+    vae_meta = read_json(onnx_files["vae"].parent / export.META_FILE) or {}
+    vae_scale = vae_meta.get("vae_scale_factor", 8)
+    text_tokens = vae_meta.get("text_tokens") or T5_TOKENS
     # The graphs may be from another model.source than the size was settled for.
     validate_image_size(cfg.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
     record = build.engines_record(out)
     build.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale)
-        plan = build.plan_path(out, name)
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale,
+                                      text_tokens, graph_meta.get("deep_cache_branch"))
+        plan = build.plan_path(out, name)
         # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
         refittable = cfg.trt.refittable and family.carries_adapters(name) and not graph_meta.get("quantized_unet")
         fingerprint = checkpoint.fingerprint({

@@ -1,0 +1,157 @@
+"""Step caching: DeepCache's two UNet passes, and sampling.cache in the pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdquant.config import ModelConfig, shipped_model_folder
+from sdquant.deep_cache import FullPass, ShallowPass
+from sdquant.errors import UserError
+from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.load import load_pipeline
+from sdquant.workflow.infer_trt import run_infer
+
+from conftest import compose_config
+
+PROMPTS = ["a red circle on the left and a blue square on the right, white background",
+           "a small blue circle on the left, pink background"]
+
+
+@pytest.fixture(scope="module")
+def scene_unet():
+    pipe = load_pipeline(ModelConfig(name="scenes_sdxl", family="sdxl", source=shipped_model_folder("scenes_sdxl")),
+                         torch.device("cpu"), torch.float32)
+    return pipe.unet
+
+
+@pytest.mark.parametrize("latent", [(16, 16), (18, 14)], ids=["native", "odd"])
+@pytest.mark.parametrize("branch", [0, 1])
+def test_full_pass_is_the_unet_and_shallow_pass_with_its_feature_too(scene_unet, branch, latent):
+    generator = torch.Generator().manual_seed(branch)
+    args = (torch.randn(2, 4, *latent, generator=generator), torch.tensor([700.0, 700.0]),
+            torch.randn(2, 77, 192, generator=generator), torch.randn(2, 176, generator=generator))
+    with torch.no_grad():
+        expected = UNetGraph(scene_unet, sdxl=True)(*args)
+        out, deep = FullPass(scene_unet, branch)(*args)
+        shallow = ShallowPass(scene_unet, branch)(*args, deep)
+    assert torch.equal(out, expected) and torch.equal(shallow, expected)
+    # The cached feature is the one entering the first live up block: the deeper the branch, the
+    # coarser and wider it is.
+    assert deep.shape[1] == scene_unet.config.block_out_channels[branch + 1]
+    # Another step's inputs with this feature: the shallow pass is no longer the UNet.
+    with torch.no_grad():
+        later = (args[0] * 0.9, torch.tensor([600.0, 600.0]), *args[2:])
+        assert not torch.equal(ShallowPass(scene_unet, branch)(*later, deep), UNetGraph(scene_unet, sdxl=True)(*later))
+
+
+def _images(tmp_path, *overrides):
+    run_infer(compose_config("sd_xl_trt_inference", [
+        "model=scenes_sdxl", "backend=torch", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={PROMPTS}",
+        "sampling.steps=20", "num_warmup_runs=0", "sampling.batch_size=2", *overrides]))
+    return np.stack([np.asarray(Image.open(tmp_path / f"image_000_{i:02d}.png")) for i in range(2)])
+
+
+def test_deepcache_at_interval_one_is_no_cache_and_every_second_step_stays_close(tmp_path):
+    from skimage.metrics import peak_signal_noise_ratio
+
+    plain = _images(tmp_path / "none")
+    assert np.array_equal(_images(tmp_path / "every", "sampling.cache.method=deepcache", "sampling.cache.interval=1"),
+                          plain)
+    cached = _images(tmp_path / "cached", "sampling.cache.method=deepcache", "sampling.cache.interval=2")
+    assert not np.array_equal(cached, plain)
+    assert peak_signal_noise_ratio(plain, cached) > 20
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sampling.cache.method=deepcache", "sampling.cache.branch=2"], r"sampling.cache.branch=2: .* 0 to 1"),
+    (["sampling.cache.method=deepcache", "sampling.cache.interval=0"], "sampling.cache.interval=0"),
+    (["sampling.cache.method=fastest"], "sampling.cache.method='fastest' is unknown"),
+    (["sampling.cache.method=deepcache", "model=tiny_flux"], "takes none"),
+])
+def test_a_cache_the_backbone_or_backend_cannot_take_is_refused_before_any_work(tmp_path, model_cache, overrides,
+                                                                                message):
+    with pytest.raises(UserError, match=message):
+        run_infer(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
+                                                         f"out_path={tmp_path}", *overrides]))
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_evaluate_scores_a_cached_variant_against_the_uncached_reference(tmp_path):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=scenes_sdxl", f"out_path={tmp_path}", "device=cpu", f"sampling.prompts={PROMPTS}", "sampling.steps=6",
+        "sampling.batch_size=2", "+variants.same=null", "+variants.cached=null",
+        "+variant_cache={cached:{method:deepcache,interval:3}}"]))
+    same, cached = report["variants"]["same"], report["variants"]["cached"]
+    assert same["step_error"] == [0.0] * 6
+    # Teacher-forced, the full passes (steps 0 and 3) are the UNet itself; the shallow ones are not.
+    assert [error == 0.0 for error in cached["step_error"]] == [True, False, False, True, False, False]
+    assert 0 < max(cached["step_error"]) < 1
+    assert "cached (DeepCache" in cached["source"] and all(row["psnr"] < 100 for row in cached["per_prompt"])
+
+
+def test_a_cached_graph_variant_is_refused_naming_the_key(tmp_path):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    graph = tmp_path / "unet_xl.plan"
+    graph.write_bytes(b"")
+    with pytest.raises(UserError, match="variant_cache.x.method=deepcache runs on the diffusers modules"):
+        run_evaluate(compose_config("sd_xl_evaluate", [
+            "model=scenes_sdxl", f"out_path={tmp_path / 'q'}", "device=cpu", f"+variants.x={graph}",
+            "+variant_cache={x:{method:deepcache}}"]))
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.fixture(scope="module")
+def cached_export(tmp_path_factory):
+    """The scene model's graphs in fp32 with DeepCache's two UNet passes, and their TensorRT-RTX engines."""
+    from sdquant.workflow.export_trt import run_export
+
+    out = tmp_path_factory.mktemp("export")
+    run_export(compose_config("sd_xl_export", [
+        "model=scenes_sdxl", f"infer.out_path={out}", "device=cpu", "onnx.precision=fp32", "infer.batch_size=2",
+        "trt.backend=tensorrt_rtx", "cache.method=deepcache"]))
+    return out
+
+
+def _engines(folder) -> list[str]:
+    return [f"{name}={folder}/plan/{name}.plan" for name in ("clip1", "clip2", "unet_xl", "vae")]
+
+
+def test_cached_passes_export_build_and_draw_in_onnx_runtime_what_torch_draws(cached_export, tmp_path):
+    import json
+
+    from skimage.metrics import peak_signal_noise_ratio
+
+    engines = json.loads((cached_export / "plan" / "engines.json").read_text())
+    assert {"unet_xl_full", "unet_xl_shallow"} <= set(engines)
+    meta = json.loads((cached_export / "onnx" / "unet_xl_shallow" / "export.json").read_text())
+    assert meta["inputs"] == ["x", "timesteps", "context", "y", "deep"] and meta["deep_cache_branch"] == 0
+    cached = ["sampling.cache.method=deepcache", "sampling.cache.interval=3"]
+    in_torch = _images(tmp_path / "torch", *cached)
+    in_onnx_runtime = _images(tmp_path / "ort", "backend=onnxruntime", *cached, *_engines(cached_export))
+    assert peak_signal_noise_ratio(in_torch, in_onnx_runtime) > 40
+    # The plain graph still runs without the cache.
+    assert peak_signal_noise_ratio(_images(tmp_path / "plain", "backend=onnxruntime", *_engines(cached_export)),
+                                   _images(tmp_path / "plain_torch")) > 40
+
+
+def test_missing_cached_passes_are_named_with_the_export_that_makes_them(cached_export, tmp_path):
+    import shutil
+
+    graphs = tmp_path / "graphs"
+    shutil.copytree(cached_export, graphs)
+    shutil.rmtree(graphs / "onnx" / "unet_xl_full")
+    with pytest.raises(UserError, match="unet_xl_full"):
+        _images(tmp_path / "ort", "backend=onnxruntime", "sampling.cache.method=deepcache", *_engines(graphs))
+    with pytest.raises(UserError, match=r"unet_xl_full.plan: no such engine; build it with export_trt.py "
+                                        r"cache.method=deepcache cache.branch=0"):
+        from sdquant.workflow.infer_trt import load_stages
+
+        (graphs / "plan" / "unet_xl_full.plan").unlink()
+        load_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
+                                                            *_engines(graphs)]), torch.device("cpu"))
