@@ -24,15 +24,20 @@ SCENE_PROMPTS = ["a large purple triangle at the bottom, white background",
                  "a small blue circle on the left, pink background"]
 
 
-def _quantize(tmp_path_factory, *overrides):
+def _quantize(tmp_path_factory, *overrides, model="scenes_sdxl"):
     return run_quantize(compose_config("sd_xl_quantize", [
-        "model=scenes_sdxl", f"out_dir={tmp_path_factory.mktemp('quantized')}", "device=cpu",
+        f"model={model}", f"out_dir={tmp_path_factory.mktemp('quantized')}", "device=cpu",
         "quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_size=2", *overrides]))
 
 
 @pytest.fixture(scope="module")
 def fp8_l3(tmp_path_factory):
     return _quantize(tmp_path_factory, "quantize.format=fp8", "quantize.quant_level=3")
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_l3(tmp_path_factory, model_cache):
+    return _quantize(tmp_path_factory, "quantize.format=fp8", "quantize.quant_level=3", model="tiny_sdxl")
 
 
 def _restored(checkpoint):
@@ -43,9 +48,11 @@ def _restored(checkpoint):
 
 
 def _unet_inputs(seed: int = 0):
+    # One sample at an 8x8 latent: on CPUs whose oneDNN has no FP8 kernel but its reference one
+    # (a Xeon with AMX: 2 s for a 1024x128x512 GEMM), a 2x16x16 UNet call takes 20 s.
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 4, 16, 16, generator=generator), torch.tensor([700.0, 700.0]),
-            torch.randn(2, 77, 192, generator=generator), torch.randn(2, 176, generator=generator))
+    return (torch.randn(1, 4, 8, 8, generator=generator), torch.tensor([700.0]),
+            torch.randn(1, 77, 192, generator=generator), torch.randn(1, 176, generator=generator))
 
 
 def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantization(fp8_l3):
@@ -56,6 +63,13 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
         fake_weights = {layer: fake.get_submodule(layer).weight_quantizer(fake.get_submodule(layer).weight)
                         for layer, role in sites if role == "weight"}
     _, real = _restored(fp8_l3)
+    fake_calls = {}
+    for layer, role in sites:
+        if role == "weight":
+            fake.get_submodule(layer).register_forward_hook(
+                lambda _m, args, out, layer=layer: fake_calls.__setitem__(layer, (args[0], out)))
+    with torch.no_grad():
+        UNetGraph(fake, sdxl=True)(*_unet_inputs())
     converted = torch_backend.convert_to_fp8(real, str(fp8_l3))
     assert converted == len(fake_weights) > 100
     for (layer, role), site in sites.items():
@@ -69,8 +83,16 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
             assert torch.equal(module.weight, fake_weights[layer])
     assert not any(isinstance(m, QuantModule) for m in real.modules())
     with torch.no_grad():
+        # Each FP8 layer on its fake-quant twin's own input: the same result but for the GEMM's
+        # summation order.
+        for layer, (inputs, fake_output) in fake_calls.items():
+            output = real.get_submodule(layer)(inputs)
+            assert (output - fake_output).norm() / fake_output.norm() < 1e-5, layer
         actual = UNetGraph(real, sdxl=True)(*_unet_inputs())
-    assert (actual - expected).norm() / expected.norm() < 1e-4
+    # The whole UNet: a float ulp of summation order moves an activation lying on an FP8 rounding
+    # boundary to the next FP8 value, and such flips compound over the layers (1e-6 on one CPU's
+    # kernel, 7e-3 on another's), so only their size is bounded here.
+    assert (actual - expected).norm() / expected.norm() < 3e-2
     # ModelOpt's module classes are gone, so torch.compile sees the whole UNet as one graph.
     assert torch._dynamo.explain(UNetGraph(real, sdxl=True))(*_unet_inputs()).graph_break_count == 0
 
@@ -89,10 +111,15 @@ def _psnr(a, b) -> float:
     return float(peak_signal_noise_ratio(a, b, data_range=1.0))
 
 
-def test_fp8_gemm_images_stay_within_half_a_db_of_fake_quant_images(fp8_l3, tmp_path):
-    fp16 = _image(tmp_path / "fp16")
-    fake = _image(tmp_path / "fake", f"quantized_unet={fp8_l3}")
-    real = _image(tmp_path / "real", f"quantized_unet={fp8_l3}", "torch_backend.quantized=fp8")
+def test_fp8_gemm_images_stay_within_half_a_db_of_fake_quant_images(tiny_fp8_l3, tmp_path):
+    # The tiny UNet and few steps: CPUs whose oneDNN has only its reference FP8 kernel take
+    # seconds per call of even this UNet.
+    settings = {"model": "tiny_sdxl", "steps": 6}
+    fp16 = _image(tmp_path / "fp16", **settings)
+    fake = _image(tmp_path / "fake", f"quantized_unet={tiny_fp8_l3}", **settings)
+    real = _image(tmp_path / "real", f"quantized_unet={tiny_fp8_l3}", "torch_backend.quantized=fp8", **settings)
+    print(f"PSNR against fp16: fake quant {_psnr(fp16, fake):.2f} dB, FP8 GEMMs {_psnr(fp16, real):.2f} dB; "
+          f"against each other {_psnr(fake, real):.2f} dB")
     assert abs(_psnr(fp16, real) - _psnr(fp16, fake)) < 0.5
     # 39.2 dB with two CPU threads and above 40 with one: the GEMMs' summation order differs.
     assert _psnr(fake, real) > 36
