@@ -8,13 +8,11 @@ evaluate.py's metrics and one- and two-object adherence.
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from sdquant.config import register_schemas, shipped_model_folder
-from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.quantize import run_quantize
-from quality_recipes import REPO, compose_app
+from quality_recipes import compose_app, evaluate_into_results
 
 CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"]}
 # Variant name -> (checkpoint or None for the fp16 UNet, DeepCache interval or None, branch).
@@ -42,15 +40,9 @@ def main() -> None:
         variants.append(f"+variants.{name}={checkpoints[checkpoint] if checkpoint else 'null'}")
         if interval is not None:
             caches.append(f"{name}:{{method:deepcache,interval:{interval},branch:{branch}}}")
-    report_dir = work / "report"
-    run_evaluate(compose_app("sd_xl_evaluate", [
-        f"model={args.model}", f"device={args.device}", f"out_path={report_dir}",
-        f"sampling.prompts_file={args.prompts_file}", "sampling.batch_size=16", "sampling.steps=20",
-        *variants, "+variant_cache={" + ",".join(caches) + "}"]))
-    results = REPO / "benchmarks" / "results"
-    shutil.copy(report_dir / "quality.md", results / f"cache_quality_{args.model}.md")
-    shutil.copy(report_dir / "grid.png", results / f"cache_quality_{args.model}_grid.png")
-    print(f"wrote {results / f'cache_quality_{args.model}.md'}")
+    evaluate_into_results(f"cache_quality_{args.model}", work / "cache_report", [
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={args.prompts_file}",
+        "sampling.steps=20", *variants, "+variant_cache={" + ",".join(caches) + "}"])
 
 
 if __name__ == "__main__":

@@ -68,16 +68,20 @@ def main() -> None:
     for name, overrides in RECIPES.items():
         folder = run_quantize(compose_app("sd_xl_quantize", common + overrides))
         variants[name] = folder
-    report_dir = work / "report"
-    run_evaluate(compose_app("sd_xl_evaluate", [
-        f"model={args.model}", f"device={args.device}", f"out_path={report_dir}",
-        f"sampling.prompts_file={args.prompts_file}", "sampling.batch_size=16",
+    evaluate_into_results(f"quality_recipes_{args.model}", work / "report", [
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={args.prompts_file}",
         f"sampling.steps={args.steps}", f"sampling.width={args.size}", f"sampling.height={args.size}",
-        *[f"+variants.{name}={folder}" for name, folder in variants.items()]]))
+        *[f"+variants.{name}={folder}" for name, folder in variants.items()]])
+
+
+def evaluate_into_results(name: str, report_dir: Path, overrides: list[str]) -> None:
+    """evaluate.py with `overrides` (16 prompts a batch), its report and grid copied to
+    benchmarks/results/<name>.md and <name>_grid.png."""
+    run_evaluate(compose_app("sd_xl_evaluate", [f"out_path={report_dir}", "sampling.batch_size=16", *overrides]))
     results = REPO / "benchmarks" / "results"
-    shutil.copy(report_dir / "quality.md", results / f"quality_recipes_{args.model}.md")
-    shutil.copy(report_dir / "grid.png", results / f"quality_recipes_{args.model}_grid.png")
-    print(f"wrote {results / f'quality_recipes_{args.model}.md'}")
+    shutil.copy(report_dir / "quality.md", results / f"{name}.md")
+    shutil.copy(report_dir / "grid.png", results / f"{name}_grid.png")
+    print(f"wrote {results / f'{name}.md'}")
 
 
 if __name__ == "__main__":

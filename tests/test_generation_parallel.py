@@ -31,16 +31,22 @@ def _seeds(folder) -> dict[str, str]:
     return {path.name: Image.open(path).text["seed"] for path in sorted(folder.glob("*.png"))}
 
 
-def test_two_torchrun_ranks_make_the_one_process_images_and_one_report(tmp_path):
+def _in_one_and_two_processes(script: str, settings: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """Runs `script` as one process into tmp_path/one and as two torchrun processes into
+    tmp_path/two; returns the torchrun."""
     # One thread each, as torchrun gives its processes: CPU kernels then sum in one order.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "infer_trt.py", *SETTINGS, f"out_path={tmp_path / 'one'}",
-                          f"hydra.run.dir={tmp_path / 'h1'}"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "infer_trt.py", *SETTINGS, f"out_path={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0, two.stderr[-3000:]
+    launchers = {"one": [], "two": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]}
+    for name, launcher in launchers.items():
+        result = subprocess.run([sys.executable, *launcher, script, *settings, f"out_path={tmp_path / name}",
+                                 f"hydra.run.dir={tmp_path / ('h' + name)}"], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_two_torchrun_ranks_make_the_one_process_images_and_one_report(tmp_path):
+    two = _in_one_and_two_processes("infer_trt.py", SETTINGS, tmp_path)
     single, split = _pixels(tmp_path / "one"), _pixels(tmp_path / "two")
     assert len(single) == 10 and single.keys() == split.keys()
     assert all(np.array_equal(single[name], split[name]) for name in single)
@@ -76,14 +82,7 @@ def _quality(folder) -> tuple[dict, np.ndarray]:
 def test_evaluate_over_torchrun_ranks_and_shard_jobs_writes_the_one_process_report(tmp_path):
     from sdquant.workflow.evaluate import run_evaluate
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "evaluate.py", *EVALUATE, f"out_path={tmp_path / 'one'}",
-                          f"hydra.run.dir={tmp_path / 'h1'}"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "evaluate.py", *EVALUATE, f"out_path={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0, two.stderr[-3000:]
+    _in_one_and_two_processes("evaluate.py", EVALUATE, tmp_path)
     for index in (0, 1):
         run_evaluate(compose_config("sd_xl_evaluate", [*EVALUATE, f"out_path={tmp_path / 'jobs'}",
                                                        f"shard.index={index}", "shard.count=2"]))
