@@ -169,16 +169,20 @@ class QuantizeApp:
 class CacheBlock:
     """Step caching: what a denoising step reuses from an earlier one."""
 
-    # none, or deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
-    # between, which take the deep blocks' feature from the last whole pass. The defaults are
-    # ModelOpt's cache diffusion for SDXL (only down_blocks.0 and up_blocks.2 on alternate steps).
+    # none; deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
+    # between, which take the deep blocks' feature from the last whole pass (the defaults are
+    # ModelOpt's cache diffusion for SDXL: only down_blocks.0 and up_blocks.2 on alternate steps);
+    # for transformers, diffusers' own cache hooks: first_block (the rest of the transformer is
+    # skipped while the first block's output changes less than `threshold`) or taylorseer (the
+    # blocks' outputs predicted by a Taylor series between full passes every `interval` steps).
     method: str = "none"
     interval: int = 2
     # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
     branch: int = 0
+    threshold: float = 0.05
 
 
-CACHE_METHODS = ("none", "deepcache")
+CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer")
 
 
 @dataclass

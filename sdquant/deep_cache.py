@@ -54,6 +54,8 @@ class DeepCache:
 
     interval: int
     branch: int
+    # Its passes export as graphs and engines, and replay as CUDA graphs.
+    exported = True
 
     def full_step(self, step: int) -> bool:
         return step % self.interval == 0

@@ -145,8 +145,12 @@ class FluxTextToImage:
         return inputs
 
     def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer: StageTimer) -> torch.Tensor:
-        """The transformer's velocity at this step."""
-        return timer.time(self.backbone, self.stages[self.backbone], **inputs)["latent"]
+        """The transformer's velocity at this step; under a cache hook, a generation's first step
+        starts the hook afresh."""
+        stage = self.stages[self.backbone]
+        if settings.cache is not None and step == 0:
+            stage.reset()
+        return timer.time(self.backbone, stage, **inputs)["latent"]
 
     def __call__(self, settings: SamplingSettings, timer: StageTimer, progress: bool = True,
                  latents: torch.Tensor | None = None) -> torch.Tensor:

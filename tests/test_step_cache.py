@@ -69,7 +69,7 @@ def test_deepcache_at_interval_one_is_no_cache_and_every_second_step_stays_close
     (["sampling.cache.method=deepcache", "sampling.cache.branch=2"], r"sampling.cache.branch=2: .* 0 to 1"),
     (["sampling.cache.method=deepcache", "sampling.cache.interval=0"], "sampling.cache.interval=0"),
     (["sampling.cache.method=fastest"], "sampling.cache.method='fastest' is unknown"),
-    (["sampling.cache.method=deepcache", "model=tiny_flux"], "takes none"),
+    (["sampling.cache.method=deepcache", "model=tiny_flux"], "takes none or first_block or taylorseer"),
 ])
 def test_a_cache_the_backbone_or_backend_cannot_take_is_refused_before_any_work(tmp_path, model_cache, overrides,
                                                                                 message):
@@ -155,3 +155,48 @@ def test_missing_cached_passes_are_named_with_the_export_that_makes_them(cached_
         (graphs / "plan" / "unet_xl_full.plan").unlink()
         load_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
                                                             *_engines(graphs)]), torch.device("cpu"))
+
+
+def _flux_images(tmp_path, *overrides, prompts=("a red fox", "a lighthouse at dusk"), batch_size=2):
+    run_infer(compose_config("sd_xl_trt_inference", [
+        "model=tiny_flux", "backend=torch", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={list(prompts)}",
+        "sampling.steps=6", "num_warmup_runs=0", f"sampling.batch_size={batch_size}", *overrides]))
+    return np.stack([np.asarray(Image.open(path)) for path in sorted(tmp_path.glob("*.png"))])
+
+
+def test_diffusers_cache_hooks_on_the_flux_transformer(tmp_path, model_cache):
+    plain = _flux_images(tmp_path / "none")
+    first_block = ["sampling.cache.method=first_block"]
+    # Threshold 0 never skips: the hook is there, the image is the plain one.
+    assert np.array_equal(_flux_images(tmp_path / "never", *first_block, "sampling.cache.threshold=0"), plain)
+    assert not np.array_equal(_flux_images(tmp_path / "skips", *first_block, "sampling.cache.threshold=10"), plain)
+    assert not np.array_equal(_flux_images(tmp_path / "taylor", "sampling.cache.method=taylorseer",
+                                           "sampling.cache.interval=3"), plain)
+    # Each generation starts the hook afresh: the second call's image is what a run of it alone draws.
+    both = _flux_images(tmp_path / "both", *first_block, "sampling.cache.threshold=10", prompts=["a red fox"] * 2,
+                        batch_size=1)
+    alone = _flux_images(tmp_path / "alone", *first_block, "sampling.cache.threshold=10", "sampling.seed=43",
+                         prompts=["a red fox"], batch_size=1)
+    assert np.array_equal(both[1], alone[0])
+
+
+def test_a_cache_hook_variant_is_scored_and_taken_off_again(tmp_path, model_cache):
+    from sdquant.workflow.evaluate import run_evaluate
+
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_flux", f"out_path={tmp_path}", "device=cpu", "sampling.prompts=[a red fox]", "sampling.steps=6",
+        "+variants.hooked=null", "+variants.same=null", "+variant_cache={hooked:{method:first_block,threshold:10}}"]))
+    hooked, same = report["variants"]["hooked"], report["variants"]["same"]
+    assert hooked["step_error"][0] == 0.0 and max(hooked["step_error"]) > 0
+    assert same["step_error"] == [0.0] * 6, "the hook is off the transformer for the next variant"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=tiny_flux", "sampling.cache.method=first_block", "cuda_graph=true"], "set cuda_graph=false"),
+    (["model=tiny_flux", "sampling.cache.method=taylorseer", "backend=onnxruntime"], "run it with backend=torch"),
+    (["model=scenes_sdxl", "sampling.cache.method=first_block"], "takes none or deepcache"),
+])
+def test_a_cache_hook_where_it_cannot_run_is_refused(tmp_path, model_cache, overrides, message):
+    with pytest.raises(UserError, match=message):
+        run_infer(compose_config("sd_xl_trt_inference", ["backend=torch", "device=cpu", f"out_path={tmp_path}",
+                                                         *overrides]))

@@ -73,6 +73,9 @@ class ModelFamily:
         """The backbone's stages under a step cache (sampling.cache), by graph name."""
         raise NotImplementedError
 
+    def release_cache(self, backbone) -> None:
+        """Takes a step cache's changes off the backbone module, so that it runs uncached again."""
+
     def cache_networks(self) -> list[Network]:
         """The graphs a step cache runs besides the pipeline's (DeepCache: the UNet's two passes)."""
         return []

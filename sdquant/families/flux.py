@@ -122,6 +122,7 @@ class FluxFamily(ModelFamily):
     name = "flux"
     backbone = "transformer"
     backbone_graph = "transformer"
+    cache_methods = ("none", "first_block", "taylorseer")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     components = ("text_encoder", "text_encoder_2", "transformer", "vae")
     # As diffusers runs Flux.1: its activations overflow fp16.
@@ -151,6 +152,15 @@ class FluxFamily(ModelFamily):
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         # FluxPipeline hands the transformer t / 1000.
         return kwargs["timestep"] * 1000
+
+    def cache_stages(self, backbone, dtype, cache) -> dict:
+        from ..transformer_cache import HookedStage
+
+        return {self.backbone_graph: HookedStage(self.backbone_stage(backbone, dtype), backbone, cache)}
+
+    def release_cache(self, backbone) -> None:
+        if backbone.is_cache_enabled:
+            backbone.disable_cache()
 
     def text_tokens(self, pipe) -> int:
         from ..flux_pipeline import text_tokens

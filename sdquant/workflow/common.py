@@ -61,24 +61,37 @@ def sampling_runs(cfg) -> list[SamplingSettings]:
 def step_cache(block):
     """sampling.cache as the pipelines take it: None for none."""
     from ..deep_cache import DeepCache
+    from ..transformer_cache import HookCache
 
-    return None if block.method == "none" else DeepCache(block.interval, block.branch)
+    if block.method == "none":
+        return None
+    if block.method == "deepcache":
+        return DeepCache(block.interval, block.branch)
+    return HookCache(block.method, block.interval, block.threshold)
 
 
-def check_cache(block, key: str, model, parts: dict, on_modules: bool) -> None:
+def check_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph: bool = False) -> None:
     """Refuses, before any work, a step cache (config `key`) the model's backbone cannot take, or
-    that an evaluate.py variant of one graph or engine file would run (`on_modules` false)."""
+    that what it would run on cannot: `runs_on` is "modules" (the diffusers modules), "graphs"
+    (infer_trt.py's engines or ONNX files) or "one file" (an evaluate.py variant's graph or engine)."""
     if block.method == "none":
         return
     family = family_of(model.family)
     if block.method not in family.cache_methods:
         raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone} takes "
                         f"{' or '.join(family.cache_methods)}")
-    if not on_modules:
+    cache = step_cache(block)
+    if runs_on == "one file":
         raise UserError(f"{key}.method={block.method} runs on the diffusers modules in evaluate.py (the fp16 "
                         "backbone or a quantize.py checkpoint): a graph or engine variant is one file, and a cached "
                         "UNet runs two (infer_trt.py runs the cached graphs and engines)")
-    step_cache(block).check(parts["backbone_config"], key)
+    if runs_on == "graphs" and not cache.exported:
+        raise UserError(f"{key}.method={block.method} is a diffusers hook on the transformer module: run it with "
+                        "backend=torch")
+    if cuda_graph and not cache.exported:
+        raise UserError(f"{key}.method={block.method} decides on the host at each step which blocks run, which "
+                        "one captured CUDA graph cannot replay: set cuda_graph=false")
+    cache.check(parts["backbone_config"], key)
 
 
 def _prompt_batches(sampling) -> list[list[str]]:
@@ -100,7 +113,8 @@ def sampling_parts(cfg) -> dict:
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
-    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, on_modules=True)
+    runs_on = "modules" if cfg.get("backend", "torch") == "torch" else "graphs"
+    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cfg.get("cuda_graph", False))
     return parts
 
 

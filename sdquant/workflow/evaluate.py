@@ -35,7 +35,7 @@ def run_evaluate(cfg) -> dict:
     for name, kind in kinds.items():
         key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
         block = OmegaConf.select(cfg, key)
-        check_cache(block, key, cfg.model, parts, on_modules=kind in ("fp16", "checkpoint"))
+        check_cache(block, key, cfg.model, parts, "modules" if kind in ("fp16", "checkpoint") else "one file")
         caches[name] = step_cache(block)
     # The reference is the uncached fp16 backbone whatever the variants cache.
     runs = [dataclasses.replace(settings, cache=None) for settings in sampling_runs(cfg)]
@@ -95,10 +95,15 @@ def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[
             backbone, module = _variant_backbone(cfg, name, kind, fp16_backbone, getattr(pipe, family.backbone),
                                                  device, dtype)
             if caches[name] is not None:
-                pipeline.stages.update(family.cache_stages(module, dtype, caches[name]))
+                cached = family.cache_stages(module, dtype, caches[name])
+                # A cache hook runs the backbone's own stage under it; DeepCache adds its passes.
+                backbone = cached.pop(family.backbone_graph, backbone)
+                pipeline.stages.update(cached)
             source = str(cfg.variants[name] or "the fp16 backbone again (self-check)")
             sources[name] = source if caches[name] is None else f"{source}, cached ({caches[name].describe()})"
             runs = _variant_runs(pipeline, name, backbone, caches[name], references, [lpips, clip], device)
+            if module is not None:
+                family.release_cache(module)
             for (index, _), batch in zip(mine, runs):
                 batches[index]["variants"][name] = batch
     return batches, sources, [m.note for m in (lpips, clip) if m.note], dtype

@@ -28,7 +28,7 @@ def run_export(cfg) -> list[Path]:
     if not cfg.run_refit:
         cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
         if _export_cache(cfg) is not None:
-            check_cache(cfg.cache, "cache", cfg.model, load.model_configs(cfg.model), on_modules=True)
+            check_cache(cfg.cache, "cache", cfg.model, load.model_configs(cfg.model), "graphs")
     if cfg.run_refit:
         return refit_engines(cfg)
     written = export_onnx(cfg) if cfg.run_onnx_export else []
