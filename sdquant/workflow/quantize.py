@@ -68,11 +68,14 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
     world = parallel.current_world()
     prompts = load_prompts(calibration_prompts_file(cfg), cfg.quantize.calib_size)
     configs = model_configs(cfg.model)
+    block = cfg.quantize
     if configs:
         validate_steps(cfg.quantize.n_steps, "quantize.n_steps", configs["scheduler_config"])
-        # A null size stays null in the settings (and so in the checkpoint's fingerprint): diffusers'
-        # pipeline, which calibration runs, takes the same native size.
-        settled_image_size(cfg.quantize, "quantize", cfg.model, configs)
+        # A null size stays null in the settings (and so in the checkpoint's fingerprint), but the
+        # pipeline is handed the size settled here: diffusers' own default is not always the
+        # model's (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
+        height, width = settled_image_size(cfg.quantize, "quantize", cfg.model, configs)
+        block = OmegaConf.merge(cfg.quantize, {"height": height, "width": width})
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
     family = family_of(cfg.model.family)
@@ -87,7 +90,7 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
         already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
         truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
         with stage("calibration"):
-            result = quantize_backbone(pipe, family, prompts, cfg.quantize, cfg.seed, world, cfg.cuda_graph)
+            result = quantize_backbone(pipe, family, prompts, block, cfg.seed, world, cfg.cuda_graph)
         backbone = getattr(pipe, family.backbone)
         if world.is_main:
             amax = activation_amax(backbone)
