@@ -217,6 +217,8 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             backbone.fuse_qkv_projections()
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
+            if hasattr(stages[name], "allow_recompiles"):
+                stages[name].allow_recompiles()
     if cuda_graph and pipe.device.type == "cuda":
         # The text encoders stay as they are: they build masks from host tensors, which a
         # capture cannot take.

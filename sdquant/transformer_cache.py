@@ -47,6 +47,20 @@ class HookedStage:
         self.stage = stage
         self.transformer = transformer
 
+    def allow_recompiles(self) -> None:
+        """Lets torch.compile compile every hooked block. A hook decides on the host, which breaks
+        the graph, and the code after the break is compiled once per block (its guards hold the
+        block itself): past dynamo's limit (8) the remaining blocks of the full-size Flux
+        transformer (57) would silently run eager."""
+        import torch._dynamo
+
+        hooked = sum(1 for module in self.transformer.modules() if hasattr(module, "_diffusers_hook"))
+        # Twice: a block's computed and predicted (or skipped) paths resume apart.
+        needed = 2 * hooked + 8
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, needed)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
+
     @property
     def graph(self):
         return self.stage.graph

@@ -12,6 +12,7 @@ from sdquant.deep_cache import FullPass, ShallowPass
 from sdquant.errors import UserError
 from sdquant.families.stable_diffusion import UNetGraph
 from sdquant.load import load_pipeline
+from sdquant.synthetic import TINY_FLUX
 from sdquant.workflow.infer_trt import run_infer
 
 from conftest import compose_config
@@ -178,6 +179,19 @@ def test_diffusers_cache_hooks_on_the_flux_transformer(tmp_path, model_cache):
     alone = _flux_images(tmp_path / "alone", *first_block, "sampling.cache.threshold=10", "sampling.seed=43",
                          prompts=["a red fox"], batch_size=1)
     assert np.array_equal(both[1], alone[0])
+
+
+def test_a_compiled_hooked_transformer_draws_the_eager_image_with_every_block_compiled(tmp_path, model_cache):
+    import torch._dynamo
+
+    taylor = ["sampling.cache.method=taylorseer", "sampling.cache.interval=2"]
+    eager = _flux_images(tmp_path / "eager", *taylor)
+    compiled = _flux_images(tmp_path / "compiled", *taylor, "torch_backend.compile=true")
+    assert np.abs(compiled.astype(int) - eager).max() <= 2
+    # Each hooked block resumes its own compiled code after the hook's host-side decision: dynamo's
+    # default limit of 8 would leave the full-size transformer's later blocks eager.
+    blocks = TINY_FLUX.double_blocks + TINY_FLUX.single_blocks
+    assert torch._dynamo.config.recompile_limit >= 2 * blocks + 8
 
 
 def test_a_cache_hook_variant_is_scored_and_taken_off_again(tmp_path, model_cache):
