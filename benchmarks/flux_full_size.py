@@ -9,6 +9,7 @@ per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figur
     python benchmarks/flux_full_size.py --variants torchao --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer:2 --out benchmarks/results/flux_h100.json
 
 The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
 transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised
@@ -17,7 +18,9 @@ the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 `quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`. The FP8 variant calibrates the
 transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
-the values) and runs it with torch_backend.quantized=fp8.
+the values) and runs it with torch_backend.quantized=fp8. With --cache, our variants run under one of
+diffusers' cache hooks (sampling.cache.method=taylorseer with its interval, or first_block with its
+threshold): compiled, without CUDA graphs, which a hook's host-side decisions rule out.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, make_scheduler
 from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_flux_on_gpu
+from sdquant.transformer_cache import HookCache
 from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -71,14 +75,25 @@ def fp8_transformer(pipe) -> int:
     return torch_backend.convert_to_fp8(pipe.transformer, "the benchmark's FP8 level-3 transformer")
 
 
-def ours(pipe, quantized: bool, runs: int) -> dict:
-    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16),
-                                    TorchBackendBlock(compile=True), cuda_graph=True, quantized=quantized)
+def hook_cache(setting: str) -> HookCache | None:
+    """'taylorseer:<interval>' or 'first_block:<threshold>' as a cache hook; '' as none."""
+    if not setting:
+        return None
+    method, value = setting.split(":")
+    return HookCache(method, int(value), 0.0) if method == "taylorseer" else HookCache(method, 1, float(value))
+
+
+def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> dict:
+    stages = FLUX.torch_stages(pipe, torch.bfloat16)
+    if cache is not None:
+        stages.update(FLUX.cache_stages(pipe.transformer, torch.bfloat16, cache))
+    stages = torch_backend.speed_up(pipe, FLUX, stages, TorchBackendBlock(compile=True), cuda_graph=cache is None,
+                                    quantized=quantized)
     parts = {"tokenizers": [pipe.tokenizer, pipe.tokenizer_2], "backbone_config": dict(pipe.transformer.config),
              "vae_config": dict(pipe.vae.config)}
     pipeline = FLUX.text_to_image(stages, parts, make_scheduler("flow_euler", dict(pipe.scheduler.config)), CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
-                                height=SIZE, width=SIZE, seed=42)
+                                height=SIZE, width=SIZE, seed=42, cache=cache)
     torch.cuda.reset_peak_memory_stats()
     first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
     pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
@@ -95,12 +110,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="peer,compiled,fp8")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval> or "
+                                                    "first_block:<threshold>")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
+    cache = hook_cache(args.cache)
     for variant in args.variants.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -114,7 +132,10 @@ def main() -> None:
         if variant in ("peer", "torchao"):
             row = peer(pipe, args.runs, torchao=variant == "torchao")
         else:
-            row = ours(pipe, variant == "fp8", args.runs)
+            row = ours(pipe, variant == "fp8", args.runs, cache)
+            if cache is not None:
+                row["cache"] = cache.describe()
+                variant = f"{variant}_{args.cache.replace(':', '_')}"
         row.update(fp8_layers=fp8_layers, build_s=build_s, setup_peak_gib=setup_peak_gib,
                    wall_s=time.perf_counter() - start)
         results["variants"][variant] = row

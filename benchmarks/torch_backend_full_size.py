@@ -5,6 +5,7 @@ compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
 
     python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
         --out benchmarks/results/torch_backend_h100_b1.json
+    python benchmarks/torch_backend_full_size.py --variants compiled,fp8 --cache-interval 2 --batch 4 ...
 
 The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels-last UNet and
 VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
@@ -26,6 +27,7 @@ import torch
 
 from sdquant import report, torch_backend
 from sdquant.config import QuantFormat, TorchBackendBlock
+from sdquant.deep_cache import DeepCache
 from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
 from sdquant.families.stable_diffusion import SDXL
@@ -87,19 +89,23 @@ def fp8_unet(pipe) -> int:
     return torch_backend.convert_to_fp8(pipe.unet, "the benchmark's FP8 level-3 UNet")
 
 
-def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool) -> TextToImage:
-    stages = torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float16), block, cuda_graph,
-                                    quantized)
+def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,
+                 cache: DeepCache | None = None) -> TextToImage:
+    stages = SDXL.torch_stages(pipe, torch.float16)
+    if cache is not None:
+        stages.update(SDXL.cache_stages(pipe.unet, torch.float16, cache))
+    stages = torch_backend.speed_up(pipe, SDXL, stages, block, cuda_graph, quantized)
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     return TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
                        types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)
 
 
-def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int) -> dict:
+def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int,
+                 cache: DeepCache | None = None) -> dict:
     result = {}
     for steps in steps_list:
         settings = SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
-                                    guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
+                                    guidance_scale=5.0, height=SIZE, width=SIZE, seed=42, cache=cache)
         first = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), 1)[0]
         pipeline(settings, StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
         seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
@@ -153,6 +159,9 @@ def main() -> None:
     parser.add_argument("--steps", default="20,30")
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--profile", action="store_true", help="kernel time of one UNet call per torch variant")
+    parser.add_argument("--cache-interval", type=int, default=0,
+                        help="our variants with DeepCache, the whole UNet every N steps (0: no cache)")
+    parser.add_argument("--cache-branch", type=int, default=0, help="DeepCache's live branch")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
@@ -162,6 +171,7 @@ def main() -> None:
         "benchmark": "torch_backend_full_size", "device": torch.cuda.get_device_name(),
         "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
         "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
+    cache = DeepCache(args.cache_interval, args.cache_branch) if args.cache_interval else None
     for variant in args.variants.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -172,9 +182,13 @@ def main() -> None:
         else:
             fp8_layers = fp8_unet(pipe) if variant == "fp8" else 0
             block = TorchBackendBlock(compile=variant != "eager")
-            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=variant == "fp8")
-            row = measure_ours(pipeline, args.batch, steps_list, args.runs)
+            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=variant == "fp8",
+                                    cache=cache)
+            row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
             row["fp8_layers"] = fp8_layers
+            if cache is not None:
+                row["cache"] = cache.describe()
+                variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
             if args.profile:
                 row["unet_profile"] = unet_profile(pipeline, args.batch)
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs benchmark commands one after another in the background on the GPU machine, from a copy of
+# the tree outside it (the device tool lays the tree anew on each call and ends what a call leaves
+# running, unless it started its own session), so that a queue longer than one call's ten minutes
+# goes on while later calls look at it.
+#   bash benchmarks/gpu_queue.sh start "<command>" ...    (carry .whl; copies and installs once)
+#   bash benchmarks/gpu_queue.sh status                   (the tail of each log so far)
+#   bash benchmarks/gpu_queue.sh collect <file> ...       (waits for the queue, puts files and logs in $OUT)
+# Each command runs in the copy's root, with /tmp/queue/results for its files and its log in
+# /tmp/queue/<n>.log; one that fails does not stop the next.
+set -euo pipefail
+queue=/tmp/queue
+action=$1
+shift
+case "$action" in
+start)
+    if [ ! -f /tmp/w/.installed ]; then
+        rm -rf /tmp/w && mkdir -p /tmp/w && cp -r . /tmp/w
+        (cd /tmp/w && bash benchmarks/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
+        touch /tmp/w/.installed
+    fi
+    mkdir -p "$queue/results"
+    script="$queue/run.sh"
+    {
+        echo "cd /tmp/w"
+        n=0
+        for command in "$@"; do
+            n=$((n + 1))
+            printf 'echo "$(date +%%T) start: %s" >> %s/queue.log\n' "${command//\"/\\\"}" "$queue"
+            printf '(%s) > %s/%02d.log 2>&1; code=$?; echo "$(date +%%T) exit $code" >> %s/queue.log\n' "$command" "$queue" "$n" "$queue"
+        done
+        echo "touch $queue/done"
+    } > "$script"
+    rm -f "$queue/done"
+    PYTHONUNBUFFERED=1 setsid nohup bash "$script" > /dev/null 2>&1 < /dev/null &
+    echo "queued $# command(s); logs in $queue"
+    ;;
+status)
+    cat "$queue/queue.log"
+    for log in "$queue"/[0-9]*.log; do echo "== $log"; tail -c 600 "$log"; echo; done
+    ;;
+collect)
+    while [ ! -f "$queue/done" ]; do sleep 10; done
+    for file in "$@"; do cp "$queue/results/$file" "$OUT/"; done
+    tar -C "$queue" -czf "$OUT/queue_logs.tar.gz" --exclude=results .
+    cat "$queue/queue.log"
+    ;;
+*)
+    echo "gpu_queue.sh: start, status or collect, not $action" >&2
+    exit 2
+    ;;
+esac
