@@ -32,8 +32,12 @@ class OnnxRuntimeStage:
         try:
             self.session = ort.InferenceSession(str(onnx_file), providers=providers)
         except (Fail, InvalidGraph, InvalidProtobuf, NoSuchFile) as error:
-            raise UserError(f"{key}: ONNX Runtime cannot load {onnx_file} ({str(error).splitlines()[0][:200]}): "
-                            "export it again with export_trt.py") from None
+            reason = str(error).splitlines()[0][:200]
+            # An FP8 export is written for TensorRT, in its own FP8 quantize ops.
+            remedy = ("it is an FP8 graph, in TensorRT's own ops: build engines from it (backend=trt) or run the "
+                      "quantize.py checkpoint with backend=torch" if "TRT_FP8" in reason
+                      else "export it again with export_trt.py")
+            raise UserError(f"{key}: ONNX Runtime cannot load {onnx_file} ({reason}): {remedy}") from None
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 

@@ -1,4 +1,4 @@
-"""The README's one-command demo runs the whole workflow on the built-in scene model."""
+"""The README's one-command demo runs the whole workflow on each built-in scene model."""
 
 from __future__ import annotations
 
@@ -6,25 +6,30 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import REPO
 
+ENGINES = {"scenes_sdxl": {"clip1", "clip2", "unet_xl", "vae"}, "scenes_flux": {"clip", "t5", "transformer", "vae"}}
 
-def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_path):
-    result = subprocess.run(["bash", str(REPO / "demo_tiny.sh")], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(os.environ), timeout=900)
+
+@pytest.mark.parametrize("model", sorted(ENGINES))
+def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_path, model):
+    result = subprocess.run(["bash", str(REPO / "demo_tiny.sh"), model], cwd=tmp_path, capture_output=True,
+                            text=True, env=dict(os.environ), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    [checkpoint] = (tmp_path / "quantized").glob("nemo_scenes_sdxl_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_*")
+    [checkpoint] = (tmp_path / "quantized").glob(f"nemo_{model}_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_*")
     assert (checkpoint / "unet.mto").is_file()
     engines = json.loads((tmp_path / "sdxl_export/plan/engines.json").read_text())
-    assert set(engines) == {"clip1", "clip2", "unet_xl", "vae"}
+    assert set(engines) == ENGINES[model]
     assert (tmp_path / "trt_output/image_000_00.png").is_file()
     latency = json.loads((tmp_path / "trt_output/latency.json").read_text())
     assert latency["ms"]["end_to_end"] > 0
     quality = json.loads((tmp_path / "quality/quality.json").read_text())
     assert set(quality["variants"]) == {"int8", "int8_onnx"}
     # The trained model draws what 16 held-out prompts ask, 8 of one object and 8 of two (at least
-    # 80% with every attribute right), and its INT8 level-3 UNet at NeMo's defaults loses at most
-    # one of them, in torch and in ONNX Runtime.
+    # 80% with every attribute right), and its INT8 level-3 backbone at NeMo's defaults loses at
+    # most one of them, in torch and in ONNX Runtime.
     adherence = {name: summary["mean"]["all"] for name, summary in quality["adherence"].items()}
     assert quality["adherence"]["fp16"]["scored"] == 16 and adherence["fp16"] >= 0.8
     assert adherence["int8"] >= adherence["fp16"] - 1 / 16 and adherence["int8_onnx"] >= adherence["fp16"] - 1 / 16

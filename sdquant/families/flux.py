@@ -43,7 +43,9 @@ def transformer_network(guidance: bool) -> Network:
               "txt_ids": {0: TEXT_TOKENS}}
     if guidance:
         inputs["guidance"] = {0: BATCH}
-    return Network("transformer", inputs, {"latent": {0: BATCH, 1: IMAGE_TOKENS}})
+    # A transformer without the guidance embedding (Flux.1-schnell's, the scene model's) is exported
+    # without that input.
+    return Network("transformer", inputs, {"latent": {0: BATCH, 1: IMAGE_TOKENS}}, optional=("guidance",))
 
 
 CLIP = Network("clip", {"input_ids": {0: BATCH}}, {"pooled": {0: BATCH}})
