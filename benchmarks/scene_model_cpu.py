@@ -1,4 +1,4 @@
-"""The built-in scene model on the CPU: loading it plus one 20-step image, as a new user's first
+"""A built-in scene model on the CPU: loading it plus one 20-step image, as a new user's first
 run does it (target: under 10 s on the 2-core CPU host), in a fresh process.
 
 On a 2-core host where another process holds a core, OpenMP's spinning threads stall each other:
@@ -6,6 +6,7 @@ the same image took 77 s with torch's default two threads and 1.3 s with OMP_NUM
 2.2 s with OMP_WAIT_POLICY=PASSIVE, so the environment is recorded with the figures.
 
     python benchmarks/scene_model_cpu.py --out benchmarks/results/scene_model_cpu2.json
+    python benchmarks/scene_model_cpu.py --model scenes_flux --out benchmarks/results/scene_flux_cpu2.json
 """
 
 from __future__ import annotations
@@ -22,24 +23,31 @@ START = time.perf_counter()
 import torch  # noqa: E402
 
 from sdquant.config import ModelConfig, shipped_model_folder  # noqa: E402
+from sdquant.families import family_of  # noqa: E402
 from sdquant.load import load_pipeline  # noqa: E402
 from sdquant.report import library_versions  # noqa: E402
 
 TARGET_S = 10.0
+FAMILY = {"scenes_sdxl": "sdxl", "scenes_flux": "flux"}
+# As each was trained to be sampled: classifier-free guidance for the UNet, none for the transformer.
+GUIDANCE = {"scenes_sdxl": 5.0, "scenes_flux": 1.0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="scenes_sdxl", choices=sorted(GUIDANCE))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     imported = time.perf_counter() - START
-    pipe = load_pipeline(ModelConfig(name="scenes_sdxl", family="sdxl", source=shipped_model_folder("scenes_sdxl")),
+    family = family_of(FAMILY[args.model])
+    pipe = load_pipeline(ModelConfig(name=args.model, family=FAMILY[args.model], source=shipped_model_folder(args.model)),
                          torch.device("cpu"), torch.float32)
     loaded = time.perf_counter() - START
-    pipe("a large purple triangle at the bottom, white background", num_inference_steps=20, guidance_scale=5.0,
-         generator=torch.Generator().manual_seed(0))
+    pipe("a large purple triangle at the bottom, white background", num_inference_steps=20,
+         guidance_scale=GUIDANCE[args.model], generator=torch.Generator().manual_seed(0),
+         **family.pipeline_call_kwargs(pipe))
     total = time.perf_counter() - START
-    result = {"benchmark": "scene_model_cpu", "device": f"{platform.processor() or platform.machine()}, "
+    result = {"benchmark": "scene_model_cpu", "model": args.model, "device": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "threads": torch.get_num_threads(), "versions": library_versions(),
               "environment": {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
               "seconds": {"imports": imported, "load": loaded - imported, "image_20_steps": total - loaded,
