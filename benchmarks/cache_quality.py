@@ -1,8 +1,10 @@
-"""Step caching against precision on the scene model: DeepCache settings on the fp16 UNet and on
-its default INT8 (level 3) and FP8 (level 4) checkpoints, each against the uncached fp16 UNet, with
-evaluate.py's metrics and one- and two-object adherence.
+"""Step caching against precision on a scene model: cache settings (DeepCache on a UNet,
+diffusers' TaylorSeer and First Block Cache hooks on a transformer) on the 16-bit backbone and on
+its default INT8 (level 3) and FP8 (level 4) checkpoints, each against the uncached 16-bit backbone,
+with evaluate.py's metrics and one- and two-object adherence.
 
-    python benchmarks/cache_quality.py                 # the trained scene model, on a CPU
+    python benchmarks/cache_quality.py                 # the trained SDXL scene model, on a CPU
+    python benchmarks/cache_quality.py --model scenes_flux --backbone transformer --calib-batch 8
 """
 
 from __future__ import annotations
@@ -15,11 +17,27 @@ from sdquant.workflow.quantize import run_quantize
 from quality_recipes import compose_app, evaluate_into_results
 
 CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"]}
-# Variant name -> (checkpoint or None for the fp16 UNet, DeepCache interval or None, branch).
+# Per kind of backbone, variant name -> (checkpoint or None for the 16-bit backbone, cache settings
+# as evaluate.py's variant_cache takes them, or None for uncached).
 VARIANTS = {
-    "fp16_i2": (None, 2, 0), "fp16_i3": (None, 3, 0), "fp16_i2_b1": (None, 2, 1),
-    "int8": ("int8", None, 0), "int8_i2": ("int8", 2, 0), "int8_i3": ("int8", 3, 0),
-    "fp8": ("fp8", None, 0), "fp8_i2": ("fp8", 2, 0), "fp8_i3": ("fp8", 3, 0),
+    "unet": {
+        "fp16_i2": (None, "{method:deepcache,interval:2,branch:0}"),
+        "fp16_i3": (None, "{method:deepcache,interval:3,branch:0}"),
+        "fp16_i2_b1": (None, "{method:deepcache,interval:2,branch:1}"),
+        "int8": ("int8", None), "int8_i2": ("int8", "{method:deepcache,interval:2,branch:0}"),
+        "int8_i3": ("int8", "{method:deepcache,interval:3,branch:0}"),
+        "fp8": ("fp8", None), "fp8_i2": ("fp8", "{method:deepcache,interval:2,branch:0}"),
+        "fp8_i3": ("fp8", "{method:deepcache,interval:3,branch:0}"),
+    },
+    "transformer": {
+        "fp16_ts2": (None, "{method:taylorseer,interval:2}"),
+        "fp16_ts3": (None, "{method:taylorseer,interval:3}"),
+        "fp16_fbc005": (None, "{method:first_block,threshold:0.05}"),
+        "fp16_fbc01": (None, "{method:first_block,threshold:0.1}"),
+        "int8": ("int8", None), "int8_ts2": ("int8", "{method:taylorseer,interval:2}"),
+        "fp8": ("fp8", None), "fp8_ts2": ("fp8", "{method:taylorseer,interval:2}"),
+        "fp8_fbc005": ("fp8", "{method:first_block,threshold:0.05}"),
+    },
 }
 
 
@@ -27,21 +45,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="scenes_sdxl")
     parser.add_argument("--work", default=".scratch/cache_quality", help="checkpoints and reports")
-    parser.add_argument("--prompts-file", default=str(Path(shipped_model_folder("scenes_sdxl")) / "heldout_prompts.txt"))
+    parser.add_argument("--prompts-file", help="default: the shipped model's held-out prompts")
+    parser.add_argument("--backbone", choices=sorted(VARIANTS), default="unet",
+                        help="unet: DeepCache settings; transformer: diffusers' cache hooks")
+    parser.add_argument("--calib-batch", type=int, default=1, help="prompts per calibration batch")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     register_schemas()
     work = Path(args.work)
-    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}"]
+    prompts_file = args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt"
+    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}",
+              f"quantize.batch_size={args.calib_batch}"]
     checkpoints = {name: run_quantize(compose_app("sd_xl_quantize", common + overrides))
                    for name, overrides in CHECKPOINTS.items()}
     variants, caches = [], []
-    for name, (checkpoint, interval, branch) in VARIANTS.items():
+    for name, (checkpoint, cache) in VARIANTS[args.backbone].items():
         variants.append(f"+variants.{name}={checkpoints[checkpoint] if checkpoint else 'null'}")
-        if interval is not None:
-            caches.append(f"{name}:{{method:deepcache,interval:{interval},branch:{branch}}}")
+        if cache is not None:
+            caches.append(f"{name}:{cache}")
     evaluate_into_results(f"cache_quality_{args.model}", work / "cache_report", [
-        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={args.prompts_file}",
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={prompts_file}",
         "sampling.steps=20", *variants, "+variant_cache={" + ",".join(caches) + "}"])
 
 

@@ -9,7 +9,9 @@ plain max; alpha 0.5 / 1.0; percentile 0.5; FP8 levels 3 and 4, at max as ModelO
 FP8 and with Percentile Quant on convolutions), evaluates them all against one fp16 reference on
 the scene model's held-out prompts, and copies the report to benchmarks/results/.
 
-    python benchmarks/quality_recipes.py                 # the trained scene model, on a CPU
+    python benchmarks/quality_recipes.py                 # the trained SDXL scene model, on a CPU
+    python benchmarks/quality_recipes.py --model scenes_flux --recipes int8_l3_a05,int8_l3,int8_l3_a10,fp8_l3,fp8_l4 \
+        --calib-batch 8
 """
 
 from __future__ import annotations
@@ -58,18 +60,24 @@ def main() -> None:
     parser.add_argument("--work", default=".scratch/quality_recipes", help="checkpoints and reports")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
-    parser.add_argument("--prompts-file", default=str(Path(shipped_model_folder("scenes_sdxl")) / "heldout_prompts.txt"))
+    parser.add_argument("--prompts-file", help="default: the shipped model's held-out prompts")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="which of the recipes, by name")
+    parser.add_argument("--calib-batch", type=int, default=1,
+                        help="prompts per calibration batch (the transformer's ranges do not depend on it: "
+                             "no Percentile Quant on convolutions)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     register_schemas()
     work = Path(args.work)
-    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}"]
+    prompts_file = args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt"
+    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}",
+              f"quantize.batch_size={args.calib_batch}"]
     variants = {}
-    for name, overrides in RECIPES.items():
-        folder = run_quantize(compose_app("sd_xl_quantize", common + overrides))
+    for name in args.recipes.split(","):
+        folder = run_quantize(compose_app("sd_xl_quantize", common + RECIPES[name]))
         variants[name] = folder
     evaluate_into_results(f"quality_recipes_{args.model}", work / "report", [
-        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={args.prompts_file}",
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={prompts_file}",
         f"sampling.steps={args.steps}", f"sampling.width={args.size}", f"sampling.height={args.size}",
         *[f"+variants.{name}={folder}" for name, folder in variants.items()]])
 
