@@ -37,7 +37,7 @@ PICTURES = {
     # The first eight held-out two-object prompts, as they come.
     "scenes_flux": Picture(
         ("fp16", "int8_l3_a05", "int8_l3", "int8_l3_a10", "fp8_l3", "fp8_l4"),
-        {"fp16": "bf16/fp16", "int8_l3": "INT8 L3", "fp8_l3": "FP8 L3", "fp8_l4": "FP8 L4"},
+        {"fp16": "fp16", "int8_l3": "INT8 L3", "fp8_l3": "FP8 L3", "fp8_l4": "FP8 L4"},
         tuple(range(64, 72))),
 }
 CELL, SCALE, LABEL_HEIGHT = 64, 2, 20
