@@ -13,12 +13,16 @@ queue=/tmp/queue
 action=$1
 shift
 case "$action" in
-start)
+install)
+    # The copy in /tmp/w, installed once per machine (train_scene_model_gpu.sh runs from it too).
     if [ ! -f /tmp/w/.installed ]; then
         rm -rf /tmp/w && mkdir -p /tmp/w && cp -r . /tmp/w
         (cd /tmp/w && bash benchmarks/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
         touch /tmp/w/.installed
     fi
+    ;;
+start)
+    bash "$0" install
     mkdir -p "$queue/results"
     script="$queue/run.sh"
     {
@@ -46,7 +50,7 @@ collect)
     cat "$queue/queue.log"
     ;;
 *)
-    echo "gpu_queue.sh: start, status or collect, not $action" >&2
+    echo "gpu_queue.sh: install, start, status or collect, not $action" >&2
     exit 2
     ;;
 esac

@@ -24,11 +24,7 @@ if [ "$action" = collect ]; then
     done
     exit 0
 fi
-if [ ! -f /tmp/w/.installed ]; then
-    rm -rf /tmp/w && mkdir -p /tmp/w && cp -r . /tmp/w
-    (cd /tmp/w && bash benchmarks/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
-    touch /tmp/w/.installed
-fi
+bash "$(dirname "$0")/gpu_queue.sh" install
 cd /tmp/w
 for job in "$@"; do
     read -r spec overrides <<< "$job"
