@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sdquant.config import register_schemas, shipped_model_folder
-from sdquant.workflow.quantize import run_quantize
-from quality_recipes import compose_app, evaluate_into_results
+from sdquant.config import register_schemas
+from quality_recipes import calibrated, evaluate_into_results, held_out_file
 
 CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"]}
 # Per kind of backbone, variant name -> (checkpoint or None for the 16-bit backbone, cache settings
@@ -52,19 +51,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     register_schemas()
-    work = Path(args.work)
-    prompts_file = args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt"
-    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}",
-              f"quantize.batch_size={args.calib_batch}"]
-    checkpoints = {name: run_quantize(compose_app("sd_xl_quantize", common + overrides))
-                   for name, overrides in CHECKPOINTS.items()}
+    checkpoints = calibrated(args, CHECKPOINTS)
     variants, caches = [], []
     for name, (checkpoint, cache) in VARIANTS[args.backbone].items():
         variants.append(f"+variants.{name}={checkpoints[checkpoint] if checkpoint else 'null'}")
         if cache is not None:
             caches.append(f"{name}:{cache}")
-    evaluate_into_results(f"cache_quality_{args.model}", work / "cache_report", [
-        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={prompts_file}",
+    evaluate_into_results(f"cache_quality_{args.model}", Path(args.work) / "cache_report", [
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
         "sampling.steps=20", *variants, "+variant_cache={" + ",".join(caches) + "}"])
 
 

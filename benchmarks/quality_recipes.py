@@ -68,18 +68,24 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     register_schemas()
-    work = Path(args.work)
-    prompts_file = args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt"
-    common = [f"model={args.model}", f"device={args.device}", f"out_dir={work / 'quantized'}",
-              f"quantize.batch_size={args.calib_batch}"]
-    variants = {}
-    for name in args.recipes.split(","):
-        folder = run_quantize(compose_app("sd_xl_quantize", common + RECIPES[name]))
-        variants[name] = folder
-    evaluate_into_results(f"quality_recipes_{args.model}", work / "report", [
-        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={prompts_file}",
+    variants = calibrated(args, {name: RECIPES[name] for name in args.recipes.split(",")})
+    evaluate_into_results(f"quality_recipes_{args.model}", Path(args.work) / "report", [
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
         f"sampling.steps={args.steps}", f"sampling.width={args.size}", f"sampling.height={args.size}",
         *[f"+variants.{name}={folder}" for name, folder in variants.items()]])
+
+
+def calibrated(args, recipes: dict[str, list[str]]) -> dict[str, Path]:
+    """quantize.py once per recipe (name -> its overrides) on args.model into args.work; the
+    checkpoint folder of each (one already there with the same settings is reused)."""
+    common = [f"model={args.model}", f"device={args.device}", f"out_dir={Path(args.work) / 'quantized'}",
+              f"quantize.batch_size={args.calib_batch}"]
+    return {name: run_quantize(compose_app("sd_xl_quantize", common + overrides)) for name, overrides in recipes.items()}
+
+
+def held_out_file(args) -> Path:
+    """--prompts-file, else the shipped model's held-out prompts."""
+    return Path(args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt")
 
 
 def evaluate_into_results(name: str, report_dir: Path, overrides: list[str]) -> None:
