@@ -1,16 +1,16 @@
-"""Quality stage: how close a quantized UNet stays to the model's own fp16 UNet.
+"""Quality stage: how close a quantized backbone stays to the model's own unquantized one.
 
-Images: every variant starts from the same initial latents as the fp16 reference, and its image
+Images: every variant starts from the same initial latents as the unquantized reference, and its image
 is scored against the reference's with PSNR and SSIM (scikit-image), LPIPS (torchmetrics) and the
 CLIP score of image and prompt (a CLIP model through transformers), the last two only where their
 weights are already on this machine: nothing is downloaded at run time.
 
 Prompt adherence: for scene captions ("a small red circle on the left, white background", the
 built-in scene model's language), a detector reads the shape, colour, place, size and background
-back from each image and compares them with the prompt, for the fp16 reference and every variant.
+back from each image and compares them with the prompt, for the reference and every variant.
 
-Steps: with teacher forcing the variant's UNet is called on exactly the inputs the fp16 UNet saw
-along the fp16 trajectory, so each step's error belongs to the UNet at that step and is not carried
+Steps: with teacher forcing the variant's backbone is called on exactly the inputs the reference saw
+along the reference's trajectory, so each step's error belongs to the UNet at that step and is not carried
 over from earlier steps: it shows where in the denoising quantization hurts.
 """
 
@@ -28,7 +28,13 @@ import torch
 from .artifacts import atomic_path, write_json
 from .load import folder_or_hub_id
 
-REFERENCE = "fp16"
+# The reference is the model's own backbone, unquantized, in the dtype it ran in (fp32 on a CPU).
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def reference_name(dtype: torch.dtype) -> str:
+    """What the report calls the unquantized reference: its dtype, as it ran."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def prediction(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -53,7 +59,7 @@ class RecordingStage:
 @torch.no_grad()
 def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], predict) -> list[float]:
     """Per backbone call of the reference run (one per scheduler timestep), the relative L2 error
-    ||eps_variant - eps_fp16|| / ||eps_fp16|| of the variant's prediction on the same input;
+    ||eps_variant - eps_ref|| / ||eps_ref|| of the variant's prediction on the same input;
     `predict(step, inputs)` is the variant's (with a step cache, its full or shallow pass)."""
     errors = []
     for step, (inputs, reference) in enumerate(calls):
@@ -212,7 +218,7 @@ def score_images(reference: torch.Tensor, candidate: torch.Tensor, prompts: list
 
 
 def image_grid(columns: list[torch.Tensor]) -> "Image.Image":
-    """One row per prompt, one column per model (fp16 first), each (N, 3, H, W) in [0, 1]."""
+    """One row per prompt, one column per model (the reference first), each (N, 3, H, W) in [0, 1]."""
     from PIL import Image
 
     rows = [torch.cat([column[index] for column in columns], dim=2) for index in range(len(columns[0]))]
@@ -234,14 +240,15 @@ def _jsonable(data):
 
 
 def build_report(variants: dict[str, VariantScores], reference_clip: list[float] | None,
-                 reference_adherence: list[dict], notes: list[str], settings: dict) -> dict:
-    adherence_by_model = {REFERENCE: adherence_summary(reference_adherence),
+                 reference_adherence: list[dict], notes: list[str], settings: dict, reference: str) -> dict:
+    """The report; `reference` names the unquantized run (reference_name)."""
+    adherence_by_model = {reference: adherence_summary(reference_adherence),
                           **{name: adherence_summary(scores.adherence) for name, scores in variants.items()}}
-    if not adherence_by_model[REFERENCE]["scored"]:
+    if not adherence_by_model[reference]["scored"]:
         notes = notes + ["prompt adherence not scored: no prompt is a scene caption such as "
                          "'a small red circle on the left, white background' (model=scenes_sdxl's language)"]
     return {
-        "reference": {"name": REFERENCE, "clip": reference_clip},
+        "reference": {"name": reference, "clip": reference_clip},
         "variants": {name: {"source": scores.source, "mean": scores.means(), "per_prompt": scores.per_prompt,
                             "step_error": scores.step_error()} for name, scores in variants.items()},
         "adherence": adherence_by_model,
@@ -254,12 +261,12 @@ def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _adherence_lines(adherence: dict) -> list[str]:
+def _adherence_lines(adherence: dict, reference_name: str) -> list[str]:
     """The adherence table (share of prompts with each attribute right) and, per prompt, what
     each model got wrong."""
     from .scenes import ATTRIBUTES
 
-    reference = adherence[REFERENCE]
+    reference = adherence[reference_name]
     if not reference["scored"]:
         return []
     lines = ["", "## Prompt adherence", "",
@@ -294,18 +301,19 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     sampling = s["sampling"]
     names = list(report["variants"])
-    lines = [f"# Quality against the fp16 UNet: {s['model']}",
+    reference = report["reference"]["name"]
+    lines = [f"# Quality against the unquantized backbone ({reference}): {s['model']}",
              "",
              f"{len(report['variants'][names[0]]['per_prompt'])} prompts, {sampling['steps']} steps "
              f"({sampling['scheduler']}), guidance {sampling['guidance_scale']}, {sampling['width']}x"
-             f"{sampling['height']}, seed {sampling['seed']}; every variant starts from the fp16 run's "
-             f"initial latents. The reference is the model's own UNet, run in {s['dtype']} on {s['device']}. "
-             "Grid (`grid.png`) columns: " + " | ".join([REFERENCE, *names]) + ".",
+             f"{sampling['height']}, seed {sampling['seed']}; every variant starts from the reference run's "
+             f"initial latents. The reference is the model's own backbone, unquantized, run in {s['dtype']} on {s['device']}. "
+             "Grid (`grid.png`) columns: " + " | ".join([reference, *names]) + ".",
              "",
              "| variant | source | PSNR (dB) | SSIM | LPIPS | CLIP score | step error |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     reference_clip = report["reference"]["clip"]
-    lines.append(f"| {REFERENCE} | the model's UNet | - | - | - | "
+    lines.append(f"| {reference} | the model's own backbone, unquantized | - | - | - | "
                  f"{_cell(statistics.fmean(reference_clip) if reference_clip else None)} | - |")
     for name, variant in report["variants"].items():
         mean = variant["mean"]
@@ -318,13 +326,13 @@ def markdown(report: dict) -> str:
                  for v in report["variants"].values()]
         lines.append(f"| {row['prompt']} | " + " | ".join(cells) + " |")
     lines += ["", "## Noise-prediction error per step (teacher forcing)", "",
-              "Relative L2 error of the UNet output against fp16, both fed the fp16 trajectory.", "",
+              "Relative L2 error of the backbone's output against the reference's, both fed the reference's trajectory.", "",
               "| step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
     steps = len(report["variants"][names[0]]["step_error"])
     for step in range(steps):
         lines.append(f"| {step} | " + " | ".join(_cell(v["step_error"][step]) for v in report["variants"].values())
                      + " |")
-    lines += _adherence_lines(report["adherence"])
+    lines += _adherence_lines(report["adherence"], reference)
     if report["notes"]:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -343,8 +351,9 @@ def write_outputs(out: Path, report: dict, grid) -> list[Path]:
 
 def print_means(report: dict) -> None:
     adherence = report["adherence"]
+    reference = report["reference"]["name"]
     print(f"\n{'variant':<16} {'PSNR dB':>9} {'SSIM':>7} {'LPIPS':>7} {'CLIP':>7} {'step err':>9} {'adherence':>10}")
-    print(f"{REFERENCE:<16} {'':>9} {'':>7} {'':>7} {'':>7} {'':>9} {_percent(adherence[REFERENCE]['mean']['all']):>10}")
+    print(f"{reference:<16} {'':>9} {'':>7} {'':>7} {'':>7} {'':>9} {_percent(adherence[reference]['mean']['all']):>10}")
     for name, variant in report["variants"].items():
         mean = variant["mean"]
         print(f"{name:<16} " + " ".join(f"{_cell(mean.get(key)):>{width}}" for key, width in

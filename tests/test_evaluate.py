@@ -51,7 +51,7 @@ def test_identical_unet_gives_infinite_psnr_unit_ssim_and_zero_step_error(tmp_pa
     # euler_a draws noise at every step: identical images also prove it is drawn from the run's seed.
     report = _evaluate(tmp_path, "+variants.same=null", f"sampling.scheduler={scheduler}")
     progress = capsys.readouterr().err
-    assert "fp16: 2/2 prompt batches" in progress and "same: 2/2 prompt batches" in progress
+    assert "fp32: 2/2 prompt batches" in progress and "same: 2/2 prompt batches" in progress
     assert "denoising" not in progress and "\r" not in progress, "one plain line per loop, none nested"
     same = report["variants"]["same"]
     assert [row["psnr"] for row in same["per_prompt"]] == [math.inf] * len(PROMPTS)
@@ -75,6 +75,8 @@ def test_int8_and_onnx_variants_give_finite_worse_scores_and_a_grid(tmp_path, in
         assert grid.size == (SIZE * 3, SIZE * len(PROMPTS))
     text = (tmp_path / "quality.md").read_text()
     assert "| int8 |" in text and "| onnx_fp32 |" in text and f"| {STEPS - 1} |" in text
+    # The reference is named by what ran (fp32 on a CPU), and the scheduler that ran is named too.
+    assert text.startswith("# Quality against the unquantized backbone (fp32)") and f"{STEPS} steps (euler)" in text
 
 
 def _tiny_clip(folder):

@@ -1,5 +1,5 @@
-"""evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's,
-from identical initial latents."""
+"""evaluate.py: each variant's images and teacher-forced noise predictions against the model's own
+unquantized backbone's, from identical initial latents."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from .common import (check_cache, checked_checkpoint, restore_quantized_unet, sa
 
 
 def run_evaluate(cfg) -> dict:
-    """evaluate.py: each variant's images and teacher-forced noise predictions against the fp16 UNet's."""
+    """evaluate.py: each variant's images and teacher-forced noise predictions against the unquantized
+    backbone's."""
     start = time.perf_counter()
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(cfg.model, name, source) for name, source in cfg.variants.items()}
@@ -35,9 +36,9 @@ def run_evaluate(cfg) -> dict:
     for name, kind in kinds.items():
         key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
         block = OmegaConf.select(cfg, key)
-        check_cache(block, key, cfg.model, parts, "modules" if kind in ("fp16", "checkpoint") else "one file")
+        check_cache(block, key, cfg.model, parts, "modules" if kind in ("unquantized", "checkpoint") else "one file")
         caches[name] = step_cache(block)
-    # The reference is the uncached fp16 backbone whatever the variants cache.
+    # The reference is the uncached, unquantized backbone whatever the variants cache.
     runs = [dataclasses.replace(settings, cache=None) for settings in sampling_runs(cfg)]
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)
@@ -59,7 +60,8 @@ def run_evaluate(cfg) -> dict:
         settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
                     "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions(),
                     "processes": part.size}
-        result = quality.build_report(scores, reference_clip, reference_adherence, notes, settings)
+        result = quality.build_report(scores, reference_clip, reference_adherence, notes, settings,
+                                      quality.reference_name(dtype))
         with stage("writing the report"):
             written = quality.write_outputs(out, result, quality.image_grid(columns))
         quality.print_means(result)
@@ -81,9 +83,10 @@ def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[
         pipeline = text_to_image(cfg, parts, family.torch_stages(pipe, dtype), device)
         lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
                        quality.clip_metric(cfg.metrics.clip_model, device))
-    fp16_backbone = pipeline.stages[family.backbone_graph]
-    with stage("the fp16 reference runs"):
-        references = _reference_runs(pipeline, [settings for _, settings in mine], device)
+    reference_backbone = pipeline.stages[family.backbone_graph]
+    with stage("the unquantized reference runs"):
+        references = _reference_runs(pipeline, [settings for _, settings in mine], device,
+                                     quality.reference_name(dtype))
     batches = {}
     for (index, _), (settings, _, images, _) in zip(mine, references):
         batches[index] = {"reference": {
@@ -92,14 +95,14 @@ def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[
     sources = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            backbone, module = _variant_backbone(cfg, name, kind, fp16_backbone, getattr(pipe, family.backbone),
+            backbone, module = _variant_backbone(cfg, name, kind, reference_backbone, getattr(pipe, family.backbone),
                                                  device, dtype)
             if caches[name] is not None:
                 cached = family.cache_stages(module, dtype, caches[name])
                 # A cache hook runs the backbone's own stage under it; DeepCache adds its passes.
                 backbone = cached.pop(family.backbone_graph, backbone)
                 pipeline.stages.update(cached)
-            source = str(cfg.variants[name] or "the fp16 backbone again (self-check)")
+            source = str(cfg.variants[name] or "the unquantized backbone again (self-check)")
             sources[name] = source if caches[name] is None else f"{source}, cached ({caches[name].describe()})"
             runs = _variant_runs(pipeline, name, backbone, caches[name], references, [lpips, clip], device)
             if module is not None:
@@ -141,18 +144,18 @@ def _merged(batches: dict, sources: dict) -> tuple[dict, list | None, list, list
     return scores, clip, adherence, columns
 
 
-def _reference_runs(pipeline, runs: list, device: torch.device) -> list[tuple]:
-    """Per pipeline call: its settings, initial latents, the fp16 backbone's images and its recorded
-    calls."""
-    fp16_backbone = pipeline.stages[pipeline.backbone]
+def _reference_runs(pipeline, runs: list, device: torch.device, name: str) -> list[tuple]:
+    """Per pipeline call: its settings, initial latents, the unquantized backbone's images and its
+    recorded calls."""
+    reference_backbone = pipeline.stages[pipeline.backbone]
     references = []
-    for settings in Progress(runs, quality.REFERENCE, "prompt batches"):
+    for settings in Progress(runs, name, "prompt batches"):
         latents = pipeline.initial_latents(settings)
-        recorder = quality.RecordingStage(fp16_backbone)
+        recorder = quality.RecordingStage(reference_backbone)
         pipeline.stages[pipeline.backbone] = recorder
         references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
                            recorder.calls))
-    pipeline.stages[pipeline.backbone] = fp16_backbone
+    pipeline.stages[pipeline.backbone] = reference_backbone
     return references
 
 
@@ -177,11 +180,11 @@ ENGINE_SUFFIXES = (".plan", ".engine")
 
 
 def _variant_kind(model, name: str, source: str | None) -> str:
-    """What a variant's source is: the fp16 UNet itself, a quantize.py checkpoint, an ONNX file
+    """What a variant's source is: the unquantized backbone itself, a quantize.py checkpoint, an ONNX file
     or an engine; refuses anything else, and checkpoints or graphs that are cut short or were made
     from another model, before any work starts."""
     if source is None:
-        return "fp16"
+        return "unquantized"
     path = Path(source).expanduser()
     if not path.exists():
         raise UserError(f"variants.{name}={source}: no such file or folder")
@@ -198,13 +201,13 @@ def _variant_kind(model, name: str, source: str | None) -> str:
                     f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
 
 
-def _variant_backbone(cfg, name: str, kind: str, fp16_backbone, fp16_module, device: torch.device,
+def _variant_backbone(cfg, name: str, kind: str, reference_backbone, reference_module, device: torch.device,
                       dtype: torch.dtype):
     """The backbone stage a variant runs, and its module where it runs one (for a step cache)."""
     source = cfg.variants[name]
     family = family_of(cfg.model.family)
-    if kind == "fp16":
-        return fp16_backbone, fp16_module
+    if kind == "unquantized":
+        return reference_backbone, reference_module
     if kind == "onnx":
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
                                 family.network(family.backbone_graph)), None
