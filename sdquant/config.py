@@ -8,6 +8,7 @@ calls first.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -59,6 +60,10 @@ class ModelConfig:
     # The prompts quantize.py calibrates with when its prompts_file is null: a model trained on
     # its own captions (scenes_sdxl) ships them; null takes the package's SDXL-style prompts.
     calib_prompts: Optional[str] = None
+    # The prompts evaluate.py scores when neither sampling.prompts nor sampling.prompts_file is given:
+    # a model trained on its own captions ships held-out ones (scored for prompt adherence); null
+    # takes the package's photo prompts.
+    eval_prompts: Optional[str] = None
     # Adapters fused into the UNet (and the text encoders, where they have weights for them)
     # before calibration, export and inference.
     loras: list[LoraAdapter] = field(default_factory=list)
@@ -170,14 +175,14 @@ class CacheBlock:
     """Step caching: what a denoising step reuses from an earlier one."""
 
     # none; deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
-    # between, which take the deep blocks' feature from the last whole pass (the defaults are
-    # ModelOpt's cache diffusion for SDXL: only down_blocks.0 and up_blocks.2 on alternate steps);
+    # between, which take the deep blocks' feature from the last whole pass;
     # for transformers, diffusers' own cache hooks: first_block (the rest of the transformer is
     # skipped while the first block's output changes less than `threshold`) or taylorseer (the
     # blocks' outputs predicted by a Taylor series between full passes every `interval` steps).
     method: str = "none"
     interval: int = 2
-    # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
+    # The skip branches that stay live, counted in blocks: 0 keeps the outermost down and up block, 1
+    # the next pair too. DeepCache's reference package counts layers: its cache_branch_id is 3 * branch + 2.
     branch: int = 0
     threshold: float = 0.05
 
@@ -217,7 +222,8 @@ class ShardBlock:
 
 @dataclass
 class SamplingBlock:
-    prompts: list[str] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
+    # null (evaluate.py's default): the model's evaluation prompts (model.eval_prompts).
+    prompts: Optional[list[str]] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
     # A file of prompts, one a line, used instead of `prompts` when set.
     prompts_file: Optional[str] = None
     negative_prompt: str = ""
@@ -410,8 +416,16 @@ def shipped_model_folder(name: str) -> str:
     return str(Path(__file__).resolve().parent / "models" / name)
 
 
+def cache_folder(name: str = "") -> str:
+    """Where sdquant builds what it makes on first use (the tiny models): $SDQUANT_CACHE, else
+    ~/.cache/sdquant."""
+    root = Path(os.environ.get("SDQUANT_CACHE") or "~/.cache/sdquant").expanduser()
+    return str(root / name)
+
+
 def register_schemas() -> None:
     OmegaConf.register_new_resolver("sdquant_model", shipped_model_folder, replace=True)
+    OmegaConf.register_new_resolver("sdquant_cache", cache_folder, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_scene_schema", node=TrainSceneApp)
     store.store(name="train_scene_flux_schema", node=TrainFluxSceneApp)

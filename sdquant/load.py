@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .artifacts import atomic_folder
-from .config import ModelConfig
+from .config import ModelConfig, cache_folder
 from .errors import UserError
 from .lora import fuse as fuse_loras
 from .families import family_of
@@ -41,10 +41,16 @@ def compute_dtype(device: torch.device, name: str = "auto", gpu_dtype: torch.dty
 
 
 def ensure_tiny_model(model: ModelConfig) -> Path:
-    """Builds the tiny model into its folder once; a half-built folder is never left behind."""
+    """Builds the tiny model into its folder once; a half-built folder is never left behind. It is
+    built only in the cache folder: anywhere else model.source names a folder that must exist, so a
+    mistyped path creates nothing."""
     folder = Path(model.source).expanduser()
     if (folder / "model_index.json").exists():
         return folder
+    if folder.parent != Path(cache_folder()):
+        raise UserError(f"model.source={model.source}: no tiny model there; model={model.name} is built on first use "
+                        f"in the cache folder ({cache_folder(model.name)}, from $SDQUANT_CACHE): leave model.source "
+                        "at its default, or give the folder of one built before")
     # Another process may finish the same build first: its folder is as good as ours.
     with atomic_folder(folder, replace=False) as staging:
         family_of(model.family).build_tiny(staging)
@@ -188,8 +194,9 @@ def pipeline_parts(model: ModelConfig) -> dict:
                         f"({str(error).splitlines()[0]})") from error
 
 
-def builtin_prompts_path() -> Path:
-    return Path(__file__).parent / "data" / "calib_prompts.txt"
+def builtin_prompts_path(name: str = "calib_prompts.txt") -> Path:
+    """A prompts file shipped with the package: calibration or evaluation prompts."""
+    return Path(__file__).parent / "data" / name
 
 
 def calibration_prompts_file(cfg) -> str | None:

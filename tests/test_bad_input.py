@@ -26,6 +26,7 @@ BAD_QUANTIZE = [
     (["quantize.collect_method=median"], "quantize.collect_method='median' is unknown"),
     (["model.tiny=false", "model.source=/nonexistent/sdxl"], "model.source=/nonexistent/sdxl: no such folder"),
     (["model.tiny=false", "model.source=/nonexistent/sdxl.safetensors"], "no such checkpoint file"),
+    (["model.source=/nonexistent/model"], "model.source=/nonexistent/model: no tiny model there"),
     (["quantize.calib_size=400"], "holds 320 prompts but quantize.calib_size=400"),
     (["prompts_file=/nonexistent/prompts.txt"], "prompts_file=/nonexistent/prompts.txt: no such file"),
 ]
@@ -137,7 +138,17 @@ def test_corrupt_or_foreign_artifacts_are_named_before_any_work(tmp_path, capsys
     err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={graphs / 'plan' / 'clip1.plan'}",
         f"out_path={tmp_path / 'images'}"]), capsys)
-    assert err.startswith(f"error: clip1={graphs / 'onnx' / 'clip1' / 'model.onnx'} is not a readable ONNX graph")
+    assert err.startswith(f"error: clip1={graphs / 'plan' / 'clip1.plan'}: its ONNX graph "
+                          f"{graphs / 'onnx' / 'clip1' / 'model.onnx'} is not a readable ONNX graph")
+    # An .onnx file given for an engine key is run itself, and named as given.
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={truncated}",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert err.startswith(f"error: clip1={truncated} is not a readable ONNX graph")
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={tmp_path / 'elsewhere' / 'clip1.plan'}",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert "backend=onnxruntime runs the ONNX graph export_trt.py writes beside that engine" in err
     assert not any((tmp_path / name).exists() for name in ("quality", "export", "images"))
 
 

@@ -149,3 +149,15 @@ def test_say_truncated_names_each_prompt_once(model_cache, capsys):
     assert say_truncated([tokenizer], [LONG, SHORT, LONG], told, "keep") == 1
     assert say_truncated([tokenizer], [LONG], told, "keep") == 1
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model, count", [("scenes_sdxl", 128), ("tiny_sdxl", 4)])
+def test_evaluate_without_prompts_takes_the_models_own(model, count, model_cache):
+    """A scene model is evaluated on its held-out prompts (scored for adherence); another model on
+    the package's photo prompts; given prompts win over both."""
+    from sdquant.workflow.common import sampling_runs
+
+    runs = sampling_runs(compose_config("sd_xl_evaluate", [f"model={model}"]))
+    assert sum(len(settings.prompts) for settings in runs) == count
+    given = sampling_runs(compose_config("sd_xl_evaluate", [f"model={model}", 'sampling.prompts=["a cat"]']))
+    assert [settings.prompts for settings in given] == [["a cat"]]

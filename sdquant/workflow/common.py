@@ -49,7 +49,7 @@ def sampling_runs(cfg) -> list[SamplingSettings]:
     """One pipeline call per batch of sampling.batch_size prompts, each prompt's images
     sampling.num_images_per_prompt; the run's k-th image, counted over all calls, seeded seed + k."""
     sampling = cfg.sampling
-    batches = _prompt_batches(sampling)
+    batches = _prompt_batches(sampling, cfg.model)
     per_batch = sampling.batch_size * sampling.num_images_per_prompt
     return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
                              guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
@@ -94,11 +94,15 @@ def check_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph: b
     cache.check(parts["backbone_config"], key)
 
 
-def _prompt_batches(sampling) -> list[list[str]]:
-    if sampling.prompts_file:
-        path = Path(sampling.prompts_file).expanduser()
+def _prompt_batches(sampling, model) -> list[list[str]]:
+    """sampling.prompts_file's prompts, else sampling.prompts, else the model's evaluation prompts,
+    in batches of sampling.batch_size."""
+    if sampling.prompts_file or sampling.prompts is None:
+        key, value = ("sampling.prompts_file", sampling.prompts_file) if sampling.prompts_file else \
+            ("model.eval_prompts", model.eval_prompts or load.builtin_prompts_path("eval_prompts.txt"))
+        path = Path(value).expanduser()
         if not path.is_file():
-            raise UserError(f"sampling.prompts_file={path}: no such file")
+            raise UserError(f"{key}={path}: no such file")
         prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     else:
         prompts = list(sampling.prompts)
@@ -112,6 +116,8 @@ def sampling_parts(cfg) -> dict:
     sampling's image size and steps settled against the model before any work."""
     parts = load.pipeline_parts(cfg.model)
     cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
+    # Settled here so that reports name the scheduler that ran, not a null.
+    cfg.sampling.scheduler = cfg.sampling.scheduler or family_of(cfg.model.family).default_scheduler()
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
     runs_on = "modules" if cfg.get("backend", "torch") == "torch" else "graphs"
     check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cfg.get("cuda_graph", False))
@@ -144,6 +150,5 @@ def settled_image_size(block, prefix: str, model, configs: dict | None = None) -
 def text_to_image(cfg, parts: dict, stages: dict, device: torch.device):
     """The family's denoising loop over `stages`, with the model's tokenizers and scheduler config
     (`parts`)."""
-    family = family_of(cfg.model.family)
-    scheduler = make_scheduler(cfg.sampling.scheduler or family.default_scheduler(), parts["scheduler_config"])
-    return family.text_to_image(stages, parts, scheduler, device)
+    scheduler = make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
+    return family_of(cfg.model.family).text_to_image(stages, parts, scheduler, device)
