@@ -306,18 +306,20 @@ def is_current(folder: Path, fingerprint: str) -> bool:
     return meta is not None and meta.get("fingerprint") == fingerprint and (folder / ONNX_FILE).is_file()
 
 
-def check_graph_file(path: Path, key: str, network: Network | None = None) -> None:
+def check_graph_file(path: Path, key: str, network: Network | None = None, given: Path | None = None) -> None:
     """Refuses, before any work, an ONNX file that is truncated or corrupt, whose external weights
     are missing or cut short, or (with `network`) that is another network's graph. Reads the graph
-    without its weights: cheap even for a full-size UNet."""
+    without its weights: cheap even for a full-size UNet. `given`: what config `key` holds when the
+    file was found from it (an engine's graph beside its plan), so the message names both."""
     import onnx
     from google.protobuf.message import DecodeError
 
     again = "export it again with export_trt.py"
+    named = f"{key}={path}" if given is None else f"{key}={given}: its ONNX graph {path}"
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError, ValueError) as error:
-        raise UserError(f"{key}={path} is not a readable ONNX graph ({str(error).splitlines()[0]}): {again}") from None
+        raise UserError(f"{named} is not a readable ONNX graph ({str(error).splitlines()[0]}): {again}") from None
     for tensor in model.graph.initializer:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -325,9 +327,9 @@ def check_graph_file(path: Path, key: str, network: Network | None = None) -> No
         data_file = path.parent / info.get("location", "")
         needed = int(info.get("offset", 0)) + int(info.get("length", 0))
         if not data_file.is_file() or data_file.stat().st_size < needed:
-            raise UserError(f"{key}={path}: its weights file {data_file} is missing or shorter than the graph "
+            raise UserError(f"{named}: its weights file {data_file} is missing or shorter than the graph "
                             f"says ({needed} bytes): {again}")
     inputs = {value.name for value in model.graph.input} - {t.name for t in model.graph.initializer}
     if network is not None and not set(network.required_inputs) <= inputs:
-        raise UserError(f"{key}={path} is not a {network.name} graph (its inputs are {', '.join(sorted(inputs))}, "
+        raise UserError(f"{named} is not a {network.name} graph (its inputs are {', '.join(sorted(inputs))}, "
                         f"a {network.name} takes {', '.join(network.input_names)})")

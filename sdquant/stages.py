@@ -22,13 +22,15 @@ from .networks import Network
 class OnnxRuntimeStage:
     """Runs an exported ONNX file; tensors cross as numpy on the host."""
 
-    def __init__(self, onnx_file: Path, providers: list[str], key: str, network: Network):
+    def __init__(self, onnx_file: Path, providers: list[str], key: str, network: Network, given: Path | None = None):
+        """`key` is the config key naming the file; `given` what it holds where the file was found
+        from it (an engine's graph beside its plan)."""
         import onnxruntime as ort
         from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, InvalidProtobuf, NoSuchFile
 
         if not onnx_file.is_file():
             raise UserError(f"{key}: {onnx_file} does not exist: run export_trt.py first")
-        check_graph_file(onnx_file, key, network)
+        check_graph_file(onnx_file, key, network, given)
         try:
             self.session = ort.InferenceSession(str(onnx_file), providers=providers)
         except (Fail, InvalidGraph, InvalidProtobuf, NoSuchFile) as error:

@@ -75,6 +75,9 @@ def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):
     assert saved["ms"]["backbone_per_step"] == pytest.approx(saved["ms"]["backbone_total"] / STEPS)
     assert 0 < saved["ms"]["end_to_end"] and saved["images_per_second"] > 0
     assert latency["backend"] == "onnxruntime"
+    assert saved["setup_seconds"] >= 0
+    # The settings name the engines of the model's own family, not Flux's.
+    assert {"clip1", "clip2", "unet_xl", "vae"} <= set(saved["settings"]) and "transformer" not in saved["settings"]
     info = Image.open(tmp_path / "image_000_00.png").text
     assert info["prompt"] == PROMPT and info["seed"] == "42" and info["steps"] == str(STEPS)
     assert "unet_xl=" in info["engines"]

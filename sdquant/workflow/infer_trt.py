@@ -46,14 +46,14 @@ def run_infer(cfg) -> dict:
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
         # over a timed run is what a user waits once per process and shape.
         latency["first_call_seconds"] = first_call_seconds
-        latency["setup_seconds"] = first_call_seconds - latency["ms"]["end_to_end"] / 1000
+        latency["setup_seconds"] = report.setup_seconds(first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device),
                         "images_written": sum(path.suffix == ".png" for path in written)})
         latencies, written = parallel.gather(latency, world), sum(parallel.gather(written, world), [])
         if not world.is_main:
             return latency
         merged = latencies[0] if len(latencies) == 1 else report.merged_latency(latencies)
-        merged.update({"versions": library_versions(), "settings": OmegaConf.to_container(cfg, resolve=True)})
+        merged.update({"versions": library_versions(), "settings": _run_settings(cfg)})
         out = Path(cfg.out_path).expanduser()
         if cfg.shard.count > 1:
             written.append(report.write_report(out, merged, f"latency.shard{cfg.shard.index}of{cfg.shard.count}.json"))
@@ -65,6 +65,16 @@ def run_infer(cfg) -> dict:
         return merged
     finally:
         parallel.stop(world)
+
+
+def _run_settings(cfg) -> dict:
+    """The config as the report records it: the engine keys of the model's own family only."""
+    from ..families import all_families
+
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    own = set(family_of(cfg.model.family).engine_keys())
+    others = {key for family in all_families() for key in family.engine_keys()} - own
+    return {key: value for key, value in settings.items() if key not in others}
 
 
 def _images_and_timings(cfg, device: torch.device, part: parallel.World) -> tuple[list[Path], list, int, float]:
@@ -120,13 +130,34 @@ def _stage_key(family, name: str, plan: Path) -> str:
     return keys[name] if name in keys else str(plan)
 
 
+def _onnx_file(key: str, given: Path) -> Path:
+    """The ONNX file backend=onnxruntime runs for config `key`: the file itself where it names an
+    .onnx file, else the graph export_trt.py wrote for that engine (<out_path>/onnx/<name>/model.onnx
+    beside <out_path>/plan/<name>.plan)."""
+    if given.suffix == ".onnx":
+        if not given.is_file():
+            raise UserError(f"{key}={given}: no such ONNX file; give an .onnx file or the engine path of an "
+                            "export_trt.py output folder")
+        return given
+    onnx_file = networks.onnx_path(given.parent.parent, given.stem)
+    if not onnx_file.is_file():
+        raise UserError(f"{key}={given}: backend=onnxruntime runs the ONNX graph export_trt.py writes beside that "
+                        f"engine, {onnx_file}, which does not exist: export it (export_trt.py run_trt_export=false), or "
+                        "give the .onnx file itself")
+    return onnx_file
+
+
 def load_stages(cfg, device: torch.device) -> dict:
     family = family_of(cfg.model.family)
     files = _stage_files(cfg)
     if cfg.backend == "onnxruntime":
-        return {name: OnnxRuntimeStage(networks.onnx_path(plan.parent.parent, plan.stem), list(cfg.onnx_providers),
-                                       _stage_key(family, name, plan), family.network(name))
-                for name, plan in files.items()}
+        stages = {}
+        for name, given in files.items():
+            key = _stage_key(family, name, given)
+            onnx_file = _onnx_file(key, given)
+            stages[name] = OnnxRuntimeStage(onnx_file, list(cfg.onnx_providers), key, family.network(name),
+                                            None if onnx_file == given else given)
+        return stages
     if cfg.backend == "torch":
         from .. import torch_backend
 
