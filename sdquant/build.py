@@ -79,6 +79,9 @@ def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], 
     trt.max_prompt_chunks of them (long prompts encoded window by window), a DiT's T5 tokens as
     its export recorded them, a cached UNet pass's deep feature from its branch; static dims as the
     graph has them."""
+    if infer.height is None or infer.width is None:
+        raise UserError("infer.height and infer.width: the engine profiles need the image size settled first "
+                        "(export_trt.py settles a null one to the model's native size before building)")
     batch = batch_range(infer, trt, family, graph)
     context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
     latent = (infer.height // vae_scale, infer.width // vae_scale)

@@ -197,8 +197,8 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
     pipeline = TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
                            torch.device("cuda"), sdxl=True)
     batch = pipeline.stage_batches(settings)["clip1"]
-    profile = build.profile_shapes(InferBlock(batch_size=2), TrtBlock(static_batch=True), SDXL, "clip1",
-                                   {"input_ids": [None, 77]}, 8)["input_ids"]
+    profile = build.profile_shapes(InferBlock(batch_size=2, height=64, width=64), TrtBlock(static_batch=True), SDXL,
+                                   "clip1", {"input_ids": [None, 77]}, 8)["input_ids"]
     plan = standin_tensorrt.write_plan(stand_in.folder / "clip1.plan",
                                        {"input_ids": {"dtype": "INT32", "profile": [list(s) for s in profile]}},
                                        {"hidden_states": {"dtype": "FLOAT", "from": "input_ids"}})
@@ -210,8 +210,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
 def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypatch):
     """Finding 6: with TensorRT and TensorRT for RTX both installed, an RTX-built engine is loaded
     by RTX (engines.json says so), not by whichever is importable first."""
-    from omegaconf import OmegaConf
-
+    from conftest import compose_config
     from sdquant.workflow.infer_trt import load_stages
 
     rtx = standin_tensorrt.module("1.7.1", name="tensorrt_rtx")
@@ -228,10 +227,9 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
                                     built_by=("tensorrt_rtx", "1.7.1"), work_ms=0)
         record[name] = {"flavour": "tensorrt_rtx", "version": "1.7.1", "inputs": {"features": {"profile": profile}}}
     (plans / build.ENGINES_FILE).write_text(json.dumps(record))
-    cfg = OmegaConf.create({"backend": "trt", "cuda_graph": False, "model": {"family": "sdxl"},
-                            "sampling": {"guidance_scale": 5.0, "batch_size": 1, "height": 64, "width": 64},
-                            **{name: str(plans / f"{name}.plan") for name in names}})
-    stages = load_stages(cfg, torch.device("cuda"), True)
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "backend=trt",
+                                                 *(f"{name}={plans / f'{name}.plan'}" for name in names)])
+    stages = load_stages(cfg, torch.device("cuda"))
     sample = torch.randint(-8, 9, (2, 8), dtype=torch.float32)
     assert torch.equal(stages["unet_xl"](features=sample.cuda())["out"].cpu(), _expected(sample))
 
