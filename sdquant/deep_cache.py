@@ -4,8 +4,13 @@ between run only the outermost blocks, which take it in place of what the deep b
 
 A UNet with n down and n up blocks has n skip branches; `branch` b keeps down_blocks[:b + 1] and
 up_blocks[n - 1 - b:] live on the shallow steps, and everything deeper is read from the cache: the
-feature entering up_blocks[n - 1 - b]. ModelOpt's cache diffusion runs SDXL with b = 0 (only
-down_blocks.0 and up_blocks.2 recomputed) on alternate steps.
+feature entering up_blocks[n - 1 - b]. The paper and its reference package (DeepCache's
+DeepCacheSDHelper) count branches by layer instead, three to a block of SD's and SDXL's UNets (two
+resnets and the downsampler): its cache_branch_id 3b + 2 is this branch b (a test draws the same
+images), and its ids 3b and 3b + 1, which cut inside a block, are not offered. ModelOpt's cache
+diffusion example is another cache: for SDXL it replays every down block, the mid block and
+up_blocks 0-1 on odd steps and recomputes only up_blocks.2, whose skip connections from
+down_blocks.0 then come from the cache too; here the live down blocks are recomputed.
 
 Both passes are written here with the UNet's own modules in the order diffusers' forward calls them
 (time and text-time embeddings, conv_in, down, mid, up with the skip connections and upsample sizes,
