@@ -19,10 +19,10 @@ import torch
 from sdquant.calibrate import (ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches,
                                quantize_backbone)
 from sdquant.config import QuantizeBlock
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.sdxl import SDXL
 from sdquant.load import load_prompts, quiet_libraries
 from sdquant.report import library_versions
-from sdquant.synthetic import FULL_SDXL, build_unet, full_size_sdxl_on_gpu
+from sdquant.families.sdxl import sdxl_unet
 
 TARGET_RATIO = 1.25
 
@@ -40,7 +40,7 @@ def generate_all(pipe, prompts, block: QuantizeBlock, seed: int) -> float:
 
 def fresh_unet():
     torch.manual_seed(0)
-    return build_unet(FULL_SDXL, sdxl=True)
+    return sdxl_unet(SDXL.sizes["full"])
 
 
 def graph_matches_eager(pipe, prompts, block: QuantizeBlock, seed: int) -> dict:
@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipe = full_size_sdxl_on_gpu()
+    pipe = SDXL.full_size_on_gpu()
     prompts = load_prompts(None, args.calib_size)
     seed = 42
     plain_block = QuantizeBlock(n_steps=args.n_steps, batch_size=args.batch_size,

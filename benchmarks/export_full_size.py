@@ -25,9 +25,9 @@ TARGET_GB, TARGET_S = 10.0, 120.0
 def build_model(folder: Path) -> None:
     """The full-size SDXL architecture with random weights, saved in fp16 as a diffusers folder."""
     code = (
-        "import torch; from sdquant.synthetic import FULL_SDXL, build_pipeline; "
+        "import torch; from sdquant.families.sdxl import SDXL; "
         "torch.set_default_dtype(torch.float16); "
-        f"build_pipeline('sdxl', FULL_SDXL).save_pretrained({str(folder)!r})"
+        f"SDXL.build_pipeline(SDXL.sizes['full']).save_pretrained({str(folder)!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 

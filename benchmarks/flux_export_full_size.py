@@ -23,13 +23,12 @@ from pathlib import Path
 
 import torch
 
-from sdquant import export, networks
+from sdquant import export
 from sdquant.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.report import library_versions
-from sdquant.synthetic import full_size_flux_on_gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, LATENT = 1024, 128
@@ -48,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
     start = time.perf_counter()
-    pipe = full_size_flux_on_gpu().to(torch.float16)
+    pipe = FLUX.full_size_on_gpu().to(torch.float16)
     build_s = time.perf_counter() - start
     block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=3.5)
@@ -63,12 +62,12 @@ def main() -> None:
         if not spec.on_meta:
             device = next(spec.module.parameters()).device
             spec = dataclasses.replace(spec, args=tuple(a.to(device) for a in spec.args))
-        folder = networks.onnx_path(args.work, spec.name).parent
+        folder = export.onnx_path(args.work, spec.name).parent
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         export.export_graph(spec, folder, OPSET, {"graph": spec.name}, torch.float32 if spec.name == "vae" else
                             torch.float16)
-        files = export.graph_files(folder / networks.ONNX_FILE)
+        files = export.graph_files(folder / export.ONNX_FILE)
         graphs[spec.name] = {"seconds": round(time.perf_counter() - started, 1), "on_meta": spec.on_meta,
                              "bytes": sum(f.stat().st_size for f in files), "files": [f.name for f in files],
                              "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),

@@ -10,17 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 from pathlib import Path
 
 import torch
 
 from sdquant import report
 from sdquant.load import quiet_libraries
-from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.pipeline import SamplingSettings, make_scheduler
+from sdquant.families.sdxl import SDXL
 from sdquant.stages import StageTimer
-from sdquant.synthetic import full_size_sdxl_on_gpu
 
 TARGET_OVERHEAD = 0.02
 
@@ -33,11 +31,10 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipe = full_size_sdxl_on_gpu()
+    pipe = SDXL.full_size_on_gpu()
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     device = torch.device("cuda")
-    pipeline = TextToImage(SDXL.torch_stages(pipe, torch.float16), [pipe.tokenizer, pipe.tokenizer_2],
-                           scheduler, types.SimpleNamespace(**pipe.unet.config), 8, device, sdxl=True)
+    pipeline = SDXL.text_to_image(SDXL.torch_stages(pipe, torch.float16), SDXL.parts_of(pipe), scheduler, device)
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
         settings = SamplingSettings(prompts=["a photo of an astronaut riding a horse on mars"],

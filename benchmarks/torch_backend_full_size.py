@@ -27,10 +27,10 @@ import torch
 
 from sdquant import report, torch_backend
 from sdquant.config import QuantFormat, TorchBackendBlock
-from sdquant.deep_cache import DeepCache
+from sdquant.families.deep_cache import DeepCache
 from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.sdxl import SDXL
 from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_sdxl_on_gpu
 

@@ -24,10 +24,7 @@ from pathlib import Path
 from .artifacts import atomic_path, read_json, write_json
 from .errors import UserError
 from .interrupts import interrupts_deferred
-from .families import sized
-from .deep_cache import deep_sizes
-from .flux_pipeline import T5_TOKENS
-from .networks import BATCH, CONTEXT, HEIGHT, IMAGE_TOKENS, TEXT_TOKENS, TOKENS, WIDTH, onnx_path
+from .families.networks import BATCH, Network, Role
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
@@ -42,58 +39,40 @@ class BatchRange:
     max: int
 
 
-def batch_range(infer, trt, family, graph: str) -> BatchRange:
+def batch_range(infer, trt, network: Network) -> BatchRange:
     """The one place that decides each engine's batch range, in samples the graph sees.
 
     Images: min = trt.min_batch_size, opt = infer.batch_size, max = trt.max_batch_size (or all
-    three infer.batch_size with static_batch). With classifier-free guidance the graphs the family
-    runs guided (SD and SDXL: the text encoders and the UNet; Flux's guidance is an embedding, so
-    none) see twice as many samples (negative and positive prompt), so their opt and max are
-    doubled; min stays in images, so a run without guidance at the smallest batch still fits. A
-    static backbone takes exactly the doubled batch; the text encoders keep min in images even
-    then, because SDXL's empty negative prompt (zeros, not encoded) gives them only the prompts.
+    three infer.batch_size with static_batch). A network that runs guided (network.guided: it
+    sees the negative and the positive prompt under classifier-free guidance) sees twice as many
+    samples, so its opt and max are doubled; min stays in images, so a run without guidance at the
+    smallest batch still fits. A static backbone takes exactly the doubled batch; text encoders
+    keep min in images even then, because an empty negative prompt may be zeros, not encoded,
+    which gives them only the prompts.
     """
     if trt.static_batch:
         images = BatchRange(infer.batch_size, infer.batch_size, infer.batch_size)
     else:
         images = BatchRange(trt.min_batch_size, infer.batch_size, trt.max_batch_size)
-    if graph not in family.guided_graphs():
+    if not network.guided:
         return images
-    low = images.min * GUIDANCE_FACTOR if trt.static_batch and graph in family.backbone_graphs() else images.min
+    low = images.min * GUIDANCE_FACTOR if trt.static_batch and network.role == Role.backbone else images.min
     return BatchRange(low, images.opt * GUIDANCE_FACTOR, images.max * GUIDANCE_FACTOR)
 
 
-def run_sizes(latent_height: int, latent_width: int, sequences: dict[str, int]) -> dict[str, int]:
-    """The size of every dynamic axis but the batch, for latents of this size: the latent's sides
-    and a DiT's 2x2-packed image tokens, and the sequence lengths given (the UNet's CLIP context,
-    a DiT's T5 tokens)."""
-    return {HEIGHT: latent_height, WIDTH: latent_width, IMAGE_TOKENS: (latent_height // 2) * (latent_width // 2),
-            **sequences}
-
-
-def profile_shapes(infer, trt, family, graph: str, input_dims: dict[str, list], vae_scale: int,
-                   text_tokens: int = T5_TOKENS, deep_branch: int | None = None) -> dict[str, tuple]:
-    """(min, opt, max) shape of every input of `graph`, from its ONNX dims (None where dynamic):
-    batch from batch_range, latent height and width (and a DiT's image tokens) from infer's image
-    size and the VAE's scale factor, context length from one CLIP window up to
-    trt.max_prompt_chunks of them (long prompts encoded window by window), a DiT's T5 tokens as
-    its export recorded them, a cached UNet pass's deep feature from its branch; static dims as the
-    graph has them."""
-    if infer.height is None or infer.width is None:
-        raise UserError("infer.height and infer.width: the engine profiles need the image size settled first "
-                        "(export_trt.py settles a null one to the model's native size before building)")
-    batch = batch_range(infer, trt, family, graph)
-    context = (TOKENS, TOKENS, TOKENS * trt.max_prompt_chunks)
-    latent = (infer.height // vae_scale, infer.width // vae_scale)
-    deep = {} if deep_branch is None else deep_sizes(*latent, deep_branch)
-    sizes = [{BATCH: samples, **run_sizes(*latent, {CONTEXT: context[which], TEXT_TOKENS: text_tokens, **deep})}
-             for which, samples in enumerate((batch.min, batch.opt, batch.max))]
+def profile_shapes(infer, trt, network: Network, input_dims: dict[str, list],
+                   axis_sizes: list[dict[str, int]]) -> dict[str, tuple]:
+    """(min, opt, max) shape of every input of `network`'s graph, from its ONNX dims (None where
+    dynamic): the batch from batch_range, every other dynamic axis from `axis_sizes` (min, opt,
+    max: the sizes its family gives each label), static dims as the graph has them."""
+    batch = batch_range(infer, trt, network)
+    sizes = [{**axes, BATCH: samples} for samples, axes in zip((batch.min, batch.opt, batch.max), axis_sizes)]
     shapes = {}
     for name, dims in input_dims.items():
-        per_profile = tuple(sized(graph, name, dims, each) for each in sizes)
+        per_profile = tuple(network.sized(name, dims, each) for each in sizes)
         if None in per_profile[0]:
             axis = per_profile[0].index(None)
-            raise UserError(f"{graph}: input {name} has a dynamic axis {axis} this tool cannot size")
+            raise UserError(f"{network.name}: input {name} has a dynamic axis {axis} this tool cannot size")
         shapes[name] = per_profile
     return shapes
 
@@ -476,15 +455,3 @@ def save_engines_record(out_path, record: dict) -> Path:
     path = Path(out_path).expanduser() / PLAN_DIR / ENGINES_FILE
     write_json(path, record)
     return path
-
-
-def required_onnx(out_path, family) -> dict[str, Path]:
-    """The ONNX file of every graph, and of the cached backbone passes where they were exported; a
-    missing one names the step that makes it."""
-    files = {name: onnx_path(out_path, name) for name in family.graph_names()}
-    for name, path in files.items():
-        if not path.is_file():
-            raise UserError(f"{path} does not exist: export the ONNX graphs first "
-                            "(python export_trt.py run_onnx_export=true ...)")
-    cached = {network.name: onnx_path(out_path, network.name) for network in family.cache_networks()}
-    return {**files, **{name: path for name, path in cached.items() if path.is_file()}}

@@ -71,7 +71,7 @@ def attach_clock(pipe, family, clock: StepClock):
         # The schedule is read at each call since the pipeline sets it at the start of each run.
         clock.observe(family.scheduler_timestep(args, kwargs), pipe.scheduler.timesteps)
 
-    return getattr(pipe, family.backbone).register_forward_pre_hook(before_backbone, with_kwargs=True)
+    return getattr(pipe, family.backbone.attribute).register_forward_pre_hook(before_backbone, with_kwargs=True)
 
 
 class StepStatistics:
@@ -468,7 +468,7 @@ def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, se
     is false."""
     import modelopt.torch.quantization as mtq
 
-    backbone = getattr(pipe, family.backbone)
+    backbone = getattr(pipe, family.backbone.attribute)
     entries = family.quant_cfg_entries(block.format, block.quant_level)
     clock = StepClock()
     recorder = ActivationRecorder(backbone, entries, block, clock)

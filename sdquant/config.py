@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .errors import UserError
-from .networks import Family
+from .families.names import Family
 
 
 class QuantFormat(str, Enum):
@@ -196,7 +196,9 @@ class ExportApp:
     trt: TrtBlock = field(default_factory=TrtBlock)
     onnx: OnnxBlock = field(default_factory=OnnxBlock)
     model: ModelConfig = MISSING
-    # A checkpoint folder (or unet.mto) from quantize.py; None exports the fp16 UNet.
+    # A checkpoint folder (or its unet.mto) from quantize.py; None exports the 16-bit backbone.
+    quantized_backbone: Optional[str] = None
+    # NeMo's name for quantized_backbone.
     quantized_unet: Optional[str] = None
     force: bool = False
     device: str = "auto"
@@ -268,21 +270,25 @@ class TorchBackendBlock:
 
 @dataclass
 class InferApp:
-    """NeMo's inference config: engine paths and out_path, plus sampling and timing."""
+    """NeMo's inference config: the engines and out_path, plus sampling and timing."""
 
-    unet_xl: str = "sdxl_export/plan/unet_xl.plan"
-    vae: str = "sdxl_export/plan/vae.plan"
-    clip1: str = "sdxl_export/plan/clip1.plan"
-    clip2: str = "sdxl_export/plan/clip2.plan"
-    # Flux's engines besides vae.
-    clip: str = "sdxl_export/plan/clip.plan"
-    t5: str = "sdxl_export/plan/t5.plan"
-    transformer: str = "sdxl_export/plan/transformer.plan"
+    # export_trt.py's engines: each graph's <engine_dir>/<graph>.plan, and for backend=onnxruntime
+    # its ONNX file <engine_dir>/../onnx/<graph>/model.onnx.
+    engine_dir: str = "sdxl_export/plan"
+    # A graph's engine (or .onnx file) from elsewhere, by graph name: engines.transformer=<file>.
+    engines: dict[str, str] = field(default_factory=dict)
+    # NeMo's keys, kept: unet_xl names the backbone's engine, clip1, clip2 and vae SDXL's others.
+    unet_xl: Optional[str] = None
+    clip1: Optional[str] = None
+    clip2: Optional[str] = None
+    vae: Optional[str] = None
     out_path: str = "trt_output"
-    # trt: the engines; onnxruntime: the ONNX files beside them (<plan dir>/../onnx/<name>/);
-    # torch: the diffusers modules themselves (with quantized_unet's fake-quant UNet if set).
+    # trt: the engines; onnxruntime: their ONNX files; torch: the diffusers modules themselves (with
+    # quantized_backbone's 8-bit backbone if set).
     backend: str = "trt"
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    quantized_backbone: Optional[str] = None
+    # NeMo's name for quantized_backbone.
     quantized_unet: Optional[str] = None
     sampling: SamplingBlock = field(default_factory=SamplingBlock)
     num_warmup_runs: int = 1
@@ -319,7 +325,8 @@ class EvaluateApp:
     # name -> the step cache that variant runs with; the others run with sampling.cache, the fp16
     # reference always without one.
     variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
-    sampling: SamplingBlock = field(default_factory=SamplingBlock)
+    # No prompts: the model's evaluation prompts (model.eval_prompts).
+    sampling: SamplingBlock = field(default_factory=lambda: SamplingBlock(prompts=None))
     shard: ShardBlock = field(default_factory=ShardBlock)
     metrics: MetricsBlock = field(default_factory=MetricsBlock)
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
@@ -386,6 +393,8 @@ class TrainSceneApp:
     """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
 
     out_dir: str = "scenes_sdxl"
+    # The family whose architecture is trained (its scene sizes, loss and tokenizers).
+    family: Family = Family.sdxl
     # Rendered training scenes (jittered); each is seen many times over the steps.
     dataset_size: int = 65536
     # The share of them that hold two objects (the rest hold one).
@@ -408,7 +417,12 @@ class TrainFluxSceneApp(TrainSceneApp):
     """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
 
     out_dir: str = "scenes_flux"
+    family: Family = Family.flux
     architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
+    # The shipped run's: twice the UNet's steps, and no captions dropped (Flux.1-dev distils guidance
+    # into an embedding, which the scene model has nothing to distil into, so it samples unguided).
+    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=9000, empty_caption_rate=0.0))
+    guidance_scale: float = 1.0
 
 
 def shipped_model_folder(name: str) -> str:
@@ -519,6 +533,17 @@ def validate_export(cfg) -> None:
 INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 
 
+def quantized_backbone(cfg) -> tuple[str, str | None]:
+    """The quantize.py checkpoint a script runs, and the key that named it: quantized_backbone, or
+    quantized_unet, NeMo's name for it (giving both, apart, is refused)."""
+    if cfg.quantized_unet and cfg.quantized_backbone and cfg.quantized_unet != cfg.quantized_backbone:
+        raise UserError(f"quantized_backbone={cfg.quantized_backbone} and quantized_unet={cfg.quantized_unet} name "
+                        "two checkpoints: quantized_unet is NeMo's name for quantized_backbone, give one of them")
+    if cfg.quantized_unet:
+        return "quantized_unet", cfg.quantized_unet
+    return "quantized_backbone", cfg.quantized_backbone
+
+
 def validate_shard(shard) -> None:
     if shard.count < 1 or not 0 <= shard.index < shard.count:
         raise UserError(f"shard.index={shard.index} shard.count={shard.count}: give a count of 1 or more and an "
@@ -535,11 +560,12 @@ def validate_infer(cfg) -> None:
                         f"{', '.join(COMPILE_MODES)}")
     if torch_block.quantized not in TORCH_QUANTIZED:
         raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose fake or fp8")
-    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or cfg.quantized_unet):
-        raise UserError(f"torch_backend.compile, torch_backend.quantized and quantized_unet apply to backend=torch, "
+    checkpoint_key, checkpoint = quantized_backbone(cfg)
+    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint):
+        raise UserError(f"torch_backend.compile, torch_backend.quantized and {checkpoint_key} apply to backend=torch, "
                         f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
-    if torch_block.quantized == "fp8" and not cfg.quantized_unet:
-        raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_unet=<folder>")
+    if torch_block.quantized == "fp8" and not checkpoint:
+        raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_backbone=<folder>")
     validate_sampling(cfg.sampling)
     if cfg.backend == "onnxruntime":
         validate_providers(cfg.onnx_providers)

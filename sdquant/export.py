@@ -26,49 +26,23 @@ import torch
 from .artifacts import atomic_folder, read_json, write_json
 from .errors import UserError
 from .insert_qdq import insert_qdq, module_path
-from .networks import ONNX_FILE, Network
+from .families.networks import Network
 
+ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"
 META_FILE = "export.json"
 PROTOBUF_LIMIT = 2 * 1024**3
+
+
+def onnx_path(out_path: str | Path, name: str) -> Path:
+    """Where graph `name` of an export into `out_path` lies: <out_path>/onnx/<name>/model.onnx."""
+    return Path(out_path).expanduser() / "onnx" / name / ONNX_FILE
 
 
 def graph_files(onnx_file: Path) -> list[Path]:
     """The graph and, for one past protobuf's limit, its external-data file."""
     data = onnx_file.parent / EXTERNAL_DATA_FILE
     return [onnx_file, data] if data.is_file() else [onnx_file]
-
-
-class TextEncoderGraph(torch.nn.Module):
-    """input_ids -> the hidden states the pipeline conditions on (and the pooled embedding)."""
-
-    def __init__(self, encoder, penultimate: bool, pooled: bool):
-        super().__init__()
-        # The exporter's SDPA symbolic adds an fp32 causal mask, which turns an fp16 graph into a
-        # mix of types ONNX Runtime and strongly typed TensorRT refuse; eager attention writes
-        # the mask and softmax out in the model's own types.
-        encoder.set_attn_implementation("eager")
-        self.encoder = encoder
-        self.penultimate = penultimate
-        self.pooled = pooled
-
-    def forward(self, input_ids):
-        out = self.encoder(input_ids, output_hidden_states=True)
-        hidden = out.hidden_states[-2] if self.penultimate else out.last_hidden_state
-        return (hidden, out.text_embeds) if self.pooled else hidden
-
-
-class VaeDecoderGraph(torch.nn.Module):
-    """latent -> image in [-1, 1], with the pipeline's latent scaling (and Flux's shift) inside the
-    graph."""
-
-    def __init__(self, vae):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, latent):
-        shift = getattr(self.vae.config, "shift_factor", None) or 0.0
-        return self.vae.decode(latent / self.vae.config.scaling_factor + shift, return_dict=False)[0]
 
 
 @dataclass

@@ -11,8 +11,8 @@ from .artifacts import atomic_folder
 from .config import ModelConfig, cache_folder
 from .errors import UserError
 from .lora import fuse as fuse_loras
-from .families import family_of
-from .networks import Family
+from .families import Family, family_of
+
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -89,7 +89,7 @@ def empty_backbone(model: ModelConfig):
     if source.endswith(SINGLE_FILE_SUFFIXES):
         return None
     cls = family.backbone_class()
-    config = cls.load_config(folder_or_hub_id(source), subfolder=family.backbone)
+    config = cls.load_config(folder_or_hub_id(source), subfolder=family.backbone.attribute)
     with torch.device("meta"):
         return cls.from_config(config)
 
@@ -102,7 +102,7 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     family = family_of(model.family)
     cls = family.pipeline_class()
     source = _resolved_source(model)
-    components = {family.backbone: backbone} if backbone is not None else {}
+    components = {family.backbone.attribute: backbone} if backbone is not None else {}
     path = Path(source).expanduser()
     if str(source).endswith(SINGLE_FILE_SUFFIXES):
         if not path.is_file():
@@ -166,11 +166,11 @@ def model_configs(model: ModelConfig) -> dict:
         return {
             # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
-            "backbone_config": family.backbone_class().load_config(location, subfolder=family.backbone),
+            "backbone_config": family.backbone_class().load_config(location, subfolder=family.backbone.attribute),
             "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
         }
     except (OSError, ValueError) as error:
-        raise UserError(f"model.source={source}: cannot read its {family.backbone}, VAE and scheduler configs "
+        raise UserError(f"model.source={source}: cannot read its {family.backbone.attribute}, VAE and scheduler configs "
                         f"({str(error).splitlines()[0]}); download the model first or point model.source at a "
                         "local diffusers folder of a {family.name} model") from error
 

@@ -43,8 +43,9 @@ def needs_refit(record: dict, plan: Path, wanted: list[dict]) -> bool:
     held = record.get("loras", [])
     if held == wanted:
         return False
-    if record.get("quantized_unet"):
-        raise UserError(f"{plan} is an 8-bit UNet made with {describe(held)}: its Q/DQ scales were calibrated "
+    # Engines built before the name was general record their checkpoint as quantized_unet.
+    if record.get("quantized_backbone") or record.get("quantized_unet"):
+        raise UserError(f"{plan} is an 8-bit backbone made with {describe(held)}: its Q/DQ scales were calibrated "
                         f"on those adapters, so {describe(wanted)} needs quantize.py with them "
                         "(recalibration) and a new engine; refit swaps adapters in fp16 engines only")
     if not record.get("refittable"):

@@ -16,7 +16,7 @@ import torch
 
 from .errors import UserError
 from .export import check_graph_file
-from .networks import Network
+from .families.networks import Network
 
 
 class OnnxRuntimeStage:

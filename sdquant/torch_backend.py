@@ -202,19 +202,19 @@ class GraphReplayStage:
 
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
-    from .deep_cache import FULL, SHALLOW
+    from .families.networks import Role
 
-    backbone = getattr(pipe, family.backbone)
-    # The backbone (or, with a step cache, each of its passes: one compiled graph and one CUDA
-    # graph per branch) and the VAE.
-    graph = family.backbone_graph
-    replayed = [name for name in (graph, FULL.format(graph), SHALLOW.format(graph), "vae") if name in stages]
+    # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
+    # stages that run every step or on every image.
+    replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
     if block.compile:
         # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v.
-        backbone.to(memory_format=torch.channels_last)
+        for backbone in family.backbones:
+            module = getattr(pipe, backbone.attribute)
+            module.to(memory_format=torch.channels_last)
+            if not quantized:
+                module.fuse_qkv_projections()
         pipe.vae.to(memory_format=torch.channels_last)
-        if not quantized:
-            backbone.fuse_qkv_projections()
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
             if hasattr(stages[name], "allow_recompiles"):

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .build import Flavour, built_by, engine_record, run_sizes
+from .build import Flavour, built_by, engine_record
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
-from .families import dynamic_axes, sized
-from .networks import BATCH, CONTEXT, TOKENS
+from .families.networks import BATCH, CONTEXT, TOKENS, Network
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -39,14 +38,16 @@ def deserialize(flavour: Flavour, runtime, plan: Path):
     return engine
 
 
-def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str:
-    """One line for a shape an engine's optimization profile does not admit, with what to rebuild."""
+def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple, network: Network | None = None) -> str:
+    """One line for a shape an engine's optimization profile does not admit, with what to rebuild;
+    `network`, where known, tells a prompt that needs more CLIP windows from another image size."""
     low, _, high = profile
+    context_axis = network is not None and network.dynamic_axes.get(tensor, {}).get(1) == CONTEXT
     if not low[0] <= shape[0] <= high[0]:
         fix = ("rebuild the engines with export_trt.py for this batch (infer.batch_size, trt.min_batch_size and "
                "trt.max_batch_size, in images; trt.static_batch=false for a range) or change sampling.batch_size "
                "or sampling.num_images_per_prompt")
-    elif dynamic_axes(engine, tensor).get(1) == CONTEXT and not low[1] <= shape[1] <= high[1]:
+    elif context_axis and not low[1] <= shape[1] <= high[1]:
         fix = (f"its prompts need {shape[1] // TOKENS} CLIP windows (sampling.long_prompts=chunk): rebuild the "
                f"engines with export_trt.py trt.max_prompt_chunks={shape[1] // TOKENS}, or shorten the prompts")
     else:
@@ -57,24 +58,22 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple) -> str
 
 
 def check_within_profiles(profiles: dict[str, dict[str, tuple]], batches: dict[str, int],
-                          latent_size: tuple[int, int], sequences: dict[str, int] | None = None) -> None:
+                          axis_sizes: dict[str, int], networks: dict[str, Network]) -> None:
     """Refuses, before any image work, a run whose batch, image size or prompt length an engine
     cannot take.
 
     `profiles`: per stage, each input's (min, opt, max) shape; `batches`: samples per call of each
-    stage (TextToImage.stage_batches); `latent_size`: (height, width) of the latents;
-    `sequences`: each sequence axis's length (the pipeline's sequence_sizes: the UNet's context,
-    one CLIP window unless long prompts are chunked; a DiT's T5 tokens).
+    stage (the pipeline's stage_batches); `axis_sizes`: every other dynamic axis's size in this run
+    (the pipeline's axis_sizes); `networks`: each stage's network, which says which axis is which.
     """
     for stage, batch in batches.items():
-        sizes = {BATCH: batch, **run_sizes(*latent_size, sequences or {CONTEXT: TOKENS})}
+        sizes = {**axis_sizes, BATCH: batch}
         for tensor, profile in profiles[stage].items():
-            # Each dynamic axis as this run sizes it (as build.profile_shapes sized it for the
-            # build), the rest as the profile has them.
-            shape = sized(stage, tensor, profile[1], sizes)
+            # Each dynamic axis as this run sizes it (as the build sized it), the rest as the profile has them.
+            shape = networks[stage].sized(tensor, profile[1], sizes)
             low, _, high = profile
             if not all(lo <= dim <= hi for dim, lo, hi in zip(shape, low, high)):
-                raise UserError(profile_error(stage, tensor, shape, profile))
+                raise UserError(profile_error(stage, tensor, shape, profile, networks[stage]))
 
 
 class TrtStage:

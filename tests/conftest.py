@@ -74,3 +74,28 @@ def run_script(model_cache, tmp_path):
             capture_output=True, text=True, cwd=REPO, env=dict(os.environ), timeout=600)
 
     return run
+
+
+def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int = 8) -> dict:
+    """The engine profile export_trt.py builds for SDXL's graph `graph` at infer's image size."""
+    from sdquant import build
+    from sdquant.families.sdxl import SDXL
+
+    sizes = SDXL.profile_axis_sizes(graph, infer.height, infer.width, {"vae_scale_factor": vae_scale}, trt)
+    return build.profile_shapes(infer, trt, SDXL.network(graph), input_dims, sizes)
+
+
+def sdxl_run_sizes(latent_height: int, latent_width: int, windows: int = 1) -> dict:
+    """Every dynamic axis but the batch of SDXL's graphs in a run at this latent size and context."""
+    from sdquant.families.sd import unet_axis_sizes
+
+    return unet_axis_sizes(latent_height, latent_width, windows, None)
+
+
+def infer_stages(cfg, device) -> dict:
+    """The stages infer_trt.py loads for `cfg` (its settled sampling and stage files)."""
+    from sdquant.workflow.infer_trt import load_stages, stage_files
+    from sdquant.workflow.settings import settle_sampling
+
+    sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
+    return load_stages(cfg, sampling, stage_files(cfg, sampling), device)

@@ -11,15 +11,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from sdquant import build, config, export, networks
-from sdquant.families.stable_diffusion import SDXL
+from sdquant import build, config, export
+from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.workflow.export_trt import build_engines, run_export
 from sdquant.workflow.quantize import run_quantize
 
 import standin_tensorrt
-from conftest import compose_config
+from conftest import compose_config, sdxl_profile_shapes
 
 SDXL_UNET_DIMS = {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048], "y": [None, 2816]}
 
@@ -30,7 +30,7 @@ def _within(shape, profile) -> bool:
 
 
 def test_nemo_doc_shapes_fit_the_default_full_size_profile():
-    shapes = build.profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), SDXL, "unet_xl", SDXL_UNET_DIMS, 8)
+    shapes = sdxl_profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), "unet_xl", SDXL_UNET_DIMS)
     nemo = {"x": (8, 4, 128, 128), "timesteps": (8,), "context": (8, 80, 2048), "y": (8, 2816)}
     assert all(_within(nemo[name], shapes[name]) for name in nemo)
     assert shapes["x"] == ((1, 4, 128, 128), (4, 4, 128, 128), (16, 4, 128, 128))
@@ -39,12 +39,12 @@ def test_nemo_doc_shapes_fit_the_default_full_size_profile():
 
 def test_guidance_doubles_unet_and_text_encoders_not_vae():
     infer, trt = InferBlock(batch_size=3), TrtBlock(min_batch_size=2, max_batch_size=5)
-    assert build.batch_range(infer, trt, SDXL, "unet_xl") == build.BatchRange(2, 6, 10)
-    assert build.batch_range(infer, trt, SDXL, "clip2") == build.BatchRange(2, 6, 10)
-    assert build.batch_range(infer, trt, SDXL, "vae") == build.BatchRange(2, 3, 5)
+    assert build.batch_range(infer, trt, SDXL.network("unet_xl")) == build.BatchRange(2, 6, 10)
+    assert build.batch_range(infer, trt, SDXL.network("clip2")) == build.BatchRange(2, 6, 10)
+    assert build.batch_range(infer, trt, SDXL.network("vae")) == build.BatchRange(2, 3, 5)
     static = TrtBlock(static_batch=True)
-    assert build.batch_range(infer, static, SDXL, "unet_xl") == build.BatchRange(6, 6, 6)
-    assert build.batch_range(infer, static, SDXL, "vae") == build.BatchRange(3, 3, 3)
+    assert build.batch_range(infer, static, SDXL.network("unet_xl")) == build.BatchRange(6, 6, 6)
+    assert build.batch_range(infer, static, SDXL.network("vae")) == build.BatchRange(3, 3, 3)
 
 
 @pytest.mark.parametrize("infer,trt", [(InferBlock(batch_size=4), TrtBlock(max_batch_size=2)),
@@ -57,7 +57,7 @@ def test_impossible_batch_range_is_refused(infer, trt):
 
 def test_trtexec_command_golden(tmp_path):
     infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
-    shapes = build.profile_shapes(infer, trt, SDXL, "unet_xl", SDXL_UNET_DIMS, 8)
+    shapes = sdxl_profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
     command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
                                     tmp_path / "timing.cache")
     assert command == [
@@ -130,7 +130,7 @@ def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_en
     # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
     log = fake_trtexec(101300)
-    shutil.copytree(networks.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    shutil.copytree(export.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
     cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
     run_export(cfg)
     commands = [json.loads(line) for line in log.read_text().splitlines()]
@@ -173,9 +173,9 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
 
 def test_unet_engine_builds_for_a_size_no_multiple_of_64(fp16_engines, tmp_path):
     cfg, _ = fp16_engines
-    onnx_file = networks.onnx_path(cfg.infer.out_path, "unet_xl")
+    onnx_file = export.onnx_path(cfg.infer.out_path, "unet_xl")
     infer = InferBlock(batch_size=1, width=72, height=56)
-    shapes = build.profile_shapes(infer, TrtBlock(max_batch_size=1), SDXL, "unet_xl", build.onnx_input_dims(onnx_file), 8)
+    shapes = sdxl_profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", build.onnx_input_dims(onnx_file))
     assert shapes["x"][1] == (2, 4, 7, 9)
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes,
                               TrtBlock(builder_optimization_level=0), tmp_path / "unet_xl.plan", None)
@@ -198,8 +198,8 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
-    onnx_file = networks.onnx_path(tmp_path, "unet_xl")
-    shapes = build.profile_shapes(cfg.infer, cfg.trt, SDXL, "unet_xl", build.onnx_input_dims(onnx_file), 8)
+    onnx_file = export.onnx_path(tmp_path, "unet_xl")
+    shapes = sdxl_profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
     info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)
     assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0

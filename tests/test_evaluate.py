@@ -82,9 +82,9 @@ def test_int8_and_onnx_variants_give_finite_worse_scores_and_a_grid(tmp_path, in
 def _tiny_clip(folder):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from sdquant.synthetic import _byte_level_tokenizer
+    from sdquant.families.components import byte_level_tokenizer
 
-    tokenizer = _byte_level_tokenizer()
+    tokenizer = byte_level_tokenizer()
     config = CLIPConfig(
         text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
                      "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 77},

@@ -14,7 +14,6 @@ import pytest
 import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant import networks
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR
 from sdquant.load import load_pipeline, resolve_device
@@ -71,11 +70,11 @@ def test_torch_backend_draws_diffusers_flux_pipelines_image(tmp_path, model_cach
 def _enabled(checkpoint) -> collections.Counter:
     """Enabled quantizers of a restored checkpoint, by the layer group they sit on."""
     from sdquant.load import empty_backbone
-    from sdquant.workflow.common import restore_quantized_unet
+    from sdquant.workflow.settings import restore_quantized_backbone
 
     model = compose_config("sd_xl_quantize", ["model=tiny_flux"]).model
     transformer = empty_backbone(model)
-    restore_quantized_unet(model, "quantized_unet", str(checkpoint), transformer)
+    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
     groups = collections.Counter()
     for name, module in transformer.named_modules():
         if isinstance(module, TensorQuantizer) and module.is_enabled:
@@ -115,7 +114,7 @@ def test_onnx_graphs_run_as_torch_and_int8_as_fake_quantization(tmp_path, checkp
     run_export(compose_config("sd_xl_export", ["model=tiny_flux", "device=cpu", f"infer.out_path={fp32}",
                                                "onnx.precision=fp32", "run_trt_export=false"]))
     assert {path.parent.name for path in (fp32 / "onnx").glob("*/model.onnx")} == {"clip", "t5", "transformer", "vae"}
-    graph = onnx.load(str(networks.onnx_path(fp32, "transformer")), load_external_data=False)
+    graph = onnx.load(str(export.onnx_path(fp32, "transformer")), load_external_data=False)
     assert [i.name for i in graph.graph.input] == ["hidden_states", "encoder_hidden_states", "pooled_projections",
                                                    "timestep", "img_ids", "txt_ids", "guidance"]
     plans = {name: fp32 / "plan" / f"{name}.plan" for name in ("clip", "t5", "transformer", "vae")}
@@ -131,7 +130,7 @@ def test_onnx_graphs_run_as_torch_and_int8_as_fake_quantization(tmp_path, checkp
     report = run_evaluate(compose_config("sd_xl_evaluate", [
         "model=tiny_flux", "device=cpu", f"out_path={tmp_path / 'quality'}", f"sampling.prompts={json.dumps(PROMPTS)}",
         f"sampling.steps={STEPS}", f"+variants.fake={checkpoints['int8_l3']}",
-        f"+variants.onnx={networks.onnx_path(int8, 'transformer')}"]))
+        f"+variants.onnx={export.onnx_path(int8, 'transformer')}"]))
     fake, graph_run = report["variants"]["fake"], report["variants"]["onnx"]
     assert all(np.isfinite(row["psnr"]) for row in fake["per_prompt"])
     # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
@@ -150,7 +149,7 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
     assert record["transformer"]["fp8"] == recipe.startswith("fp8")
     hidden = record["transformer"]["inputs"]["hidden_states"]["profile"]
     assert hidden == [[1, 16, 64], [1, 16, 64], [2, 16, 64]], "batch 1..2, 16 packed tokens of a 64x64 image"
-    graph = onnx.load(str(networks.onnx_path(out, "transformer")), load_external_data=False)
+    graph = onnx.load(str(export.onnx_path(out, "transformer")), load_external_data=False)
     kinds = collections.Counter(node.op_type for node in graph.graph.node)
     quantize = "TRT_FP8QuantizeLinear" if recipe.startswith("fp8") else "QuantizeLinear"
     # One Q/DQ per quantized weight and input (34 Linear layers), FP8 attention adds 4 per layer.

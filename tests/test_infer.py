@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from sdquant.errors import UserError
-from sdquant.pipeline import warn_if_not_finite
+from sdquant.families.pipeline import warn_if_not_finite
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize

@@ -12,8 +12,8 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdquant import build, checkpoint, export, lora, networks, refit
-from sdquant.families.stable_diffusion import SDXL
+from sdquant import build, checkpoint, export, lora, refit
+from sdquant.families.sdxl import SDXL
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
 from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device
@@ -210,7 +210,7 @@ def test_fused_onnx_matches_fused_torch_in_onnx_runtime(fp32_exports, lora_files
     out, _ = fp32_exports
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     feeds = _unet_feeds(fused.unet)
-    onnx_out = _session(networks.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    onnx_out = _session(export.onnx_path(out, "unet_xl")).run(None, feeds)[0]
     assert _rel_err(onnx_out, _unet_out(fused, feeds)) < 1e-4
     assert _rel_err(onnx_out, _unet_out(_pipeline(), feeds)) > 1e-2
 
@@ -238,7 +238,7 @@ def test_quantized_export_takes_the_adapter_into_the_text_encoders_only(quantize
                  "onnx.precision=fp32", f"quantized_unet={folder}"]
     run_export(compose_config("sd_xl_export", [*overrides, _loras((lora_files["a"], 0.7))]))
     ids = np.random.default_rng(0).integers(0, 200, (2, 77)).astype(np.int32)
-    clip1 = _session(networks.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
+    clip1 = _session(export.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     with torch.no_grad():
         expected = export.TextEncoderGraph(fused.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
@@ -289,7 +289,7 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
     pipe_b = _pipeline(_loras((lora_files["b"], 1.0)), dtype=torch.float16)
     specs = {spec.name: spec for spec in SDXL.graph_specs(pipe_b, 1, 8, torch.float16, torch.float32)}
     for name in ("clip1", "clip2", "unet_xl"):
-        onnx_a = networks.onnx_path(fp16_graphs["a"], name)
+        onnx_a = export.onnx_path(fp16_graphs["a"], name)
         expected = refit.refittable_weights(onnx_a)
         builder = trt.module.Builder(logger)
         network = builder.create_network(trt.network_flags())
@@ -301,7 +301,7 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
 
         sources = refit.refit_sources(expected, export.graph_weights(specs[name].module))
         assert sources.keys() == expected.keys()
-        graph_b = onnx.load(str(networks.onnx_path(fp16_graphs["b"], name))).graph.initializer
+        graph_b = onnx.load(str(export.onnx_path(fp16_graphs["b"], name))).graph.initializer
         initializers_b = {t.name: numpy_helper.to_array(t) for t in graph_b if t.name in expected}
         assert initializers_b.keys() == expected.keys()
         assert all(np.array_equal(sources[w].numpy().reshape(initializers_b[w].shape), initializers_b[w])
@@ -325,7 +325,7 @@ def _graphs_of(source, out):
     """A fresh export folder whose ONNX graphs are those in `source`."""
     (out / "onnx").mkdir(parents=True)
     for name in SDXL.graph_names():
-        (out / "onnx" / name).symlink_to(networks.onnx_path(source, name).parent)
+        (out / "onnx" / name).symlink_to(export.onnx_path(source, name).parent)
     return out
 
 

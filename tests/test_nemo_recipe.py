@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from sdquant.calibrate import max_abs, quantize_backbone
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.sdxl import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
-from sdquant.workflow.common import checked_checkpoint
+from sdquant.workflow.settings import checked_checkpoint
 from sdquant.workflow.quantize import run_quantize
 
 N_STEPS = 4

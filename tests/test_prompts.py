@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 from sdquant.load import pipeline_parts
-from sdquant.pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
+from sdquant.families.sdxl import SDXL
 from sdquant.stages import StageTimer
-from sdquant.workflow.common import sampling_parts, text_to_image
+from sdquant.workflow.settings import settle_sampling
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
@@ -44,7 +44,7 @@ def _png(path) -> tuple[np.ndarray, dict]:
 
 def _tiny_sdxl(tiny_pipeline) -> TextToImage:
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl"])
-    return text_to_image(cfg, sampling_parts(cfg), SDXL.torch_stages(tiny_pipeline(), torch.float32), CPU)
+    return settle_sampling(cfg).pipeline(SDXL.torch_stages(tiny_pipeline(), torch.float32), CPU)
 
 
 def _settings(prompts: list[str], **options) -> SamplingSettings:
@@ -155,9 +155,9 @@ def test_say_truncated_names_each_prompt_once(model_cache, capsys):
 def test_evaluate_without_prompts_takes_the_models_own(model, count, model_cache):
     """A scene model is evaluated on its held-out prompts (scored for adherence); another model on
     the package's photo prompts; given prompts win over both."""
-    from sdquant.workflow.common import sampling_runs
+    from sdquant.workflow.settings import sampling_runs
 
-    runs = sampling_runs(compose_config("sd_xl_evaluate", [f"model={model}"]))
-    assert sum(len(settings.prompts) for settings in runs) == count
-    given = sampling_runs(compose_config("sd_xl_evaluate", [f"model={model}", 'sampling.prompts=["a cat"]']))
-    assert [settings.prompts for settings in given] == [["a cat"]]
+    cfg = compose_config("sd_xl_evaluate", [f"model={model}"])
+    assert sum(len(settings.prompts) for settings in sampling_runs(cfg.sampling, cfg.model)) == count
+    cfg = compose_config("sd_xl_evaluate", [f"model={model}", 'sampling.prompts=["a cat"]'])
+    assert [settings.prompts for settings in sampling_runs(cfg.sampling, cfg.model)] == [["a cat"]]

@@ -8,14 +8,14 @@ import torch
 from PIL import Image
 
 from sdquant.config import ModelConfig, shipped_model_folder
-from sdquant.deep_cache import FullPass, ShallowPass
+from sdquant.families.deep_cache import FullPass, ShallowPass
 from sdquant.errors import UserError
-from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.families.sd import UNetGraph
 from sdquant.load import load_pipeline
-from sdquant.synthetic import TINY_FLUX
+from sdquant.families.flux import TINY as TINY_FLUX
 from sdquant.workflow.infer_trt import run_infer
 
-from conftest import compose_config
+from conftest import compose_config, infer_stages
 
 PROMPTS = ["a red circle on the left and a blue square on the right, white background",
            "a small blue circle on the left, pink background"]
@@ -35,7 +35,7 @@ def test_full_pass_is_the_unet_and_shallow_pass_with_its_feature_too(scene_unet,
     args = (torch.randn(2, 4, *latent, generator=generator), torch.tensor([700.0, 700.0]),
             torch.randn(2, 77, 192, generator=generator), torch.randn(2, 176, generator=generator))
     with torch.no_grad():
-        expected = UNetGraph(scene_unet, sdxl=True)(*args)
+        expected = UNetGraph(scene_unet)(*args)
         out, deep = FullPass(scene_unet, branch)(*args)
         shallow = ShallowPass(scene_unet, branch)(*args, deep)
     assert torch.equal(out, expected) and torch.equal(shallow, expected)
@@ -45,7 +45,7 @@ def test_full_pass_is_the_unet_and_shallow_pass_with_its_feature_too(scene_unet,
     # Another step's inputs with this feature: the shallow pass is no longer the UNet.
     with torch.no_grad():
         later = (args[0] * 0.9, torch.tensor([600.0, 600.0]), *args[2:])
-        assert not torch.equal(ShallowPass(scene_unet, branch)(*later, deep), UNetGraph(scene_unet, sdxl=True)(*later))
+        assert not torch.equal(ShallowPass(scene_unet, branch)(*later, deep), UNetGraph(scene_unet)(*later))
 
 
 def _images(tmp_path, *overrides):
@@ -175,11 +175,9 @@ def test_missing_cached_passes_are_named_with_the_export_that_makes_them(cached_
         _images(tmp_path / "ort", "backend=onnxruntime", "sampling.cache.method=deepcache", *_engines(graphs))
     with pytest.raises(UserError, match=r"unet_xl_full.plan: no such engine; build it with export_trt.py "
                                         r"cache.method=deepcache cache.branch=0"):
-        from sdquant.workflow.infer_trt import load_stages
-
         (graphs / "plan" / "unet_xl_full.plan").unlink()
-        load_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
-                                                            *_engines(graphs)]), torch.device("cpu"))
+        infer_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
+                                                             *_engines(graphs)]), torch.device("cpu"))
 
 
 def _flux_images(tmp_path, *overrides, prompts=("a red fox", "a lighthouse at dusk"), batch_size=2):

@@ -11,10 +11,10 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.families.sd import UNetGraph
 from sdquant.load import empty_backbone
 from sdquant.quantizers import quantized_inputs
-from sdquant.workflow.common import restore_quantized_unet
+from sdquant.workflow.settings import restore_quantized_backbone
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
@@ -43,7 +43,7 @@ def tiny_fp8_l3(tmp_path_factory, model_cache):
 def _restored(checkpoint):
     model = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
     unet = empty_backbone(model)
-    restore_quantized_unet(model, "quantized_unet", str(checkpoint), unet)
+    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), unet)
     return model, unet.float().eval()
 
 
@@ -59,7 +59,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
     _, fake = _restored(fp8_l3)
     sites = {(s.layer, s.role): s for s in quantized_inputs(fake)}
     with torch.no_grad():
-        expected = UNetGraph(fake, sdxl=True)(*_unet_inputs())
+        expected = UNetGraph(fake)(*_unet_inputs())
         fake_weights = {layer: fake.get_submodule(layer).weight_quantizer(fake.get_submodule(layer).weight)
                         for layer, role in sites if role == "weight"}
     _, real = _restored(fp8_l3)
@@ -69,7 +69,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
             fake.get_submodule(layer).register_forward_hook(
                 lambda _m, args, out, layer=layer: fake_calls.__setitem__(layer, (args[0], out)))
     with torch.no_grad():
-        UNetGraph(fake, sdxl=True)(*_unet_inputs())
+        UNetGraph(fake)(*_unet_inputs())
     converted = torch_backend.convert_to_fp8(real, str(fp8_l3))
     assert converted == len(fake_weights) > 100
     for (layer, role), site in sites.items():
@@ -88,13 +88,13 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
         for layer, (inputs, fake_output) in fake_calls.items():
             output = real.get_submodule(layer)(inputs)
             assert (output - fake_output).norm() / fake_output.norm() < 1e-5, layer
-        actual = UNetGraph(real, sdxl=True)(*_unet_inputs())
+        actual = UNetGraph(real)(*_unet_inputs())
     # The whole UNet: a float ulp of summation order moves an activation lying on an FP8 rounding
     # boundary to the next FP8 value, and such flips compound over the layers (1e-6 on one CPU's
     # kernel, 7e-3 on another's), so only their size is bounded here.
     assert (actual - expected).norm() / expected.norm() < 3e-2
     # ModelOpt's module classes are gone, so torch.compile sees the whole UNet as one graph.
-    assert torch._dynamo.explain(UNetGraph(real, sdxl=True))(*_unet_inputs()).graph_break_count == 0
+    assert torch._dynamo.explain(UNetGraph(real))(*_unet_inputs()).graph_break_count == 0
 
 
 def _image(tmp_path, *overrides, model="scenes_sdxl", size=64, steps=20):

@@ -14,17 +14,17 @@ import torch
 
 import standin_tensorrt
 from sdquant import build
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.networks import CONTEXT
-from sdquant.pipeline import SamplingSettings, TextToImage
+from sdquant.families.pipeline import SamplingSettings
+from sdquant.families.sdxl import SDXLTextToImage
 from sdquant.families import family_of
 from sdquant.stages import StageTimer
 from sdquant.trt_stages import check_within_profiles, trt_stages
-from sdquant.workflow.common import sampling_parts, text_to_image
+from sdquant.workflow.settings import settle_sampling
 
-from conftest import compose_config
+from conftest import compose_config, sdxl_profile_shapes, sdxl_run_sizes
 
 SDXL_DIMS = {"clip1": {"input_ids": [None, 77]}, "clip2": {"input_ids": [None, 77]},
              "unet_xl": {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048],
@@ -62,7 +62,7 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
     stages = {name: _BatchRecorder(stage, name, seen)
               for name, stage in family_of("sdxl" if sdxl else "sd15").torch_stages(pipe, torch.float32).items()}
     cfg = compose_config("sd_xl_trt_inference", [f"model={model}"])
-    pipeline = text_to_image(cfg, sampling_parts(cfg), stages, torch.device("cpu"))
+    pipeline = settle_sampling(cfg).pipeline(stages, torch.device("cpu"))
     settings = _settings(2, negative_prompt, guidance_scale, images_per_prompt)
     images = pipeline(settings, StageTimer(torch.device("cpu")), progress=False)
     assert images.shape[0] == 2 * images_per_prompt
@@ -73,43 +73,49 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
             "SDXL's empty negative prompt is zeros: the text encoders see the prompts only"
 
 
-def _sdxl_pipeline() -> TextToImage:
-    return TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
-                       torch.device("cpu"), sdxl=True)
+def _sdxl_pipeline() -> SDXLTextToImage:
+    return SDXLTextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
+                           torch.device("cpu"), "unet_xl")
+
+
+def _check(profiles: dict, batches: dict, latent: tuple[int, int], windows: int = 1) -> None:
+    """The profile check infer_trt.py runs, for SDXL's engines at this latent size and context."""
+    check_within_profiles(profiles, batches, sdxl_run_sizes(*latent, windows),
+                          {name: SDXL.network(name) for name in profiles})
 
 
 @pytest.mark.parametrize("trt", [TrtBlock(), TrtBlock(static_batch=True)], ids=["dynamic", "static"])
 @pytest.mark.parametrize("negative_prompt", ["", "blurry"])
 def test_engines_built_for_a_run_admit_it(trt, negative_prompt):
     infer = InferBlock(batch_size=2, width=512, height=768)
-    profiles = {name: build.profile_shapes(infer, trt, SDXL, name, dims, 8) for name, dims in SDXL_DIMS.items()}
+    profiles = {name: sdxl_profile_shapes(infer, trt, name, dims) for name, dims in SDXL_DIMS.items()}
     settings = _settings(2, negative_prompt, 5.0)
-    check_within_profiles(profiles, _sdxl_pipeline().stage_batches(settings), (96, 64))
+    _check(profiles, _sdxl_pipeline().stage_batches(settings), (96, 64))
 
 
 def test_static_text_encoders_take_the_prompts_alone_or_with_negatives():
     infer, static = InferBlock(batch_size=3), TrtBlock(static_batch=True)
-    assert build.batch_range(infer, static, SDXL, "clip2") == build.BatchRange(3, 6, 6)
-    assert build.batch_range(infer, static, SDXL, "unet_xl") == build.BatchRange(6, 6, 6)
+    assert build.batch_range(infer, static, SDXL.network("clip2")) == build.BatchRange(3, 6, 6)
+    assert build.batch_range(infer, static, SDXL.network("unet_xl")) == build.BatchRange(6, 6, 6)
 
 
 def test_images_per_prompt_beyond_the_engines_batch_is_refused_before_any_work():
     infer, trt = InferBlock(batch_size=1, width=64, height=64), TrtBlock(max_batch_size=2)
-    profiles = {name: build.profile_shapes(infer, trt, SDXL, name, dims, 8) for name, dims in SDXL_DIMS.items()}
-    check_within_profiles(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 2)), (8, 8))
+    profiles = {name: sdxl_profile_shapes(infer, trt, name, dims) for name, dims in SDXL_DIMS.items()}
+    _check(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 2)), (8, 8))
     with pytest.raises(UserError, match=r"unet_xl engine, input x: this run needs shape \(6, 4, 8, 8\).*"
                                         r"sampling.num_images_per_prompt"):
-        check_within_profiles(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 3)), (8, 8))
+        _check(profiles, _sdxl_pipeline().stage_batches(_settings(1, "", 5.0, 3)), (8, 8))
 
 
 def test_chunked_prompts_longer_than_the_unet_profile_are_refused_naming_the_rebuild():
     infer = InferBlock(batch_size=1, width=64, height=64)
-    unet = {"unet_xl": build.profile_shapes(infer, TrtBlock(), SDXL, "unet_xl", SDXL_DIMS["unet_xl"], 8)}
+    unet = {"unet_xl": sdxl_profile_shapes(infer, TrtBlock(), "unet_xl", SDXL_DIMS["unet_xl"])}
     assert unet["unet_xl"]["context"][2] == (16, 154, 2048), "two CLIP windows by default"
-    check_within_profiles(unet, {"unet_xl": 2}, (8, 8), {CONTEXT: 154})
+    _check(unet, {"unet_xl": 2}, (8, 8), windows=2)
     with pytest.raises(UserError, match=r"input context: .*prompts need 3 CLIP windows.*trt.max_prompt_chunks=3"):
-        check_within_profiles(unet, {"unet_xl": 2}, (8, 8), {CONTEXT: 231})
-    longer = build.profile_shapes(infer, TrtBlock(max_prompt_chunks=3), SDXL, "unet_xl", SDXL_DIMS["unet_xl"], 8)
+        _check(unet, {"unet_xl": 2}, (8, 8), windows=3)
+    longer = sdxl_profile_shapes(infer, TrtBlock(max_prompt_chunks=3), "unet_xl", SDXL_DIMS["unet_xl"])
     assert longer["context"] == ((1, 77, 2048), (2, 77, 2048), (16, 231, 2048))
 
 
@@ -119,16 +125,16 @@ def test_profile_check_names_engine_input_shape_range_and_fix():
     profiles = {"clip1": {"input_ids": ((2, 77), (2, 77), (2, 77))}}
     zero_negative = _sdxl_pipeline().stage_batches(_settings(1, "", 5.0))
     with pytest.raises(UserError) as error:
-        check_within_profiles(profiles, {"clip1": zero_negative["clip1"]}, (128, 128))
+        _check(profiles, {"clip1": zero_negative["clip1"]}, (128, 128))
     assert str(error.value).startswith("clip1 engine, input input_ids: this run needs shape (1, 77), but its "
                                        "profile admits (2, 77) to (2, 77): rebuild the engines with export_trt.py")
-    unet = {"unet_xl": build.profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), SDXL, "unet_xl",
-                                            SDXL_DIMS["unet_xl"], 8)}
+    unet = {"unet_xl": sdxl_profile_shapes(InferBlock(width=1024, height=1024), TrtBlock(), "unet_xl",
+                                           SDXL_DIMS["unet_xl"])}
     with pytest.raises(UserError, match=r"input x: this run needs shape \(18, 4, 128, 128\).*trt.max_batch_size"):
-        check_within_profiles(unet, {"unet_xl": 18}, (128, 128))
+        _check(unet, {"unet_xl": 18}, (128, 128))
     with pytest.raises(UserError, match=r"input x: this run needs shape \(2, 4, 128, 96\), but its profile admits "
                                         r"\(1, 4, 128, 128\) to \(16, 4, 128, 128\).*infer.width/infer.height"):
-        check_within_profiles(unet, {"unet_xl": 2}, (128, 96))
+        _check(unet, {"unet_xl": 2}, (128, 96))
 
 
 def _plan_with_record(folder, record: dict | None):

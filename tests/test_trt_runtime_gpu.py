@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import standin_tensorrt
+from conftest import sdxl_profile_shapes
 from sdquant import build
-from sdquant.families.stable_diffusion import SDXL
+from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.stages import StageTimer
@@ -156,6 +157,7 @@ def test_stage_timer_measures_the_engine(engines):
 
 def test_shape_outside_the_profile_is_one_clear_error(engines):
     """Finding 4: set_input_shape's refusal is an error naming engine, input, shape and profile."""
+    from sdquant.families.networks import BATCH, Network
     from sdquant.trt_stages import check_within_profiles
 
     stage = trt_stages(*_one(engines), ())["unet"]
@@ -164,7 +166,8 @@ def test_shape_outside_the_profile_is_one_clear_error(engines):
                                         rf"but its profile admits \(1, {rows}, {columns}\) to \(4, {rows}, {columns}\)"):
         stage(x=_sample(engines, 5).cuda())
     with pytest.raises(UserError, match=r"^unet engine, input x: this run needs shape \(5, "):
-        check_within_profiles({"unet": stage.profiles()}, {"unet": 5}, engines.sample)
+        check_within_profiles({"unet": stage.profiles()}, {"unet": 5}, {},
+                              {"unet": Network("unet", {"x": {0: BATCH}}, {"out": {0: BATCH}})})
 
 
 def test_failed_enqueue_is_an_error(stand_in):
@@ -190,15 +193,16 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
     built with trt.static_batch admits and the stage runs."""
     import types
 
-    from sdquant.pipeline import SamplingSettings, TextToImage
+    from sdquant.families.pipeline import SamplingSettings
+    from sdquant.families.sdxl import SDXLTextToImage
 
     settings = SamplingSettings(prompts=["a", "b"], negative_prompt="", steps=1, guidance_scale=5.0, height=64,
                                 width=64, seed=0)
-    pipeline = TextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
-                           torch.device("cuda"), sdxl=True)
+    pipeline = SDXLTextToImage({}, [], None, types.SimpleNamespace(addition_time_embed_dim=256), 8,
+                               torch.device("cuda"), "unet_xl")
     batch = pipeline.stage_batches(settings)["clip1"]
-    profile = build.profile_shapes(InferBlock(batch_size=2, height=64, width=64), TrtBlock(static_batch=True), SDXL,
-                                   "clip1", {"input_ids": [None, 77]}, 8)["input_ids"]
+    profile = sdxl_profile_shapes(InferBlock(batch_size=2, height=64, width=64), TrtBlock(static_batch=True), "clip1",
+                                  {"input_ids": [None, 77]})["input_ids"]
     plan = standin_tensorrt.write_plan(stand_in.folder / "clip1.plan",
                                        {"input_ids": {"dtype": "INT32", "profile": [list(s) for s in profile]}},
                                        {"hidden_states": {"dtype": "FLOAT", "from": "input_ids"}})
@@ -210,8 +214,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
 def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypatch):
     """Finding 6: with TensorRT and TensorRT for RTX both installed, an RTX-built engine is loaded
     by RTX (engines.json says so), not by whichever is importable first."""
-    from conftest import compose_config
-    from sdquant.workflow.infer_trt import load_stages
+    from conftest import compose_config, infer_stages
 
     rtx = standin_tensorrt.module("1.7.1", name="tensorrt_rtx")
     monkeypatch.setitem(sys.modules, "tensorrt", stand_in.flavour.module)
@@ -229,7 +232,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
     (plans / build.ENGINES_FILE).write_text(json.dumps(record))
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "backend=trt",
                                                  *(f"{name}={plans / f'{name}.plan'}" for name in names)])
-    stages = load_stages(cfg, torch.device("cuda"))
+    stages = infer_stages(cfg, torch.device("cuda"))
     sample = torch.randint(-8, 9, (2, 8), dtype=torch.float32)
     assert torch.equal(stages["unet_xl"](features=sample.cuda())["out"].cpu(), _expected(sample))
 

@@ -1,20 +1,34 @@
-"""What every model family describes; one subclass per family in its own module."""
+"""What every model family describes, in one small base; one subclass per family in its own module."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..networks import Network
+from .networks import Network
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A denoising network of the pipeline, which the 8 bits go into: its attribute on the pipeline
+    (and folder of the model) and the name of its graph and engine."""
+
+    attribute: str
+    graph: str
+
+
+# Every random-weight model is built from this seed, so the same sizes give the same weights.
+SEED = 1234
 
 
 class ModelFamily:
     """What the stages need to know of one family of diffusers pipelines. Subclasses set the
-    attributes and implement the methods; nothing else in sdquant knows a family by name."""
+    attributes and implement the methods; nothing outside sdquant.families knows a family by name."""
 
     name: str
-    # The pipeline's denoising network: its attribute on the pipeline (and folder), and its graph.
-    backbone: str
-    backbone_graph: str
+    # The pipeline's denoising networks (most families have one; a two-expert video model two).
+    backbones: tuple[Backbone, ...]
     # The names of this family's tokenizers in a diffusers folder, in the order the pipeline uses.
     tokenizer_folders: tuple[str, ...]
     # The pipeline components its graphs are made from (a folder without one is another family's).
@@ -23,6 +37,20 @@ class ModelFamily:
     gpu_dtype = torch.float16
     # The pipeline's tokenizers that cut prompts to CLIP's 77-token window.
     clip_tokenizers: tuple[str, ...] = ("tokenizer",)
+    # sampling.cache.method values its backbone takes.
+    cache_methods: tuple[str, ...] = ("none",)
+    # The sampling.scheduler it runs when none is asked for.
+    default_scheduler: str
+    # What size_multiple is, in words.
+    size_reason = "the model's VAE scale factor"
+    # Named architectures build_pipeline takes: "tiny" (toy widths, for tests on a CPU) and "full"
+    # (the real model's layer sizes, random weights, for speed and memory benchmarks).
+    sizes: dict[str, object] = {}
+
+    @property
+    def backbone(self) -> Backbone:
+        """The backbone of a family that has one (every family here so far)."""
+        return self.backbones[0]
 
     def pipeline_class(self):
         raise NotImplementedError
@@ -30,9 +58,30 @@ class ModelFamily:
     def backbone_class(self):
         raise NotImplementedError
 
-    def networks(self) -> list[Network]:
-        """The pipeline's networks in export order, text encoders first, the backbone last."""
+    # --- its networks -------------------------------------------------------------------------
+
+    def networks(self, cache=None) -> list[Network]:
+        """The pipeline's networks in export order, text encoders first, the backbone last, and the
+        backbone's cached passes where `cache` runs its own graphs."""
         raise NotImplementedError
+
+    def network(self, name: str) -> Network:
+        """Any of its graphs by name, cached passes included."""
+        raise NotImplementedError
+
+    def graph_names(self) -> tuple[str, ...]:
+        return tuple(network.name for network in self.networks())
+
+    def backbone_graphs(self) -> tuple[str, ...]:
+        """The graphs that run a backbone: its own and those of its cached passes."""
+        raise NotImplementedError
+
+    def carries_adapters(self, graph: str) -> bool:
+        """Whether an exported graph holds LoRA weights (diffusers loads them into the backbone and
+        the text encoders it names, never into the VAE)."""
+        return graph != "vae"
+
+    # --- quantization --------------------------------------------------------------------------
 
     def quant_levels(self) -> tuple[float, ...]:
         raise NotImplementedError
@@ -47,90 +96,97 @@ class ModelFamily:
         scheduler's own scale, so the calibration's step clock can find it in the schedule."""
         raise NotImplementedError
 
-    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype) -> list:
+    def pipeline_call_kwargs(self, pipe) -> dict:
+        """What a call of the diffusers pipeline needs besides prompts, steps, guidance and size,
+        so that calibration and training's check see the inputs the graphs will."""
+        return {}
+
+    # --- export and engines --------------------------------------------------------------------
+
+    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
         """What to trace for each graph (sdquant.export.GraphSpec), the backbone last."""
         raise NotImplementedError
 
-    def torch_stages(self, pipe, dtype) -> dict:
-        """The pipeline's modules as stages (sdquant.stages.TorchStage), by graph name."""
+    def export_sizes(self, pipe) -> dict:
+        """The sequence lengths the model fixes (a T5 tokenizer's length), which each graph's export
+        record keeps for its engine's profile."""
+        return {}
+
+    def profile_axis_sizes(self, graph: str, height: int, width: int, record: dict, trt) -> list[dict[str, int]]:
+        """The (min, opt, max) size of every dynamic axis but the batch of `graph`'s engine, for images
+        of height x width; `record`: the graph's export record (export_sizes, the VAE's scale, a cached
+        pass's settings); `trt`: the build's settings (trt.max_prompt_chunks)."""
+        raise NotImplementedError
+
+    # --- running it ----------------------------------------------------------------------------
+
+    def step_cache(self, block):
+        """The step cache sampling.cache asks for (None for none); the method is one of cache_methods."""
+        return None
+
+    def torch_stages(self, pipe, dtype, cache=None) -> dict:
+        """The pipeline's modules as stages (sdquant.stages.TorchStage), by graph name, with the
+        backbone's cached passes (or its hooked stage) under `cache`."""
         raise NotImplementedError
 
     def backbone_stage(self, backbone, dtype):
+        """A backbone module as its graph's stage (evaluate.py's quantized variants)."""
         raise NotImplementedError
-
-    def text_to_image(self, stages: dict, parts: dict, scheduler, device):
-        """The family's text-to-image data flow over `stages` (parts: tokenizers and configs)."""
-        raise NotImplementedError
-
-    def default_scheduler(self) -> str:
-        """The sampling.scheduler the family runs when none is asked for."""
-        raise NotImplementedError
-
-    # sampling.cache.method values the family's backbone takes.
-    cache_methods: tuple[str, ...] = ("none",)
 
     def cache_stages(self, backbone, dtype, cache) -> dict:
-        """The backbone's stages under a step cache (sampling.cache), by graph name."""
+        """The backbone's stages under a step cache, by graph name."""
         raise NotImplementedError
 
     def release_cache(self, backbone) -> None:
         """Takes a step cache's changes off the backbone module, so that it runs uncached again."""
 
-    def cache_networks(self) -> list[Network]:
-        """The graphs a step cache runs besides the pipeline's (DeepCache: the UNet's two passes)."""
-        return []
-
-    def cache_graph_specs(self, pipe, batch: int, latent: int, dtype, cache) -> list:
-        """What to trace for each of cache_networks()."""
+    def text_to_image(self, stages: dict, parts: dict, scheduler, device):
+        """The family's text-to-image data flow over `stages` (parts: tokenizers and configs)."""
         raise NotImplementedError
 
-    def backbone_graphs(self) -> tuple[str, ...]:
-        """The graphs that run the backbone: its own and those of its cached passes."""
-        return (self.backbone_graph, *(network.name for network in self.cache_networks()))
-
-    def text_tokens(self, pipe) -> int | None:
-        """The length of the pipeline's T5 sequence, for a family that has one."""
-        return None
-
-    def pipeline_call_kwargs(self, pipe) -> dict:
-        """What a call of the diffusers pipeline needs besides prompts, steps, guidance and size,
-        so that calibration and training's check see the inputs the graphs will."""
-        return {}
+    def parts_of(self, pipe) -> dict:
+        """What text_to_image needs of a diffusers pipeline already loaded (sdquant.load.pipeline_parts
+        reads the same from a model's folder without its weights)."""
+        return {"tokenizers": [getattr(pipe, name) for name in self.tokenizer_folders],
+                "scheduler_config": dict(pipe.scheduler.config),
+                "backbone_config": dict(getattr(pipe, self.backbone.attribute).config),
+                "vae_config": dict(pipe.vae.config)}
 
     def native_image_size(self, configs: dict, vae_scale: int) -> int:
         """The side the model was trained at, as diffusers' pipelines default to it: the backbone's
         sample size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5)."""
         return configs["backbone_config"]["sample_size"] * vae_scale
 
-    # What size_multiple is, in words.
-    size_reason = "the model's VAE scale factor"
-
     def size_multiple(self, vae_scale: int) -> int:
         """What image sides must be a multiple of: the VAE's scale, times a DiT's patch size."""
         return vae_scale
 
-    def build_tiny(self, folder) -> None:
-        """Builds the family's tiny random-weight pipeline into `folder` (save_pretrained)."""
+    # --- its architectures ---------------------------------------------------------------------
+
+    def build_pipeline(self, sizes, tokenizers: dict | None = None):
+        """The family's diffusers pipeline at `sizes` (one of `sizes`' values, or a scene model's),
+        random weights from SEED; `tokenizers` by kind ("clip", "t5"), else ones that encode any
+        prompt."""
         raise NotImplementedError
 
-    def carries_adapters(self, graph: str) -> bool:
-        """Whether an exported graph holds LoRA weights (diffusers loads them into the backbone and
-        the text encoders it names, never into the VAE)."""
-        return graph != "vae"
+    def build_tiny(self, folder) -> None:
+        """Builds the family's tiny random-weight pipeline into `folder` (save_pretrained)."""
+        self.build_pipeline(self.sizes["tiny"]).save_pretrained(folder)
 
-    def guided_graphs(self) -> tuple[str, ...]:
-        """Graphs that see two samples per image under classifier-free guidance."""
-        return ()
-
-    def engine_keys(self) -> dict[str, str]:
-        """The inference config key naming each graph's engine (NeMo's keys for SDXL)."""
-        return {network.name: network.name for network in self.networks()}
-
-    def network(self, name: str) -> Network:
-        return {each.name: each for each in (*self.networks(), *self.cache_networks())}[name]
-
-    def graph_names(self) -> tuple[str, ...]:
-        return tuple(network.name for network in self.networks())
+    def full_size_on_gpu(self):
+        """The real model's architecture with random weights in the family's GPU dtype, built
+        directly on the GPU (seconds, not the minutes a CPU build and copy take); its scheduler's
+        tables on the CPU, as pipelines expect."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.gpu_dtype)
+        try:
+            with torch.device("cuda"):
+                pipe = self.build_pipeline(self.sizes["full"])
+        finally:
+            torch.set_default_dtype(default)
+        pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
 
 def vae_scale_factor(vae_config) -> int:

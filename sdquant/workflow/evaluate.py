@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 import torch
 
 from .. import build, parallel, quality, report
-from ..families import family_of
 from ..export import check_graph_file
+from ..families import family_of
 from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
@@ -21,8 +21,7 @@ from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer
-from .common import (check_cache, checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs,
-                     step_cache, text_to_image)
+from .settings import Sampling, checked_cache, checked_checkpoint, restore_quantized_backbone, settle_sampling
 
 
 def run_evaluate(cfg) -> dict:
@@ -31,22 +30,22 @@ def run_evaluate(cfg) -> dict:
     start = time.perf_counter()
     validate_evaluate(cfg)
     kinds = {name: _variant_kind(cfg.model, name, source) for name, source in cfg.variants.items()}
-    parts = sampling_parts(cfg)
+    # The reference is the uncached, unquantized backbone whatever the variants cache: the sampling
+    # cache is each variant's, checked for what that variant runs on.
+    sampling = settle_sampling(cfg)
     caches = {}
     for name, kind in kinds.items():
         key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
-        block = OmegaConf.select(cfg, key)
-        check_cache(block, key, cfg.model, parts, "modules" if kind in ("unquantized", "checkpoint") else "one file")
-        caches[name] = step_cache(block)
-    # The reference is the uncached, unquantized backbone whatever the variants cache.
-    runs = [dataclasses.replace(settings, cache=None) for settings in sampling_runs(cfg)]
+        caches[name] = checked_cache(OmegaConf.select(cfg, key), key, cfg.model, sampling.parts,
+                                     "modules" if kind in ("unquantized", "checkpoint") else "one file")
+    runs = [dataclasses.replace(settings, cache=None) for settings in sampling.runs]
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
     try:
         part = parallel.share_of(world, cfg.shard)
         mine = parallel.shard(runs, part, "prompt batches (prompts / sampling.batch_size)")
-        batches, sources, notes, dtype = _part_results(cfg, kinds, caches, parts, mine, device)
+        batches, sources, notes, dtype = _part_results(cfg, sampling, kinds, caches, mine, device)
         batches = {index: batch for each in parallel.gather(batches, world) for index, batch in each.items()}
         if not world.is_main:
             return {}
@@ -71,19 +70,19 @@ def run_evaluate(cfg) -> dict:
         parallel.stop(world)
 
 
-def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[int, object]],
+def _part_results(cfg, sampling: Sampling, kinds: dict, caches: dict, mine: list[tuple[int, object]],
                   device: torch.device) -> tuple[dict, dict, list, torch.dtype]:
     """This process's prompt batches, each as a record of the reference's and every variant's
     images and scores (so that parts merge in the run's batch order); also each variant's source,
     the metrics' notes and the dtype."""
-    family = family_of(cfg.model.family)
+    family = sampling.family
     dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
-        pipeline = text_to_image(cfg, parts, family.torch_stages(pipe, dtype), device)
+        pipeline = sampling.pipeline(family.torch_stages(pipe, dtype), device)
         lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
                        quality.clip_metric(cfg.metrics.clip_model, device))
-    reference_backbone = pipeline.stages[family.backbone_graph]
+    reference_backbone = pipeline.stages[family.backbone.graph]
     with stage("the unquantized reference runs"):
         references = _reference_runs(pipeline, [settings for _, settings in mine], device,
                                      quality.reference_name(dtype))
@@ -95,12 +94,12 @@ def _part_results(cfg, kinds: dict, caches: dict, parts: dict, mine: list[tuple[
     sources = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            backbone, module = _variant_backbone(cfg, name, kind, reference_backbone, getattr(pipe, family.backbone),
-                                                 device, dtype)
+            backbone, module = _variant_backbone(cfg, name, kind, reference_backbone,
+                                                 getattr(pipe, family.backbone.attribute), device, dtype)
             if caches[name] is not None:
                 cached = family.cache_stages(module, dtype, caches[name])
                 # A cache hook runs the backbone's own stage under it; DeepCache adds its passes.
-                backbone = cached.pop(family.backbone_graph, backbone)
+                backbone = cached.pop(family.backbone.graph, backbone)
                 pipeline.stages.update(cached)
             source = str(cfg.variants[name] or "the unquantized backbone again (self-check)")
             sources[name] = source if caches[name] is None else f"{source}, cached ({caches[name].describe()})"
@@ -193,7 +192,7 @@ def _variant_kind(model, name: str, source: str | None) -> str:
         return "checkpoint"
     if path.suffix == ".onnx":
         family = family_of(model.family)
-        check_graph_file(path, f"variants.{name}", family.network(family.backbone_graph))
+        check_graph_file(path, f"variants.{name}", family.network(family.backbone.graph))
         return "onnx"
     if path.suffix in ENGINE_SUFFIXES:
         return "engine"
@@ -210,13 +209,14 @@ def _variant_backbone(cfg, name: str, kind: str, reference_backbone, reference_m
         return reference_backbone, reference_module
     if kind == "onnx":
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
-                                family.network(family.backbone_graph)), None
+                                family.network(family.backbone.graph)), None
     if kind == "engine":
         from ..trt_stages import trt_stages
 
         plan = Path(source).expanduser()
-        return trt_stages(build.engine_flavour(plan), {family.backbone_graph: plan}, ())[family.backbone_graph], None
+        graph = family.backbone.graph
+        return trt_stages(build.engine_flavour(plan), {graph: plan}, ())[graph], None
     backbone = empty_backbone(cfg.model)
-    restore_quantized_unet(cfg.model, f"variants.{name}", source, backbone)
+    restore_quantized_backbone(cfg.model, f"variants.{name}", source, backbone)
     backbone.to(device=device, dtype=dtype)
     return family.backbone_stage(backbone, dtype), backbone

@@ -8,37 +8,36 @@ from pathlib import Path
 
 import torch
 
-from .. import build, checkpoint, export, load, lora, networks, refit
-from ..families import family_of
+from .. import build, checkpoint, export, load, lora, refit
 from ..artifacts import read_json
 from ..cli import stage
-from ..config import validate_export, validate_image_size
+from ..config import quantized_backbone, validate_export, validate_image_size
 from ..errors import UserError
-from ..flux_pipeline import T5_TOKENS
+from ..families import family_of
 from ..load import empty_backbone, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
-from .common import check_cache, checked_checkpoint, restore_quantized_unet, settled_image_size, step_cache
+from .settings import checked_cache, checked_checkpoint, restore_quantized_backbone, settled_image_size
 
 
 def run_export(cfg) -> list[Path]:
     """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
     validate_export(cfg)
-    if cfg.quantized_unet and cfg.run_onnx_export and not cfg.run_refit:
-        checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
-    if not cfg.run_refit:
-        cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
-        if _export_cache(cfg) is not None:
-            check_cache(cfg.cache, "cache", cfg.model, load.model_configs(cfg.model), "graphs")
+    checkpoint_key, checkpoint_folder = quantized_backbone(cfg)
+    if checkpoint_folder and cfg.run_onnx_export and not cfg.run_refit:
+        checked_checkpoint(cfg.model, checkpoint_key, checkpoint_folder)
     if cfg.run_refit:
         return refit_engines(cfg)
-    written = export_onnx(cfg) if cfg.run_onnx_export else []
+    cfg.infer.height, cfg.infer.width = settled_image_size(cfg.infer, "infer", cfg.model)
+    cache = _export_cache(cfg)
+    written = export_onnx(cfg, cache) if cfg.run_onnx_export else []
     if cfg.run_trt_export:
         written += build_engines(cfg)
     return written
 
 
-def export_onnx(cfg) -> list[Path]:
-    """Exports every graph of the pipeline to ONNX; returns the ONNX files."""
+def export_onnx(cfg, cache=None) -> list[Path]:
+    """Exports every graph of the pipeline (and the backbone's passes under the step cache `cache`)
+    to ONNX; returns the ONNX files."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
     dtype = _graph_dtype(cfg)
@@ -46,51 +45,52 @@ def export_onnx(cfg) -> list[Path]:
     # trace it on a 24 GB host.
     family = family_of(cfg.model.family)
     quantized = None
+    checkpoint_key, checkpoint_folder = quantized_backbone(cfg)
     with stage("loading the model"):
-        if cfg.quantized_unet:
+        if checkpoint_folder:
             # The checkpoint holds every backbone weight: loading the model's own first would hold
             # it twice, which a full-size SDXL cannot afford on a 24 GB host.
             pipe = load_pipeline(cfg.model, device, dtype, backbone=empty_backbone(cfg.model))
-            quantized = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet,
-                                               getattr(pipe, family.backbone))
+            quantized = restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint_folder,
+                                                   getattr(pipe, family.backbone.attribute))
             pipe.to(device)
         else:
             pipe = load_pipeline(cfg.model, device, dtype)
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
-        export.prepare_quantizers_for_export(getattr(pipe, family.backbone), dtype)
+        export.prepare_quantizers_for_export(getattr(pipe, family.backbone.attribute), dtype)
     latent = cfg.onnx.trace_latent_size
-    specs = family.graph_specs(pipe, cfg.infer.batch_size, latent, dtype, vae_dtype)
-    cache = _export_cache(cfg)
-    if cache is not None:
-        specs += family.cache_graph_specs(pipe, cfg.infer.batch_size, latent, dtype, cache)
+    specs = family.graph_specs(pipe, cfg.infer.batch_size, latent, dtype, vae_dtype, cache)
     written, reused = [], []
     for spec in specs:
-        folder = networks.onnx_path(cfg.infer.out_path, spec.name).parent
+        folder = export.onnx_path(cfg.infer.out_path, spec.name).parent
         graph_dtype = vae_dtype if spec.name == "vae" else dtype
         fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized, cache)
         if not cfg.force and export.is_current(folder, fingerprint):
-            reused.append(folder / networks.ONNX_FILE)
+            reused.append(folder / export.ONNX_FILE)
             continue
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
-                "quantized_unet": cfg.quantized_unet if spec.name in family.backbone_graphs() else None,
-                **({"deep_cache_branch": cache.branch} if spec.name in family.backbone_graphs()[1:] else {}),
+                "quantized_backbone": checkpoint_folder if spec.name in family.backbone_graphs() else None,
+                **(cache.record() if spec.name in family.backbone_graphs()[1:] else {}),
                 "loras": lora.identities(cfg.model.loras) if family.carries_adapters(spec.name) else [],
-                "vae_scale_factor": pipe.vae_scale_factor, "text_tokens": family.text_tokens(pipe),
+                "vae_scale_factor": pipe.vae_scale_factor, **family.export_sizes(pipe),
                 "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
             export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
-        written.append(folder / networks.ONNX_FILE)
+        written.append(folder / export.ONNX_FILE)
     print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
                   time.perf_counter() - start, reused=reused)
     return written + reused
 
 
 def _export_cache(cfg):
-    """The step cache the export makes graphs for (quantize.py's export steps make none)."""
-    return step_cache(cfg.cache) if "cache" in cfg else None
+    """The step cache the export makes graphs for (quantize.py's export steps make none), refused
+    before any work where the backbone or its graphs cannot take it."""
+    if "cache" not in cfg:
+        return None
+    return checked_cache(cfg.cache, "cache", cfg.model, load.model_configs(cfg.model), "graphs")
 
 
 def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | None, cache=None) -> str:
@@ -104,7 +104,7 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         # UNet graphs traced before they took their upsampling sizes from the skip connections
         # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
         **({"upsampling": "to skip sizes"} if backbone else {}),
-        **({"deep_cache_branch": cache.branch} if name in family.backbone_graphs()[1:] else {}),
+        **(cache.record() if name in family.backbone_graphs()[1:] else {}),
     })
 
 
@@ -158,16 +158,13 @@ def build_engines(cfg) -> list[Path]:
     start = time.perf_counter()
     out = cfg.infer.out_path
     family = family_of(cfg.model.family)
-    onnx_files = build.required_onnx(out, family)
+    onnx_files = required_onnx(out, family)
     fp8 = {name: build.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
     builder = build.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
         build.plan_path(out, "timing").with_suffix(".cache")
-    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8; before
-    # the T5 length was, every Flux graph took diffusers' 512 tokens.
-    vae_meta = read_json(onnx_files["vae"].parent / export.META_FILE) or {}
-    vae_scale = vae_meta.get("vae_scale_factor", 8)
-    text_tokens = vae_meta.get("text_tokens") or T5_TOKENS
+    # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
+    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
     # The graphs may be from another model.source than the size was settled for.
     validate_image_size(cfg.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
     record = build.engines_record(out)
@@ -175,11 +172,14 @@ def build_engines(cfg) -> list[Path]:
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
         graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, family, name, build.onnx_input_dims(onnx_file), vae_scale,
-                                      text_tokens, graph_meta.get("deep_cache_branch"))
+        axis_sizes = family.profile_axis_sizes(name, cfg.infer.height, cfg.infer.width, graph_meta, cfg.trt)
+        shapes = build.profile_shapes(cfg.infer, cfg.trt, family.network(name), build.onnx_input_dims(onnx_file),
+                                      axis_sizes)
         plan = build.plan_path(out, name)
-        # An 8-bit UNet's scales fit the adapters it was calibrated with: it never takes others.
-        refittable = cfg.trt.refittable and family.carries_adapters(name) and not graph_meta.get("quantized_unet")
+        # Graphs exported before the name was general call their checkpoint quantized_unet.
+        quantized = graph_meta.get("quantized_backbone") or graph_meta.get("quantized_unet")
+        # An 8-bit backbone's scales fit the adapters it was calibrated with: it never takes others.
+        refittable = cfg.trt.refittable and family.carries_adapters(name) and not quantized
         fingerprint = checkpoint.fingerprint({
             "onnx": graph_meta.get("fingerprint"),
             "shapes": shapes, "flavour": [builder.flavour, builder.version], "builder": builder.tool,
@@ -202,7 +202,7 @@ def build_engines(cfg) -> list[Path]:
         # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
         record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
                         "version": builder.version, "builder": builder.tool, "fp8": fp8[name],
-                        "loras": graph_meta.get("loras", []), "quantized_unet": graph_meta.get("quantized_unet")}
+                        "loras": graph_meta.get("loras", []), "quantized_backbone": quantized}
         # Saved after each engine, so the engines built before an interrupted or failed build are
         # described, and reused by the next run.
         record_file = build.save_engines_record(out, record)
@@ -212,3 +212,15 @@ def build_engines(cfg) -> list[Path]:
     print_engine_table(record)
     print_summary("TensorRT build", written, time.perf_counter() - start, reused=reused)
     return written + reused
+
+
+def required_onnx(out_path, family) -> dict[str, Path]:
+    """The ONNX file of every graph, and of the cached backbone passes where they were exported; a
+    missing one names the step that makes it."""
+    files = {name: export.onnx_path(out_path, name) for name in family.graph_names()}
+    for name, path in files.items():
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: export the ONNX graphs first "
+                            "(python export_trt.py run_onnx_export=true ...)")
+    cached = {name: export.onnx_path(out_path, name) for name in family.backbone_graphs() if name not in files}
+    return {**files, **{name: path for name, path in cached.items() if path.is_file()}}

@@ -4,23 +4,34 @@ modules), then warm-up and timed runs and a latency report per stage."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 import torch
 
-from .. import build, networks, parallel, report
-from ..families import family_of
+from .. import build, export, parallel, report
 from ..cli import stage
-from ..config import validate_infer
+from ..config import quantized_backbone, validate_infer
 from ..errors import UserError
+from ..families.pipeline import SamplingSettings
 from ..load import compute_dtype, load_pipeline, resolve_device
-from ..pipeline import SamplingSettings
 from ..report import library_versions, print_summary
 from ..stages import OnnxRuntimeStage, StageTimer
-from .common import (checked_checkpoint, restore_quantized_unet, sampling_parts, sampling_runs, step_cache,
-                     text_to_image)
+from .settings import Sampling, checked_checkpoint, restore_quantized_backbone, settle_sampling
+
+# NeMo's engine keys, kept beside engines.<graph>: unet_xl names the backbone's engine whatever the
+# family calls its graph; the others name the graphs of their own names.
+NEMO_ENGINE_KEYS = ("unet_xl", "clip1", "clip2", "vae")
+
+
+@dataclass(frozen=True)
+class StageFile:
+    """The file a stage runs from, and the config key that named it (for messages)."""
+
+    key: str
+    path: Path
 
 
 def run_infer(cfg) -> dict:
@@ -29,8 +40,11 @@ def run_infer(cfg) -> dict:
     global seed and file names), then timed runs and one latency report for all the parts."""
     start = time.perf_counter()
     validate_infer(cfg)
-    if cfg.quantized_unet:
-        checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
+    checkpoint_key, checkpoint = quantized_backbone(cfg)
+    if checkpoint:
+        checked_checkpoint(cfg.model, checkpoint_key, checkpoint)
+    sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
+    files = stage_files(cfg, sampling)
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
@@ -40,9 +54,8 @@ def run_infer(cfg) -> dict:
         # would synchronize extra on the legacy default stream.
         with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
             written, timings, images_per_run, first_call_seconds = _images_and_timings(
-                cfg, device, parallel.share_of(world, cfg.shard))
-        latency = report.latency_report(timings, images_per_run, cfg.sampling.steps,
-                                        family_of(cfg.model.family).backbone_graph)
+                cfg, sampling, files, device, parallel.share_of(world, cfg.shard))
+        latency = report.latency_report(timings, images_per_run, cfg.sampling.steps, sampling.family.backbone.graph)
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
         # over a timed run is what a user waits once per process and shape.
         latency["first_call_seconds"] = first_call_seconds
@@ -53,7 +66,7 @@ def run_infer(cfg) -> dict:
         if not world.is_main:
             return latency
         merged = latencies[0] if len(latencies) == 1 else report.merged_latency(latencies)
-        merged.update({"versions": library_versions(), "settings": _run_settings(cfg)})
+        merged.update({"versions": library_versions(), "settings": _run_settings(cfg, files)})
         out = Path(cfg.out_path).expanduser()
         if cfg.shard.count > 1:
             written.append(report.write_report(out, merged, f"latency.shard{cfg.shard.index}of{cfg.shard.count}.json"))
@@ -67,36 +80,58 @@ def run_infer(cfg) -> dict:
         parallel.stop(world)
 
 
-def _run_settings(cfg) -> dict:
-    """The config as the report records it: the engine keys of the model's own family only."""
-    from ..families import all_families
-
+def _run_settings(cfg, files: dict[str, StageFile]) -> dict:
+    """The settled config as the report records it: the files each stage ran from, not the keys
+    that may name them."""
     settings = OmegaConf.to_container(cfg, resolve=True)
-    own = set(family_of(cfg.model.family).engine_keys())
-    others = {key for family in all_families() for key in family.engine_keys()} - own
-    return {key: value for key, value in settings.items() if key not in others}
+    for key in (*NEMO_ENGINE_KEYS, "engines", "engine_dir"):
+        settings.pop(key, None)
+    if cfg.backend != "torch":
+        settings["stage_files"] = {name: str(file.path) for name, file in files.items()}
+    return settings
 
 
-def _images_and_timings(cfg, device: torch.device, part: parallel.World) -> tuple[list[Path], list, int, float]:
+def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
+    """The engine (or ONNX file) of each graph the run needs, from engines.<graph>, NeMo's keys or
+    engine_dir, in that order; a cached backbone's passes lie beside its engine, as export_trt.py
+    cache=... builds them. Names a key for a graph the model does not have."""
+    family = sampling.family
+    graphs = family.graph_names()
+    aliases = {"unet_xl": family.backbone.graph, "clip1": "clip1", "clip2": "clip2", "vae": "vae"}
+    given = {aliases[key]: StageFile(key, Path(cfg[key]).expanduser()) for key in NEMO_ENGINE_KEYS if cfg[key]}
+    given.update({graph: StageFile(f"engines.{graph}", Path(path).expanduser()) for graph, path in cfg.engines.items()})
+    for graph, file in given.items():
+        if graph not in graphs:
+            raise UserError(f"{file.key}={file.path}: model={cfg.model.name} has no {graph} graph; its graphs are "
+                            f"{', '.join(graphs)} (engines.<graph>=<file>)")
+    files = {graph: given.get(graph, StageFile("engine_dir", Path(cfg.engine_dir).expanduser() / f"{graph}.plan"))
+             for graph in graphs}
+    backbone = files[family.backbone.graph]
+    for network in family.networks(sampling.cache):
+        if network.name not in files:
+            files[network.name] = StageFile(backbone.key, backbone.path.with_name(f"{network.name}{backbone.path.suffix}"))
+    return files
+
+
+def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device,
+                        part: parallel.World) -> tuple[list[Path], list, int, float]:
     """The images of this part's prompt batches, then the warm-up and timed runs of its first
     batch; also the first call's seconds."""
-    parts = sampling_parts(cfg)
-    runs = sampling_runs(cfg)
-    mine = parallel.shard(runs, part, "prompt batches (prompts / sampling.batch_size)")
+    mine = parallel.shard(sampling.runs, part, "prompt batches (prompts / sampling.batch_size)")
     with stage(f"loading the {cfg.backend} stages"):
-        pipeline = text_to_image(cfg, parts, load_stages(cfg, device), device)
+        pipeline = sampling.pipeline(load_stages(cfg, sampling, files, device), device)
     if cfg.backend == "trt":
-        _check_engine_profiles(pipeline, [settings for _, settings in mine])
-
+        _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
+    engines = {name: str(file.path) for name, file in files.items()}
     written = []
     first_call_seconds = None
     for index, settings in mine:
-        with stage(f"prompt batch {index + 1} of {len(runs)}"):
+        with stage(f"prompt batch {index + 1} of {len(sampling.runs)}"):
             call_start = time.perf_counter()
             images = pipeline(settings, StageTimer(device))
             first_call_seconds = first_call_seconds or time.perf_counter() - call_start
-            written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings,
-                                          _stage_files(cfg), cfg.backend)
+            written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings, engines,
+                                          cfg.backend)
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
         for _ in range(cfg.num_warmup_runs):
@@ -111,86 +146,70 @@ def _images_and_timings(cfg, device: torch.device, part: parallel.World) -> tupl
     return written, timings, len(first.image_prompts), first_call_seconds
 
 
-def _stage_files(cfg) -> dict[str, Path]:
-    """Engine file per stage, from the config key the family names it by (NeMo's for SDXL)."""
-    family = family_of(cfg.model.family)
-    keys = family.engine_keys()
-    files = {name: Path(cfg[keys[name]]).expanduser() for name in family.graph_names()}
-    if step_cache(cfg.sampling.cache) is not None:
-        # A cached backbone's passes lie beside its engine (or graph), as export_trt.py cache=... builds them.
-        backbone = files[family.backbone_graph]
-        files.update({network.name: backbone.with_name(f"{network.name}{backbone.suffix}")
-                      for network in family.cache_networks()})
-    return files
-
-
-def _stage_key(family, name: str, plan: Path) -> str:
-    """How an error names a stage's file: its config key, or the file for a cached pass."""
-    keys = family.engine_keys()
-    return keys[name] if name in keys else str(plan)
-
-
-def _onnx_file(key: str, given: Path) -> Path:
-    """The ONNX file backend=onnxruntime runs for config `key`: the file itself where it names an
+def _onnx_file(file: StageFile) -> Path:
+    """The ONNX file backend=onnxruntime runs for a stage: the file itself where the key names an
     .onnx file, else the graph export_trt.py wrote for that engine (<out_path>/onnx/<name>/model.onnx
     beside <out_path>/plan/<name>.plan)."""
-    if given.suffix == ".onnx":
-        if not given.is_file():
-            raise UserError(f"{key}={given}: no such ONNX file; give an .onnx file or the engine path of an "
+    if file.path.suffix == ".onnx":
+        if not file.path.is_file():
+            raise UserError(f"{file.key}={file.path}: no such ONNX file; give an .onnx file or the engine path of an "
                             "export_trt.py output folder")
-        return given
-    onnx_file = networks.onnx_path(given.parent.parent, given.stem)
+        return file.path
+    onnx_file = export.onnx_path(file.path.parent.parent, file.path.stem)
     if not onnx_file.is_file():
-        raise UserError(f"{key}={given}: backend=onnxruntime runs the ONNX graph export_trt.py writes beside that "
-                        f"engine, {onnx_file}, which does not exist: export it (export_trt.py run_trt_export=false), or "
-                        "give the .onnx file itself")
+        raise UserError(f"{file.key}={file.path}: backend=onnxruntime runs the ONNX graph export_trt.py writes beside "
+                        f"that engine, {onnx_file}, which does not exist: export it (export_trt.py "
+                        "run_trt_export=false), or give the .onnx file itself")
     return onnx_file
 
 
-def load_stages(cfg, device: torch.device) -> dict:
-    family = family_of(cfg.model.family)
-    files = _stage_files(cfg)
+def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device) -> dict:
+    family = sampling.family
     if cfg.backend == "onnxruntime":
         stages = {}
-        for name, given in files.items():
-            key = _stage_key(family, name, given)
-            onnx_file = _onnx_file(key, given)
-            stages[name] = OnnxRuntimeStage(onnx_file, list(cfg.onnx_providers), key, family.network(name),
-                                            None if onnx_file == given else given)
+        for name, file in files.items():
+            onnx_file = _onnx_file(file)
+            stages[name] = OnnxRuntimeStage(onnx_file, list(cfg.onnx_providers), file.key, family.network(name),
+                                            None if onnx_file == file.path else file.path)
         return stages
     if cfg.backend == "torch":
-        from .. import torch_backend
-
-        dtype = compute_dtype(device, gpu_dtype=family.gpu_dtype)
-        pipe = load_pipeline(cfg.model, device, dtype)
-        backbone = getattr(pipe, family.backbone)
-        if cfg.quantized_unet:
-            restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, backbone)
-            backbone.to(device=device, dtype=dtype)
-            if cfg.torch_backend.quantized == "fp8":
-                torch_backend.convert_to_fp8(backbone, cfg.quantized_unet)
-        stages = family.torch_stages(pipe, dtype)
-        cache = step_cache(cfg.sampling.cache)
-        if cache is not None:
-            stages.update(family.cache_stages(backbone, dtype, cache))
-        return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph,
-                                      quantized=bool(cfg.quantized_unet))
+        return _torch_stages(cfg, sampling, device)
     from ..trt_stages import trt_stages
 
-    for name, plan in files.items():
-        if not plan.is_file():
+    for name, file in files.items():
+        if not file.path.is_file():
             how = (f"export_trt.py cache.method={cfg.sampling.cache.method} cache.branch={cfg.sampling.cache.branch}"
                    if name in family.backbone_graphs()[1:] else "export_trt.py")
-            raise UserError(f"{_stage_key(family, name, plan)}={plan}: no such engine; build it with {how}")
-    flavours = {name: build.engine_flavour(plan) for name, plan in files.items()}
-    return trt_stages(flavours, files, family.backbone_graphs() if cfg.cuda_graph else ())
+            raise UserError(f"{file.key}={file.path}: no such engine; build it with {how}")
+    flavours = {name: build.engine_flavour(file.path) for name, file in files.items()}
+    replayed = family.backbone_graphs() if cfg.cuda_graph else ()
+    return trt_stages(flavours, {name: file.path for name, file in files.items()}, replayed)
 
 
-def _check_engine_profiles(pipeline, runs: list[SamplingSettings]) -> None:
+def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
+    """The diffusers modules as stages, the backbone restored from quantized_backbone where set,
+    with the torch backend's settings (compile, CUDA graphs, 8-bit kernels) applied."""
+    from .. import torch_backend
+
+    family = sampling.family
+    dtype = compute_dtype(device, gpu_dtype=family.gpu_dtype)
+    pipe = load_pipeline(cfg.model, device, dtype)
+    backbone = getattr(pipe, family.backbone.attribute)
+    checkpoint_key, checkpoint = quantized_backbone(cfg)
+    if checkpoint:
+        restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
+        backbone.to(device=device, dtype=dtype)
+        if cfg.torch_backend.quantized == "fp8":
+            torch_backend.convert_to_fp8(backbone, checkpoint)
+    stages = family.torch_stages(pipe, dtype, sampling.cache)
+    return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
+
+
+def _check_engine_profiles(pipeline, sampling: Sampling, runs: list[SamplingSettings]) -> None:
     """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
     from ..trt_stages import check_within_profiles
 
     profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
+    networks = {name: sampling.family.network(name) for name in pipeline.stages}
     for settings in runs:
-        check_within_profiles(profiles, pipeline.stage_batches(settings), pipeline.latent_size(settings),
-                              pipeline.sequence_sizes(settings))
+        check_within_profiles(profiles, pipeline.stage_batches(settings), pipeline.axis_sizes(settings), networks)

@@ -16,11 +16,11 @@ from ..config import ExportApp, validate_export, validate_image_size, validate_q
 from ..errors import UserError
 from ..families import family_of
 from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
-from ..networks import TOKENS
-from ..pipeline import say_truncated
+from ..families.networks import TOKENS
+from ..families.pipeline import say_truncated
 from ..recipe import uses_smoothquant
 from ..report import library_versions, print_summary
-from .common import settled_image_size
+from .settings import settled_image_size
 from .export_trt import run_export
 
 
@@ -91,7 +91,7 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
         truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
         with stage("calibration"):
             result = quantize_backbone(pipe, family, prompts, block, cfg.seed, world, cfg.cuda_graph)
-        backbone = getattr(pipe, family.backbone)
+        backbone = getattr(pipe, family.backbone.attribute)
         if world.is_main:
             amax = activation_amax(backbone)
             sidecar = {
@@ -137,7 +137,7 @@ def _chained_export_config(cfg, folder: Path):
     export_cfg.merge_with({
         "infer": {**OmegaConf.to_container(cfg.infer), "out_path": str(out_path if out_path.is_absolute()
                                                                         else folder / out_path)},
-        "trt": cfg.trt, "onnx": cfg.onnx, "model": cfg.model, "quantized_unet": str(folder),
+        "trt": cfg.trt, "onnx": cfg.onnx, "model": cfg.model, "quantized_backbone": str(folder),
         "force": cfg.force, "device": cfg.device,
         "run_onnx_export": cfg.run_onnx_export, "run_trt_export": cfg.run_trt_export})
     return export_cfg

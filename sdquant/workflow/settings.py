@@ -1,18 +1,20 @@
-"""What several scripts' flows share: a quantize.py checkpoint restored into a UNet, and the prompts,
-sampling settings and text-to-image pipeline of infer_trt.py and evaluate.py."""
+"""The scripts' configs settled once, at their start, into the values the stages take: the model's
+family and parts, the image size, the scheduler, the step cache and the prompt batches of
+infer_trt.py and evaluate.py, and a quantize.py checkpoint checked and restored into a backbone."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import checkpoint, load, lora
-from ..families import family_of
-from ..families.base import vae_scale_factor
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
-from ..pipeline import SamplingSettings, make_scheduler
+from ..families import family_of
+from ..families.base import ModelFamily, vae_scale_factor
+from ..families.pipeline import SamplingSettings, make_scheduler
 
 
 def checked_checkpoint(model, key: str, value: str) -> dict:
@@ -36,55 +38,74 @@ def checked_checkpoint(model, key: str, value: str) -> dict:
     return sidecar
 
 
-def restore_quantized_unet(model, key: str, value: str, unet) -> dict:
-    """Loads the quantize.py checkpoint that config `key` names into `unet`; returns its sidecar."""
+def restore_quantized_backbone(model, key: str, value: str, backbone) -> dict:
+    """Loads the quantize.py checkpoint that config `key` names into `backbone`; returns its sidecar."""
     sidecar = checked_checkpoint(model, key, value)
-    restored = checkpoint.restore(unet, Path(value).expanduser())
+    restored = checkpoint.restore(backbone, Path(value).expanduser())
     if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
-        raise UserError(f"{key}={value} does not hold every UNet weight: quantize the model again")
+        raise UserError(f"{key}={value} does not hold every weight of the backbone: quantize the model again")
     return sidecar
 
 
-def sampling_runs(cfg) -> list[SamplingSettings]:
+@dataclass
+class Sampling:
+    """sampling.* settled against the model: its family and parts (tokenizers, configs), the block
+    with the image size and scheduler filled in, the step cache and one SamplingSettings per
+    pipeline call."""
+
+    family: ModelFamily
+    parts: dict
+    block: object
+    cache: object | None
+    runs: list[SamplingSettings]
+
+    def pipeline(self, stages: dict, device: torch.device):
+        """The family's denoising loop over `stages`, with the model's tokenizers and scheduler."""
+        scheduler = make_scheduler(self.block.scheduler, self.parts["scheduler_config"])
+        return self.family.text_to_image(stages, self.parts, scheduler, device)
+
+
+def settle_sampling(cfg, runs_on: str = "modules", cuda_graph: bool = False) -> Sampling:
+    """sampling.* and model.* as the pipelines take them, every value checked against the model
+    before any work: the size (a null one the model's native size), the scheduler (a null one the
+    family's), the steps, the step cache for what it `runs_on` (check_cache), the prompt batches."""
+    family = family_of(cfg.model.family)
+    parts = load.pipeline_parts(cfg.model)
+    cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
+    cfg.sampling.scheduler = cfg.sampling.scheduler or family.default_scheduler
+    validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
+    cache = checked_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cuda_graph)
+    return Sampling(family, parts, cfg.sampling, cache, sampling_runs(cfg.sampling, cfg.model, cache))
+
+
+def sampling_runs(sampling, model, cache=None) -> list[SamplingSettings]:
     """One pipeline call per batch of sampling.batch_size prompts, each prompt's images
     sampling.num_images_per_prompt; the run's k-th image, counted over all calls, seeded seed + k."""
-    sampling = cfg.sampling
-    batches = _prompt_batches(sampling, cfg.model)
+    batches = _prompt_batches(sampling, model)
     per_batch = sampling.batch_size * sampling.num_images_per_prompt
     return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
                              guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
                              seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
-                             long_prompts=sampling.long_prompts, cache=step_cache(sampling.cache))
+                             long_prompts=sampling.long_prompts, cache=cache)
             for index, prompts in enumerate(batches)]
 
 
-def step_cache(block):
-    """sampling.cache as the pipelines take it: None for none."""
-    from ..deep_cache import DeepCache
-    from ..transformer_cache import HookCache
-
-    if block.method == "none":
-        return None
-    if block.method == "deepcache":
-        return DeepCache(block.interval, block.branch)
-    return HookCache(block.method, block.interval, block.threshold)
-
-
-def check_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph: bool = False) -> None:
-    """Refuses, before any work, a step cache (config `key`) the model's backbone cannot take, or
-    that what it would run on cannot: `runs_on` is "modules" (the diffusers modules), "graphs"
-    (infer_trt.py's engines or ONNX files) or "one file" (an evaluate.py variant's graph or engine)."""
-    if block.method == "none":
-        return
+def checked_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph: bool = False):
+    """The step cache config `key` asks for (None for none), refused before any work where the
+    model's backbone cannot take it, or what it would run on cannot: `runs_on` is "modules" (the
+    diffusers modules), "graphs" (infer_trt.py's engines or ONNX files) or "one file" (an
+    evaluate.py variant's graph or engine)."""
     family = family_of(model.family)
     if block.method not in family.cache_methods:
-        raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone} takes "
+        raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone.attribute} takes "
                         f"{' or '.join(family.cache_methods)}")
-    cache = step_cache(block)
+    cache = family.step_cache(block)
+    if cache is None:
+        return None
     if runs_on == "one file":
-        raise UserError(f"{key}.method={block.method} runs on the diffusers modules in evaluate.py (the fp16 "
+        raise UserError(f"{key}.method={block.method} runs on the diffusers modules in evaluate.py (the unquantized "
                         "backbone or a quantize.py checkpoint): a graph or engine variant is one file, and a cached "
-                        "UNet runs two (infer_trt.py runs the cached graphs and engines)")
+                        "backbone runs two (infer_trt.py runs the cached graphs and engines)")
     if runs_on == "graphs" and not cache.exported:
         raise UserError(f"{key}.method={block.method} is a diffusers hook on the transformer module: run it with "
                         "backend=torch")
@@ -92,6 +113,7 @@ def check_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph: b
         raise UserError(f"{key}.method={block.method} decides on the host at each step which blocks run, which "
                         "one captured CUDA graph cannot replay: set cuda_graph=false")
     cache.check(parts["backbone_config"], key)
+    return cache
 
 
 def _prompt_batches(sampling, model) -> list[list[str]]:
@@ -109,19 +131,6 @@ def _prompt_batches(sampling, model) -> list[list[str]]:
     if not prompts:
         raise UserError("no prompts: set sampling.prompts or sampling.prompts_file")
     return [prompts[i:i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
-
-
-def sampling_parts(cfg) -> dict:
-    """What sampling needs of the model besides its networks (load.pipeline_parts), with
-    sampling's image size and steps settled against the model before any work."""
-    parts = load.pipeline_parts(cfg.model)
-    cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
-    # Settled here so that reports name the scheduler that ran, not a null.
-    cfg.sampling.scheduler = cfg.sampling.scheduler or family_of(cfg.model.family).default_scheduler()
-    validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
-    runs_on = "modules" if cfg.get("backend", "torch") == "torch" else "graphs"
-    check_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cfg.get("cuda_graph", False))
-    return parts
 
 
 def settled_image_size(block, prefix: str, model, configs: dict | None = None) -> tuple[int, int]:
@@ -145,10 +154,3 @@ def settled_image_size(block, prefix: str, model, configs: dict | None = None) -
     note = " (the model's native size)" if None in asked.values() else ""
     print(f"image size: {size['width']}x{size['height']}{note}", flush=True)
     return size["height"], size["width"]
-
-
-def text_to_image(cfg, parts: dict, stages: dict, device: torch.device):
-    """The family's denoising loop over `stages`, with the model's tokenizers and scheduler config
-    (`parts`)."""
-    scheduler = make_scheduler(cfg.sampling.scheduler, parts["scheduler_config"])
-    return family_of(cfg.model.family).text_to_image(stages, parts, scheduler, device)

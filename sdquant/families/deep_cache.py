@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .networks import BATCH, Network
 
 # The backbone graph's two passes as stages and graphs (unet_xl_full, unet_xl_shallow), and the
@@ -47,9 +47,10 @@ def deep_sizes(latent_height: int, latent_width: int, branch: int) -> dict[str, 
 def passes(backbone: Network) -> tuple[Network, Network]:
     """The networks of the full pass (the backbone's, and the deep feature out) and of the shallow
     pass (the backbone's inputs and the deep feature in)."""
-    full = Network(FULL.format(backbone.name), backbone.inputs, {**backbone.outputs, DEEP: DEEP_AXES})
+    full = Network(FULL.format(backbone.name), backbone.inputs, {**backbone.outputs, DEEP: DEEP_AXES},
+                   role=backbone.role, guided=backbone.guided)
     shallow = Network(SHALLOW.format(backbone.name), {**backbone.inputs, DEEP: DEEP_AXES}, backbone.outputs,
-                      optional=("context",))
+                      role=backbone.role, guided=backbone.guided, optional=("context",))
     return full, shallow
 
 
@@ -64,6 +65,11 @@ class DeepCache:
 
     def full_step(self, step: int) -> bool:
         return step % self.interval == 0
+
+    def record(self) -> dict:
+        """What the export records of its passes' graphs (and their fingerprints hold): the branch
+        their engines' profiles size the cached feature by."""
+        return {"deep_cache_branch": self.branch}
 
     def describe(self) -> str:
         return f"DeepCache, the whole UNet every {self.interval} steps, branch {self.branch} live"
