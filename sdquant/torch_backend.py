@@ -18,28 +18,11 @@ import torch.nn.functional as F
 
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
+from .kernels.fp8 import fake_fp8, fp8_scales, to_fp8
 from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
-FP8_MAX = 448.0
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16
-
-
-def fp8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(448 / amax, its reciprocal) in fp32, computed as ModelOpt's FP8 quantizer does, so the
-    rounded values are bit for bit its own (a zero range counts as 1)."""
-    amax = amax.detach().float().reshape(())
-    inverse = FP8_MAX / torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
-    return inverse, 1 / inverse
-
-
-def to_fp8(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def fake_fp8(x: torch.Tensor, inverse_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize, as ModelOpt's FP8 fake quantization does."""
-    return (to_fp8(x, inverse_scale).float() * scale).to(x.dtype)
 
 
 class _KeepsExactTensors:
