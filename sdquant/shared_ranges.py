@@ -28,17 +28,20 @@ def attention_layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(name, module) for name, module in root.named_modules() if isinstance(module, classes)]
 
 
+# Projections that read one input, and the name diffusers gives their fused layer.
+QKV = (("to_q", "to_k", "to_v"), "to_qkv")
+KV = (("to_k", "to_v"), "to_kv")
+ADDED_QKV = (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
+
+
 def projection_groups(attention: torch.nn.Module) -> list[tuple[tuple[str, ...], str]]:
-    """(the projections that read one input, the name diffusers gives their fused layer): q, k and
-    v of self-attention and of each stream of a joint attention; k and v of cross-attention."""
+    """The groups of projections of `attention` that read one input: q, k and v of self-attention
+    and of each stream of a joint attention; k and v of cross-attention."""
     attention_class, flux_class = _attention_classes()
     if isinstance(attention, flux_class):
-        groups = [(("to_q", "to_k", "to_v"), "to_qkv")]
-        if attention.added_kv_proj_dim is not None:
-            groups.append((("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
-        return groups
+        return [QKV, ADDED_QKV] if attention.added_kv_proj_dim is not None else [QKV]
     if isinstance(attention, attention_class):
-        return [(("to_k", "to_v"), "to_kv")] if attention.is_cross_attention else [(("to_q", "to_k", "to_v"), "to_qkv")]
+        return [KV] if attention.is_cross_attention else [QKV]
     return []
 
 

@@ -13,6 +13,8 @@ in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake quantiz
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,7 @@ from .quantizers import quantized_attention, quantized_inputs, unsupported_quant
 GEMM_ALIGNMENT = 16
 
 
-class _KeepsExactTensors:
+class KeepsExactTensors:
     """Moving the module to another device moves these buffers too, but casting the module to
     another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
     numbers, which a `.half()` would round."""
@@ -40,41 +42,64 @@ class _KeepsExactTensors:
         return self
 
 
-class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
+class Fp8Linear(KeepsExactTensors, torch.nn.Module):
     """A calibrated Linear layer as one FP8 GEMM with the bias and both scales in its epilogue."""
 
     exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
 
-    def __init__(self, linear: torch.nn.Linear, weight_amax: torch.Tensor, input_amax: torch.Tensor):
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, input_inverse_scale: torch.Tensor,
+                 input_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
         super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_inverse_scale", input_inverse_scale)
+        self.register_buffer("weight_fp8", weight_fp8)
+        self.register_buffer("bias", bias)
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, weight_amax: torch.Tensor, input_amax: torch.Tensor) -> "Fp8Linear":
         weight = linear.weight.detach()
-        self.out_features, self.in_features = weight.shape
-        weight_inverse, weight_scale = fp8_scales(weight_amax)
-        input_inverse, input_scale = fp8_scales(input_amax)
-        self.register_buffer("weight_scale", weight_scale.to(weight.device))
-        self.register_buffer("input_scale", input_scale.to(weight.device))
-        self.register_buffer("input_inverse_scale", input_inverse.to(weight.device))
-        self.register_buffer("weight_fp8", to_fp8(weight, weight_inverse.to(weight.device)))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.out_dtype = weight.dtype
+        weight_inverse, weight_scale = (s.to(weight.device) for s in fp8_scales(weight_amax))
+        input_inverse, input_scale = (s.to(weight.device) for s in fp8_scales(input_amax))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(to_fp8(weight, weight_inverse), weight_scale, input_inverse, input_scale, bias, weight.dtype)
+
+    @classmethod
+    def stacked(cls, layers: list["Fp8Linear"]) -> "Fp8Linear | None":
+        """One GEMM for layers that read one input: their weights and biases stacked along the
+        outputs, so its output is theirs side by side. None unless they share their weight and input
+        scales, as quantize.py ties them (sdquant.shared_ranges)."""
+        first = layers[0]
+        if not all(torch.equal(layer.weight_scale, first.weight_scale) and torch.equal(layer.input_scale, first.input_scale)
+                   and (layer.bias is None) == (first.bias is None) for layer in layers):
+            return None
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        return cls(torch.cat([layer.weight_fp8 for layer in layers]), first.weight_scale, first.input_inverse_scale,
+                   first.input_scale, bias, first.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        # An FP8 input was rounded with this layer's own input scale by the kernel that wrote it
+        # (FP8 attention), so it goes into the GEMM as it is.
+        if rows.dtype != torch.float8_e4m3fn:
+            rows = to_fp8(rows, self.input_inverse_scale)
         pad = -rows.shape[0] % GEMM_ALIGNMENT
         if pad:
-            rows = F.pad(rows, (0, 0, 0, pad))
+            # Padded through its bytes, which every device can pad: zero bytes are FP8 zeros.
+            rows = F.pad(rows.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
         # Fast accumulation on GPUs, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's
         # FP8 tensor cores then skip the periodic promotion to full fp32 along K. The CPU kernel's
         # fast path rounds more (0.8 dB on the tiny UNet) and gains nothing there.
-        out = torch._scaled_mm(to_fp8(rows, self.input_inverse_scale), self.weight_fp8.t(), scale_a=self.input_scale,
-                               scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype,
-                               use_fast_accum=rows.is_cuda)
+        out = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                               bias=self.bias, out_dtype=self.out_dtype, use_fast_accum=rows.is_cuda)
         if pad:
             out = out[:-pad]
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Fp8RoundedConv2d(_KeepsExactTensors, torch.nn.Conv2d):
+class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):
     """A calibrated convolution in the model's own precision on FP8-rounded weights and inputs."""
 
     exact = ("input_scale", "input_inverse_scale")
@@ -98,7 +123,7 @@ def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
 
 def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
     if isinstance(layer, torch.nn.Linear):
-        return Fp8Linear(layer, amax["weight"], amax["input"])
+        return Fp8Linear.from_linear(layer, amax["weight"], amax["input"])
     conv = _plain(layer, Fp8RoundedConv2d)
     device = layer.weight.device
     weight_inverse, weight_scale = (scale.to(device) for scale in fp8_scales(amax["weight"]))
@@ -111,14 +136,12 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
 
 
 def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
-    """Why the checkpoint in `backbone` cannot run with FP8 GEMMs: one reason per kind of quantizer
+    """Why the checkpoint in `backbone` cannot run with FP8 kernels: one reason per kind of quantizer
     this path has no kernel for; empty when it can."""
     reasons = []
     sites = quantized_inputs(backbone)
     if any(not site.fp8 for site in sites):
         reasons.append("INT8 layers (format=int8)")
-    if quantized_attention(backbone):
-        reasons.append("FP8 attention (quant_level=4)")
     if unsupported_quantizers(backbone):
         reasons.append(f"quantizers on {', '.join(unsupported_quantizers(backbone)[:3])}")
     if not sites:
@@ -126,17 +149,51 @@ def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
     return reasons
 
 
-def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
+def fp8_attention_ranges(backbone: torch.nn.Module, checkpoint: str, attention: str,
+                         quant_level: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
+    torch_backend.attention asks: auto, every layer the checkpoint calibrated it for; fp16, none;
+    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`)."""
+    from .kernels.fp8_attention import cuda_kernel_missing
+
+    ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
+    if attention == "fp8" and not ranges:
+        made_at = "below quant_level=4" if quant_level is None else f"at quant_level={quant_level:g}"
+        raise UserError(f"torch_backend.attention=fp8: quantized_unet={checkpoint} was made {made_at}, which calibrates "
+                        "no attention ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
+                        "torch_backend.attention=auto")
+    if attention == "fp16" or not ranges:
+        return {}
+    device = next(backbone.parameters()).device
+    missing = cuda_kernel_missing(device) if device.type == "cuda" else None
+    if missing:
+        raise UserError(f"quantized_unet={checkpoint} holds FP8 attention (quant_level=4), but {missing}: set "
+                        "torch_backend.attention=fp16 to run its attention in 16 bits")
+    return ranges
+
+
+@dataclass
+class Fp8Conversion:
+    layers: int      # calibrated Linear and Conv2d layers running on FP8 values
+    attention: int   # attention layers running FP8 attention
+
+
+def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str, attention: str = "auto",
+                   quant_level: float | None = None) -> Fp8Conversion:
     """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
     Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
-    module class with its plain torch layer; returns how many layers run in FP8."""
+    module class with its plain torch layer; then gives the attention layers their fused FP8
+    projections and, as torch_backend.attention asks, FP8 attention (sdquant.attention)."""
     from modelopt.torch.quantization.nn import QuantModule
+
+    from .attention import convert_attention
 
     reasons = runs_as_fp8(backbone)
     if reasons:
         raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
                         "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
-                        "that, or quantize with format=fp8 below quant_level 4")
+                        "that, or quantize with format=fp8")
+    attention_ranges = fp8_attention_ranges(backbone, checkpoint, attention, quant_level)
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in quantized_inputs(backbone):
         amax.setdefault(site.layer, {})[site.role] = site.amax
@@ -148,9 +205,9 @@ def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
             setattr(backbone.get_submodule(parent_name), child,
                     _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
         else:
-            # Norms and attention blocks whose quantizers the recipe left off: back to diffusers' class.
+            # Norms and attention blocks, back to diffusers' class: attention's ranges are read above.
             layer.export()
-    return len(amax)
+    return Fp8Conversion(len(amax), convert_attention(backbone, attention_ranges))
 
 
 class GraphReplayStage:

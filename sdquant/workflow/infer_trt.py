@@ -134,10 +134,11 @@ def load_stages(cfg, device: torch.device) -> dict:
         pipe = load_pipeline(cfg.model, device, dtype)
         backbone = getattr(pipe, family.backbone)
         if cfg.quantized_unet:
-            restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, backbone)
+            sidecar = restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, backbone)
             backbone.to(device=device, dtype=dtype)
             if cfg.torch_backend.quantized == "fp8":
-                torch_backend.convert_to_fp8(backbone, cfg.quantized_unet)
+                torch_backend.convert_to_fp8(backbone, cfg.quantized_unet, cfg.torch_backend.attention,
+                                             sidecar["settings"]["quantize"]["quant_level"])
         stages = family.torch_stages(pipe, dtype)
         cache = step_cache(cfg.sampling.cache)
         if cache is not None:
