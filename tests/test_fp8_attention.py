@@ -15,6 +15,7 @@ from sdquant import checkpoint, torch_backend
 from sdquant.errors import UserError
 from sdquant.families.flux import TransformerGraph
 from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.fp8_layers import Fp8Linear
 from sdquant.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.kernels.fp8_attention import reference_attention
 from sdquant.load import empty_backbone
@@ -254,7 +255,7 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
             layers = [attn.get_submodule(layer) for layer in names]
             weight_amax = [layer.weight_quantizer.amax for layer in layers]
             assert all(torch.equal(amax, weight_amax[0]) for amax in weight_amax), f"{name}: {names} not tied"
-            separate = [torch_backend.Fp8Linear.from_linear(layer, layer.weight_quantizer.amax,
+            separate = [Fp8Linear.from_linear(layer, layer.weight_quantizer.amax,
                                                             layer.input_quantizer.amax) for layer in layers]
             fused = getattr(real.get_submodule(name), fused_name)
             assert not any(hasattr(real.get_submodule(name), layer) for layer in names)
@@ -267,9 +268,9 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
     # and 8 single blocks.
     assert groups == {"scenes_sdxl": 22, "scenes_flux": 16}[model]
     # A checkpoint whose ranges are not tied keeps its three GEMMs.
-    untied = [torch_backend.Fp8Linear.from_linear(torch.nn.Linear(8, 8), torch.tensor(amax), torch.tensor(1.0))
+    untied = [Fp8Linear.from_linear(torch.nn.Linear(8, 8), torch.tensor(amax), torch.tensor(1.0))
               for amax in (1.0, 2.0)]
-    assert torch_backend.Fp8Linear.stacked(untied) is None
+    assert Fp8Linear.stacked(untied) is None
 
 
 def test_joint_attention_outputs_share_their_input_range(level4):
@@ -352,7 +353,7 @@ def test_fp16_attention_keeps_a_level4_checkpoints_attention_in_16_bits(level4):
     layers = [attn for _, attn in attention_layers(backbone)]
     assert not any(hasattr(attn, "fp8_attention") for attn in layers)
     # Its projections still run as one FP8 GEMM per group.
-    assert all(isinstance(getattr(attn, "to_kv" if attn.is_cross_attention else "to_qkv"), torch_backend.Fp8Linear)
+    assert all(isinstance(getattr(attn, "to_kv" if attn.is_cross_attention else "to_qkv"), Fp8Linear)
                for attn in layers)
     with torch.no_grad():
         _call("scenes_sdxl", backbone)

@@ -12,6 +12,7 @@ from modelopt.torch.quantization.nn import QuantModule
 from sdquant import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.stable_diffusion import UNetGraph
+from sdquant.fp8_layers import Fp8Linear
 from sdquant.load import empty_backbone
 from sdquant.quantizers import quantized_inputs
 from sdquant.shared_ranges import projection_groups
@@ -66,7 +67,7 @@ def _converted_layer(real, layer: str):
     names, fused_name = next(group for group in projection_groups(parent) if name in group[0])
     fused = getattr(parent, fused_name)
     rows = slice(names.index(name) * fused.out_features // len(names), (names.index(name) + 1) * fused.out_features // len(names))
-    return torch_backend.Fp8Linear(fused.weight_fp8[rows], fused.weight_scale, fused.input_inverse_scale,
+    return Fp8Linear(fused.weight_fp8[rows], fused.weight_scale, fused.input_inverse_scale,
                                    fused.input_scale, None if fused.bias is None else fused.bias[rows], fused.out_dtype)
 
 
@@ -91,7 +92,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
         module = _converted_layer(real, layer)
         if role == "input":
             assert float(module.input_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
-        elif isinstance(module, torch_backend.Fp8Linear):
+        elif isinstance(module, Fp8Linear):
             assert float(module.weight_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
             assert torch.equal(module.weight_fp8.float() * module.weight_scale, fake_weights[layer])
         else:
