@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.fp8 import fp8_scales, to_fp8
+from .kernels.fp8 import fake_fp8, fp8_scales, to_fp8
 
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16

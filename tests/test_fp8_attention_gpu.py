@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
 
 CUDA = torch.device("cuda")
-# The twin against cuDNN: a few percent apart where their softmax rounding differs (see above).
-TWIN_BOUND = 0.05
+# The twin against cuDNN, relative: rounding the output to FP8 alone moves it 2.6% (relative
+# norm) from the exact value, and two such roundings of slightly different values land 3.7%
+# apart; with their different softmax rounding, a CPU model of cuDNN's rounding came 4.8-5.0% from
+# the twin on these shapes' random data. A wrong scale, layout or softmax scale is off by far more.
+TWIN_BOUND = 0.08
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,7 +68,7 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str) -> Non
           f"the twin {twin_error:.4f}")
     assert torch.isfinite(cudnn_value).all(), f"{what}: cuDNN's output holds NaN or inf"
     assert apart < TWIN_BOUND, f"{what}: cuDNN's FP8 attention is {apart:.4f} (relative) from the twin's, over " \
-                               f"{TWIN_BOUND}: a wrong scale, layout or softmax scale, not rounding"
+                               f"{TWIN_BOUND}: more than rounding (a scale, layout or softmax scale?)"
     assert cudnn_error < twin_error * 1.5 + 0.01, \
         f"{what}: cuDNN is {cudnn_error:.4f} from fp32 attention, the twin {twin_error:.4f}: cuDNN rounds worse"
 
@@ -191,8 +194,8 @@ def test_compiled_graph_replay_of_fp8_attention_gives_the_eager_output(level4, m
         got = next(iter(replayed(**inputs).values()))
         error = _relative(got, eager)
         print(f"{model} call {seed}: compiled and replayed against eager {error:.2e}")
-        # Inductor fuses the q/k/v rounding into other kernels, whose fp32 arithmetic can move a
-        # value across an FP8 rounding boundary; a wrong replay (stale inputs, an attention kernel
-        # outside the graph) is off by far more.
-        assert error < 3e-2, f"{model} call {seed}: the CUDA graph replay is {error:.3e} from the eager call"
+        # Inductor fuses the q/k/v rounding into other kernels, whose fp32 arithmetic (where eager
+        # rounds each op to 16 bits) can move a value across an FP8 rounding boundary; a wrong replay
+        # (stale inputs, an attention kernel left out of the graph) is off by far more.
+        assert error < 5e-2, f"{model} call {seed}: the CUDA graph replay is {error:.3e} from the eager call"
     assert kernels._GRAPHS, "no cuDNN graph was built: the attention did not run cuDNN's kernel"
