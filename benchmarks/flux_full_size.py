@@ -1,14 +1,16 @@
 """infer_trt.py's torch backend on the full-size Flux.1-dev architecture (random bf16 weights,
 1024x1024, 28 steps, guidance 3.5, one image) against diffusers' own compiled FluxPipeline, each
 variant in its own process (so peak memory is its own): the peer, the peer with torchao's per-row
-dynamic FP8 (where torchao is installed), our compiled bf16 backend, and our backend with FP8 GEMMs
-from this project's FP8 level-3 calibration. End to end, transformer
+dynamic FP8 (where torchao is installed), our compiled bf16 backend, our backend with FP8 GEMMs
+from this project's FP8 level-3 calibration (fp8), and the same at level 4 with every attention as
+cuDNN's FP8 attention (fp8_l4; needs nvidia-cudnn-frontend). End to end, transformer
 per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
 
     python benchmarks/flux_full_size.py --variants peer --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants torchao --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8_l4 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer:2 --out benchmarks/results/flux_h100.json
 
 The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
@@ -18,8 +20,8 @@ the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 `quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`. The FP8 variant calibrates the
 transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
-the values) and runs it with torch_backend.quantized=fp8. With --cache, our variants run under one of
-diffusers' cache hooks (sampling.cache.method=taylorseer with its interval, or first_block with its
+the values) and runs it with torch_backend.quantized=fp8; fp8_l4 calibrates at quant_level=4. With
+--cache, our variants run under one of diffusers' cache hooks (sampling.cache.method=taylorseer with its interval, or first_block with its
 threshold): compiled, without CUDA graphs, which a hook's host-side decisions rule out.
 """
 
@@ -37,9 +39,8 @@ from sdquant.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
-from sdquant.pipeline import SamplingSettings, make_scheduler
+from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.stages import StageTimer
-from sdquant.synthetic import full_size_flux_on_gpu
 from sdquant.transformer_cache import HookCache
 from torch_backend_full_size import timed
 
@@ -68,11 +69,15 @@ def peer(pipe, runs: int, torchao: bool = False) -> dict:
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def fp8_transformer(pipe) -> int:
-    block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
+# Our FP8 variants: the quant level each calibrates at.
+FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
+
+
+def fp8_transformer(pipe, level: float) -> torch_backend.Fp8Conversion:
+    block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_to_fp8(pipe.transformer, "the benchmark's FP8 level-3 transformer")
+    return torch_backend.convert_to_fp8(pipe.transformer, f"the benchmark's FP8 level-{level:g} transformer")
 
 
 def hook_cache(setting: str) -> HookCache | None:
@@ -84,14 +89,10 @@ def hook_cache(setting: str) -> HookCache | None:
 
 
 def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> dict:
-    stages = FLUX.torch_stages(pipe, torch.bfloat16)
-    if cache is not None:
-        stages.update(FLUX.cache_stages(pipe.transformer, torch.bfloat16, cache))
-    stages = torch_backend.speed_up(pipe, FLUX, stages, TorchBackendBlock(compile=True), cuda_graph=cache is None,
-                                    quantized=quantized)
-    parts = {"tokenizers": [pipe.tokenizer, pipe.tokenizer_2], "backbone_config": dict(pipe.transformer.config),
-             "vae_config": dict(pipe.vae.config)}
-    pipeline = FLUX.text_to_image(stages, parts, make_scheduler("flow_euler", dict(pipe.scheduler.config)), CUDA)
+    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16, cache),
+                                    TorchBackendBlock(compile=True), cuda_graph=cache is None, quantized=quantized)
+    pipeline = FLUX.text_to_image(stages, FLUX.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
+                                  CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
                                 height=SIZE, width=SIZE, seed=42, cache=cache)
     torch.cuda.reset_peak_memory_stats()
@@ -123,20 +124,21 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        pipe = full_size_flux_on_gpu()
+        pipe = FLUX.full_size_on_gpu()
         build_s = time.perf_counter() - start
-        fp8_layers = fp8_transformer(pipe) if variant == "fp8" else 0
+        fp8 = fp8_transformer(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
         # Set-up (building, calibrating, converting) peaks apart from what inference holds.
         setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
         if variant in ("peer", "torchao"):
             row = peer(pipe, args.runs, torchao=variant == "torchao")
         else:
-            row = ours(pipe, variant == "fp8", args.runs, cache)
+            row = ours(pipe, fp8 is not None, args.runs, cache)
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"
-        row.update(fp8_layers=fp8_layers, build_s=build_s, setup_peak_gib=setup_peak_gib,
+        row.update(fp8_layers=fp8.layers if fp8 else 0, fp8_attention_layers=fp8.attention if fp8 else 0,
+                   build_s=build_s, setup_peak_gib=setup_peak_gib,
                    wall_s=time.perf_counter() - start)
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "

@@ -11,8 +11,13 @@ The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels
 VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
 mode. Its VAE runs in fp16 as ours does (force_upcast off), which only makes the peer faster.
 The FP8 variant quantizes the UNet with this project's recipe (format=fp8, quant_level=3),
-calibrated on two random UNet calls (the GEMMs' speed does not depend on the values), and runs it
-with torch_backend.quantized=fp8.
+calibrated on two random UNet calls (the GEMMs' speed does not depend on the values), ties the
+ranges quantize.py ties (q/k/v as one GEMM) and runs it with torch_backend.quantized=fp8; fp8_l4
+does the same at quant_level=4, whose self-attention then runs as cuDNN's FP8 attention (needs
+nvidia-cudnn-frontend; cross-attention stays in fp16, as the recipe keeps it):
+
+    python benchmarks/torch_backend_full_size.py --variants fp8,fp8_l4 --batch 1 --profile \
+        --out benchmarks/results/torch_backend_fp8_attention_h100_b1.json
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -29,10 +33,10 @@ from sdquant import report, torch_backend
 from sdquant.config import QuantFormat, TorchBackendBlock
 from sdquant.families.deep_cache import DeepCache
 from sdquant.load import quiet_libraries
-from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
+from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
 from sdquant.families.sdxl import SDXL
+from sdquant.shared_ranges import tie_fp8_ranges
 from sdquant.stages import StageTimer
-from sdquant.synthetic import full_size_sdxl_on_gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE = 1024
@@ -65,12 +69,16 @@ def peer_pipeline(pipe):
     return pipe
 
 
-def fp8_unet(pipe) -> int:
-    """Quantizes the UNet with the project's FP8 level-3 recipe on two random calls, then turns it
-    into FP8 GEMMs; returns how many layers run in FP8."""
+# Our FP8 variants: the quant level each runs.
+FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
+
+
+def fp8_unet(pipe, level: float) -> torch_backend.Fp8Conversion:
+    """Quantizes the UNet with the project's FP8 recipe at `level` on two random calls, ties the
+    ranges quantize.py ties, then turns it into FP8 kernels; returns what runs in FP8."""
     import modelopt.torch.quantization as mtq
 
-    config = {"quant_cfg": SDXL.quant_cfg_entries(QuantFormat.fp8, 3.0), "algorithm": "max"}
+    config = {"quant_cfg": SDXL.quant_cfg_entries(QuantFormat.fp8, level), "algorithm": "max"}
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = dict(sample=torch.randn(2, 4, 128, 128, device="cuda", dtype=torch.float16, generator=generator),
                   timestep=torch.tensor([500.0, 500.0], device="cuda"),
@@ -86,18 +94,16 @@ def fp8_unet(pipe) -> int:
 
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
-    return torch_backend.convert_to_fp8(pipe.unet, "the benchmark's FP8 level-3 UNet")
+    tie_fp8_ranges(pipe.unet)
+    return torch_backend.convert_to_fp8(pipe.unet, f"the benchmark's FP8 level-{level:g} UNet")
 
 
 def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,
                  cache: DeepCache | None = None) -> TextToImage:
-    stages = SDXL.torch_stages(pipe, torch.float16)
-    if cache is not None:
-        stages.update(SDXL.cache_stages(pipe.unet, torch.float16, cache))
-    stages = torch_backend.speed_up(pipe, SDXL, stages, block, cuda_graph, quantized)
+    stages = torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float16, cache), block, cuda_graph,
+                                    quantized)
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
-    return TextToImage(stages, [pipe.tokenizer, pipe.tokenizer_2], scheduler,
-                       types.SimpleNamespace(**pipe.unet.config), 8, torch.device("cuda"), sdxl=True)
+    return SDXL.text_to_image(stages, SDXL.parts_of(pipe), scheduler, torch.device("cuda"))
 
 
 def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int,
@@ -175,17 +181,18 @@ def main() -> None:
     for variant in args.variants.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        pipe = full_size_sdxl_on_gpu()
+        pipe = SDXL.full_size_on_gpu()
         start = time.perf_counter()
         if variant == "peer":
             row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
         else:
-            fp8_layers = fp8_unet(pipe) if variant == "fp8" else 0
+            fp8 = fp8_unet(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
             block = TorchBackendBlock(compile=variant != "eager")
-            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=variant == "fp8",
+            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=fp8 is not None,
                                     cache=cache)
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
-            row["fp8_layers"] = fp8_layers
+            row["fp8_layers"] = fp8.layers if fp8 else 0
+            row["fp8_attention_layers"] = fp8.attention if fp8 else 0
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"

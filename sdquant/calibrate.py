@@ -35,6 +35,7 @@ from .parallel import World, combine, shard, sum_over_ranks
 from .progress import Progress
 from .quantizers import ATTENTION_ROLES
 from .recipe import calibration_algorithm, is_enabled, percentile_covers, uses_smoothquant
+from .shared_ranges import tie_fp8_ranges
 
 
 class StepClock:
@@ -501,6 +502,8 @@ def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, se
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
     mtq.calibrate(backbone, algorithm, forward_loop=lambda _backbone: None)
+    # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.shared_ranges).
+    tie_fp8_ranges(backbone)
     means = sum(stats.reduction == "sum" for stats in recorder.all_statistics())
     return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm, means)
 

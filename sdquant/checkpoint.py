@@ -17,6 +17,7 @@ from . import lora
 from .artifacts import atomic_path, read_json, write_json
 from .config import plain
 from .errors import UserError
+from .families import family_of
 from .load import calibration_prompts_file
 
 UNET_FILE = "unet.mto"
@@ -35,12 +36,15 @@ def model_identity(model, with_loras: bool = True) -> dict:
 
 def calibration_settings(cfg) -> dict:
     """Everything that changes the calibrated result, and nothing that does not."""
-    return {
+    settings = {
         "quantize": OmegaConf.to_container(cfg.quantize, resolve=True),
         "model": model_identity(cfg.model),
         "prompts_file": calibration_prompts_file(cfg),
         "seed": cfg.seed,
     }
+    # Only where the recipe changed, so the fingerprints of the checkpoints it did not change hold.
+    revisions = family_of(cfg.model.family).recipe_revisions(cfg.quantize.format, cfg.quantize.quant_level)
+    return {**settings, "recipe": revisions} if revisions else settings
 
 
 def fingerprint(settings: dict) -> str:

@@ -251,6 +251,7 @@ class SamplingBlock:
 LONG_PROMPTS = ("truncate", "chunk")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 TORCH_QUANTIZED = ("fake", "fp8")
+TORCH_ATTENTION = ("auto", "fp8", "fp16")
 
 
 @dataclass
@@ -264,8 +265,13 @@ class TorchBackendBlock:
     compile_mode: str = "default"
     dynamic: bool = False
     # quantized_unet as ModelOpt's fake quantization (any checkpoint), or fp8: its Linear layers
-    # as FP8 GEMMs and its convolutions on FP8-rounded values (format=fp8, quant_level 1-3).
+    # as FP8 GEMMs (q/k/v reading one input as one), its convolutions on FP8-rounded values and,
+    # for a quant_level=4 checkpoint, its attention as cuDNN's FP8 attention (format=fp8).
     quantized: str = "fake"
+    # Under quantized=fp8: auto runs FP8 attention where the checkpoint calibrated it (level 4),
+    # fp16 keeps every attention in the model's 16 bits, fp8 insists (refusing a checkpoint
+    # without attention ranges).
+    attention: str = "auto"
 
 
 @dataclass
@@ -566,6 +572,12 @@ def validate_infer(cfg) -> None:
                         f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
     if torch_block.quantized == "fp8" and not checkpoint:
         raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_backbone=<folder>")
+    if torch_block.attention not in TORCH_ATTENTION:
+        raise UserError(f"torch_backend.attention={torch_block.attention!r} is unknown: choose "
+                        f"{', '.join(TORCH_ATTENTION)}")
+    if torch_block.attention != "auto" and torch_block.quantized != "fp8":
+        raise UserError(f"torch_backend.attention={torch_block.attention} applies to torch_backend.quantized=fp8 (fake "
+                        "quantization runs attention as the checkpoint does): set torch_backend.quantized=fp8")
     validate_sampling(cfg.sampling)
     if cfg.backend == "onnxruntime":
         validate_providers(cfg.onnx_providers)

@@ -38,7 +38,7 @@ def _quantizers(module, names: tuple[str, ...]) -> dict[str, object]:
     return {name: q for name in names if isinstance(q := getattr(module, f"{name}_quantizer", None), TensorQuantizer)}
 
 
-def _fp8_attention(module) -> bool:
+def is_fp8_attention(module) -> bool:
     """ModelOpt's rule: FP8 attention only when the q, k and v quantizers are all on and FP8."""
     quantizers = _quantizers(module, tuple(f"{role}_bmm" for role in ATTENTION_ROLES))
     return len(quantizers) == 3 and all(q.is_enabled and isinstance(q.num_bits, tuple) for q in quantizers.values())
@@ -69,4 +69,4 @@ def quantized_inputs(root: torch.nn.Module) -> list[QuantizedInput]:
 def quantized_attention(root: torch.nn.Module) -> list[QuantizedAttention]:
     return [QuantizedAttention(name, {role: getattr(module, f"{role}_bmm_quantizer").amax.detach().float().cpu()
                                       for role in ATTENTION_ROLES})
-            for name, module in root.named_modules() if _fp8_attention(module)]
+            for name, module in root.named_modules() if is_fp8_attention(module)]

@@ -16,8 +16,8 @@ import torch
 from .config import QuantFormat
 
 # ModelOpt's attention quantizers: q, k and v where they enter attention, and softmax's output.
-ATTENTION_QUANTIZERS = ("*q_bmm_quantizer", "*k_bmm_quantizer", "*v_bmm_quantizer")
-SOFTMAX_QUANTIZER = "*softmax_quantizer"
+ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")
+SOFTMAX_QUANTIZER = "softmax_quantizer"
 # Softmax outputs lie in [0, 1], so their range needs no calibration.
 SOFTMAX_AMAX = 1.0
 ATTENTION_LEVEL = 4.0
@@ -35,11 +35,16 @@ class LayerGroup:
 @dataclass(frozen=True)
 class LevelTable:
     """A family's quant levels: the layer groups each adds (a level holds every group at or below
-    it), whether level 4's FP8 attention exists, and the patterns that stay in high precision."""
+    it), the attention layers level 4 runs in FP8, and the patterns that stay in high precision."""
 
     levels: tuple[float, ...]
     groups: tuple[LayerGroup, ...]
     high_precision: tuple[str, ...]
+    # The level from which the attention q/k/v projections are quantized.
+    qkv_level: float
+    # A quantizer-name prefix pattern of the attention layers whose q/k/v and softmax level 4
+    # quantizes ("*": every one).
+    attention_scope: str = "*"
 
 
 def _num_bits(fmt: QuantFormat):
@@ -66,12 +71,32 @@ def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -
         if level >= group.level:
             entries += _weight_and_input(group.pattern, group.parent_class, num_bits)
     if level >= ATTENTION_LEVEL:
-        entries += [{"quantizer_name": name, "cfg": {"num_bits": num_bits, "axis": None}}
+        entries += [{"quantizer_name": f"{table.attention_scope}{name}", "cfg": {"num_bits": num_bits, "axis": None}}
                     for name in ATTENTION_QUANTIZERS]
-        entries.append({"quantizer_name": SOFTMAX_QUANTIZER,
+        entries.append({"quantizer_name": f"{table.attention_scope}{SOFTMAX_QUANTIZER}",
                         "cfg": {"num_bits": num_bits, "axis": None, "constant_amax": SOFTMAX_AMAX}})
     entries += [{"quantizer_name": pattern, "enable": False} for pattern in table.high_precision]
     return entries
+
+
+# What quantize.py ties after calibrating FP8 (sdquant.shared_ranges), named in the fingerprint of the
+# checkpoints it changes.
+SHARED_FP8_RANGES = "q/k/v weights reading one input; the outputs of a joint FP8 attention"
+
+
+def revisions(table: LevelTable, fmt: QuantFormat, quant_level: float) -> dict:
+    """What this recipe calibrates differently from the sdquant that made the checkpoints before
+    it, for the fingerprints of the checkpoints it changes; empty for the others (every INT8 one),
+    whose fingerprints stay as they were."""
+    if QuantFormat(fmt) != QuantFormat.fp8:
+        return {}
+    level = float(quant_level)
+    changes = {}
+    if level >= table.qkv_level:
+        changes["shared_fp8_ranges"] = SHARED_FP8_RANGES
+    if level >= ATTENTION_LEVEL and table.attention_scope != "*":
+        changes["fp8_attention_scope"] = table.attention_scope
+    return changes
 
 
 _PARENT_CLASSES = {"nn.Conv2d": torch.nn.Conv2d, "nn.Linear": torch.nn.Linear}

@@ -1,104 +1,29 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
-CUDA graph per input shape, and a quantize.py checkpoint's FP8 Linear layers run as FP8
-tensor-core GEMMs.
+CUDA graph per input shape, and a quantize.py checkpoint converted to FP8 kernels: its Linear layers
+as FP8 tensor-core GEMMs (sdquant.fp8_layers), its q/k/v projections that read one input as one
+GEMM and, at quant_level=4, its attention as FP8 attention (sdquant.attention).
 
 FP8 here follows ModelOpt's fake quantization number for number: a tensor is multiplied by
 448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
 goes into the GEMM (``torch._scaled_mm``) instead of a dequantize. Activation scales are the
 checkpoint's calibrated ranges (static), so quantizing an activation is one pointwise op that the
-compiler fuses into the kernel producing it where that is a pointwise or norm kernel (not after
-attention, whose kernel is an external one). Convolutions have no FP8 kernel in torch: they run
-in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake quantization computes.
+compiler fuses into the kernel producing it where that is a pointwise or norm kernel; after FP8
+attention there is none, its kernel writing the FP8 output itself. Convolutions have no FP8 kernel
+in torch: they run in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake
+quantization computes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
+from .fp8_layers import Fp8Linear, Fp8RoundedConv2d
+from .kernels.fp8 import fake_fp8, fp8_scales
 from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
-
-FP8_MAX = 448.0
-# torch._scaled_mm wants every matrix dimension divisible by 16.
-GEMM_ALIGNMENT = 16
-
-
-def fp8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(448 / amax, its reciprocal) in fp32, computed as ModelOpt's FP8 quantizer does, so the
-    rounded values are bit for bit its own (a zero range counts as 1)."""
-    amax = amax.detach().float().reshape(())
-    inverse = FP8_MAX / torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
-    return inverse, 1 / inverse
-
-
-def to_fp8(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def fake_fp8(x: torch.Tensor, inverse_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize, as ModelOpt's FP8 fake quantization does."""
-    return (to_fp8(x, inverse_scale).float() * scale).to(x.dtype)
-
-
-class _KeepsExactTensors:
-    """Moving the module to another device moves these buffers too, but casting the module to
-    another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
-    numbers, which a `.half()` would round."""
-
-    exact: tuple[str, ...] = ()
-
-    def _apply(self, fn, recurse=True):
-        kept = {name: getattr(self, name) for name in self.exact}
-        super()._apply(fn, recurse)
-        for name, tensor in kept.items():
-            setattr(self, name, tensor.to(getattr(self, name).device))
-        return self
-
-
-class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
-    """A calibrated Linear layer as one FP8 GEMM with the bias and both scales in its epilogue."""
-
-    exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
-
-    def __init__(self, linear: torch.nn.Linear, weight_amax: torch.Tensor, input_amax: torch.Tensor):
-        super().__init__()
-        weight = linear.weight.detach()
-        self.out_features, self.in_features = weight.shape
-        weight_inverse, weight_scale = fp8_scales(weight_amax)
-        input_inverse, input_scale = fp8_scales(input_amax)
-        self.register_buffer("weight_scale", weight_scale.to(weight.device))
-        self.register_buffer("input_scale", input_scale.to(weight.device))
-        self.register_buffer("input_inverse_scale", input_inverse.to(weight.device))
-        self.register_buffer("weight_fp8", to_fp8(weight, weight_inverse.to(weight.device)))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.out_dtype = weight.dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        pad = -rows.shape[0] % GEMM_ALIGNMENT
-        if pad:
-            rows = F.pad(rows, (0, 0, 0, pad))
-        # Fast accumulation on GPUs, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's
-        # FP8 tensor cores then skip the periodic promotion to full fp32 along K. The CPU kernel's
-        # fast path rounds more (0.8 dB on the tiny UNet) and gains nothing there.
-        out = torch._scaled_mm(to_fp8(rows, self.input_inverse_scale), self.weight_fp8.t(), scale_a=self.input_scale,
-                               scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype,
-                               use_fast_accum=rows.is_cuda)
-        if pad:
-            out = out[:-pad]
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-class Fp8RoundedConv2d(_KeepsExactTensors, torch.nn.Conv2d):
-    """A calibrated convolution in the model's own precision on FP8-rounded weights and inputs."""
-
-    exact = ("input_scale", "input_inverse_scale")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(fake_fp8(x, self.input_inverse_scale, self.input_scale))
-
 
 def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
     """A plain torch Linear or Conv2d (or `kind`, a subclass) sharing `layer`'s weights, in place
@@ -115,7 +40,7 @@ def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
 
 def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
     if isinstance(layer, torch.nn.Linear):
-        return Fp8Linear(layer, amax["weight"], amax["input"])
+        return Fp8Linear.from_linear(layer, amax["weight"], amax["input"])
     conv = _plain(layer, Fp8RoundedConv2d)
     device = layer.weight.device
     weight_inverse, weight_scale = (scale.to(device) for scale in fp8_scales(amax["weight"]))
@@ -128,14 +53,12 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
 
 
 def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
-    """Why the checkpoint in `backbone` cannot run with FP8 GEMMs: one reason per kind of quantizer
+    """Why the checkpoint in `backbone` cannot run with FP8 kernels: one reason per kind of quantizer
     this path has no kernel for; empty when it can."""
     reasons = []
     sites = quantized_inputs(backbone)
     if any(not site.fp8 for site in sites):
         reasons.append("INT8 layers (format=int8)")
-    if quantized_attention(backbone):
-        reasons.append("FP8 attention (quant_level=4)")
     if unsupported_quantizers(backbone):
         reasons.append(f"quantizers on {', '.join(unsupported_quantizers(backbone)[:3])}")
     if not sites:
@@ -143,17 +66,51 @@ def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
     return reasons
 
 
-def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
+def fp8_attention_ranges(backbone: torch.nn.Module, checkpoint: str, attention: str,
+                         quant_level: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
+    torch_backend.attention asks: auto, every layer the checkpoint calibrated it for; fp16, none;
+    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`)."""
+    from .kernels.fp8_attention import cuda_kernel_missing
+
+    ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
+    if attention == "fp8" and not ranges:
+        made_at = "below quant_level=4" if quant_level is None else f"at quant_level={quant_level:g}"
+        raise UserError(f"torch_backend.attention=fp8: quantized_unet={checkpoint} was made {made_at}, which calibrates "
+                        "no attention ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
+                        "torch_backend.attention=auto")
+    if attention == "fp16" or not ranges:
+        return {}
+    device = next(backbone.parameters()).device
+    missing = cuda_kernel_missing(device) if device.type == "cuda" else None
+    if missing:
+        raise UserError(f"quantized_unet={checkpoint} holds FP8 attention (quant_level=4), but {missing}: set "
+                        "torch_backend.attention=fp16 to run its attention in 16 bits")
+    return ranges
+
+
+@dataclass
+class Fp8Conversion:
+    layers: int      # calibrated Linear and Conv2d layers running on FP8 values
+    attention: int   # attention layers running FP8 attention
+
+
+def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str, attention: str = "auto",
+                   quant_level: float | None = None) -> Fp8Conversion:
     """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
     Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
-    module class with its plain torch layer; returns how many layers run in FP8."""
+    module class with its plain torch layer; then gives the attention layers their fused FP8
+    projections and, as torch_backend.attention asks, FP8 attention (sdquant.attention)."""
     from modelopt.torch.quantization.nn import QuantModule
+
+    from .attention import convert_attention
 
     reasons = runs_as_fp8(backbone)
     if reasons:
         raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
                         "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
-                        "that, or quantize with format=fp8 below quant_level 4")
+                        "that, or quantize with format=fp8")
+    attention_ranges = fp8_attention_ranges(backbone, checkpoint, attention, quant_level)
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in quantized_inputs(backbone):
         amax.setdefault(site.layer, {})[site.role] = site.amax
@@ -165,9 +122,9 @@ def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
             setattr(backbone.get_submodule(parent_name), child,
                     _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
         else:
-            # Norms and attention blocks whose quantizers the recipe left off: back to diffusers' class.
+            # Norms and attention blocks, back to diffusers' class: attention's ranges are read above.
             layer.export()
-    return len(amax)
+    return Fp8Conversion(len(amax), convert_attention(backbone, attention_ranges))
 
 
 class GraphReplayStage:

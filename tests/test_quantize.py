@@ -74,7 +74,8 @@ def test_fp8_level4_calibrates_attention(tiny_pipeline, quantize_cfg):
     amax = activation_amax(unet)
     q_bmm = [v for k, v in amax.items() if k.endswith("q_bmm_quantizer")]
     softmax = [v for k, v in amax.items() if k.endswith("softmax_quantizer")]
-    assert len(q_bmm) == 24 and all(v > 0 for v in q_bmm)
+    # Self-attention only (attn1): cross-attention stays in 16 bits at level 4.
+    assert len(q_bmm) == 12 and all(v > 0 for v in q_bmm)
     assert softmax and all(v == 1.0 for v in softmax)
     assert not _pre_quant_scales(unet), "ModelOpt smooths int8 only; fp8 must not be smoothed"
 

@@ -12,8 +12,10 @@ from modelopt.torch.quantization.nn import QuantModule
 from sdquant import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
+from sdquant.fp8_layers import Fp8Linear
 from sdquant.load import empty_backbone
 from sdquant.quantizers import quantized_inputs
+from sdquant.shared_ranges import projection_groups
 from sdquant.workflow.settings import restore_quantized_backbone
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
@@ -55,6 +57,20 @@ def _unet_inputs(seed: int = 0):
             torch.randn(1, 77, 192, generator=generator), torch.randn(1, 176, generator=generator))
 
 
+def _converted_layer(real, layer: str):
+    """`layer` after conversion: itself or, where its projection group became one GEMM, its rows of
+    that GEMM as a layer of their own."""
+    parent_name, _, name = layer.rpartition(".")
+    parent = real.get_submodule(parent_name)
+    if hasattr(parent, name):
+        return getattr(parent, name)
+    names, fused_name = next(group for group in projection_groups(parent) if name in group[0])
+    fused = getattr(parent, fused_name)
+    rows = slice(names.index(name) * fused.out_features // len(names), (names.index(name) + 1) * fused.out_features // len(names))
+    return Fp8Linear(fused.weight_fp8[rows], fused.weight_scale, fused.input_inverse_scale,
+                                   fused.input_scale, None if fused.bias is None else fused.bias[rows], fused.out_dtype)
+
+
 def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantization(fp8_l3):
     _, fake = _restored(fp8_l3)
     sites = {(s.layer, s.role): s for s in quantized_inputs(fake)}
@@ -71,12 +87,12 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
     with torch.no_grad():
         UNetGraph(fake)(*_unet_inputs())
     converted = torch_backend.convert_to_fp8(real, str(fp8_l3))
-    assert converted == len(fake_weights) > 100
+    assert converted.layers == len(fake_weights) > 100 and converted.attention == 0
     for (layer, role), site in sites.items():
-        module = real.get_submodule(layer)
+        module = _converted_layer(real, layer)
         if role == "input":
             assert float(module.input_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
-        elif isinstance(module, torch_backend.Fp8Linear):
+        elif isinstance(module, Fp8Linear):
             assert float(module.weight_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
             assert torch.equal(module.weight_fp8.float() * module.weight_scale, fake_weights[layer])
         else:
@@ -86,7 +102,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
         # Each FP8 layer on its fake-quant twin's own input: the same result but for the GEMM's
         # summation order.
         for layer, (inputs, fake_output) in fake_calls.items():
-            output = real.get_submodule(layer)(inputs)
+            output = _converted_layer(real, layer)(inputs)
             assert (output - fake_output).norm() / fake_output.norm() < 1e-5, layer
         actual = UNetGraph(real)(*_unet_inputs())
     # The whole UNet: a float ulp of summation order moves an activation lying on an FP8 rounding
@@ -131,14 +147,10 @@ def test_compiled_pipeline_draws_the_eager_image(tmp_path, model_cache):
     assert _psnr(eager, compiled) > 40
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["quantize.quant_level=3"], "INT8 layers"),
-    (["quantize.format=fp8", "quantize.quant_level=4"], "FP8 attention"),
-])
-def test_checkpoints_fp8_gemms_cannot_run_are_refused_naming_fake_quant(tmp_path_factory, overrides, message):
-    checkpoint = _quantize(tmp_path_factory, *overrides)
+def test_int8_checkpoints_are_refused_naming_fake_quant(tmp_path_factory):
+    checkpoint = _quantize(tmp_path_factory, "quantize.quant_level=3")
     _, unet = _restored(checkpoint)
-    with pytest.raises(UserError, match=f"{message}.*torch_backend.quantized=fake"):
+    with pytest.raises(UserError, match="INT8 layers.*torch_backend.quantized=fake"):
         torch_backend.convert_to_fp8(unet, str(checkpoint))
 
 

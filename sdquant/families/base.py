@@ -91,6 +91,11 @@ class ModelFamily:
         then what stays in high precision last, so no level can turn it back on."""
         raise NotImplementedError
 
+    def recipe_revisions(self, fmt, quant_level: float) -> dict:
+        """What the recipe calibrates differently from older sdquant at this format and level, for
+        the fingerprint of the checkpoints it changes (sdquant.recipe.revisions)."""
+        raise NotImplementedError
+
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         """The timestep a call of the backbone (by the diffusers pipeline) is made with, on the
         scheduler's own scale, so the calibration's step clock can find it in the schedule."""

@@ -197,10 +197,11 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
     backbone = getattr(pipe, family.backbone.attribute)
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if checkpoint:
-        restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
+        sidecar = restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
         backbone.to(device=device, dtype=dtype)
         if cfg.torch_backend.quantized == "fp8":
-            torch_backend.convert_to_fp8(backbone, checkpoint)
+            torch_backend.convert_to_fp8(backbone, checkpoint, cfg.torch_backend.attention,
+                                         sidecar["settings"]["quantize"]["quant_level"])
     stages = family.torch_stages(pipe, dtype, sampling.cache)
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 

@@ -1,0 +1,95 @@
+"""The FP8 layers a converted checkpoint runs (torch_backend.quantized=fp8): a calibrated Linear as
+one FP8 GEMM (torch._scaled_mm) with the checkpoint's scales, and a calibrated convolution on
+FP8-rounded weights and inputs, both keeping their exact FP8 weights and fp32 scales whatever dtype
+the model is cast to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.fp8 import fake_fp8, fp8_scales, to_fp8
+
+# torch._scaled_mm wants every matrix dimension divisible by 16.
+GEMM_ALIGNMENT = 16
+
+
+class KeepsExactTensors:
+    """Moving the module to another device moves these buffers too, but casting the module to
+    another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
+    numbers, which a `.half()` would round."""
+
+    exact: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: getattr(self, name) for name in self.exact}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            setattr(self, name, tensor.to(getattr(self, name).device))
+        return self
+
+
+class Fp8Linear(KeepsExactTensors, torch.nn.Module):
+    """A calibrated Linear layer as one FP8 GEMM with the bias and both scales in its epilogue."""
+
+    exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
+
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, input_inverse_scale: torch.Tensor,
+                 input_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_inverse_scale", input_inverse_scale)
+        self.register_buffer("weight_fp8", weight_fp8)
+        self.register_buffer("bias", bias)
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, weight_amax: torch.Tensor, input_amax: torch.Tensor) -> "Fp8Linear":
+        weight = linear.weight.detach()
+        weight_inverse, weight_scale = (s.to(weight.device) for s in fp8_scales(weight_amax))
+        input_inverse, input_scale = (s.to(weight.device) for s in fp8_scales(input_amax))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(to_fp8(weight, weight_inverse), weight_scale, input_inverse, input_scale, bias, weight.dtype)
+
+    @classmethod
+    def stacked(cls, layers: list["Fp8Linear"]) -> "Fp8Linear | None":
+        """One GEMM for layers that read one input: their weights and biases stacked along the
+        outputs, so its output is theirs side by side. None unless they share their weight and input
+        scales, as quantize.py ties them (sdquant.shared_ranges)."""
+        first = layers[0]
+        if not all(torch.equal(layer.weight_scale, first.weight_scale) and torch.equal(layer.input_scale, first.input_scale)
+                   and (layer.bias is None) == (first.bias is None) for layer in layers):
+            return None
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        return cls(torch.cat([layer.weight_fp8 for layer in layers]), first.weight_scale, first.input_inverse_scale,
+                   first.input_scale, bias, first.out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        # An FP8 input was rounded with this layer's own input scale by the kernel that wrote it
+        # (FP8 attention), so it goes into the GEMM as it is.
+        if rows.dtype != torch.float8_e4m3fn:
+            rows = to_fp8(rows, self.input_inverse_scale)
+        pad = -rows.shape[0] % GEMM_ALIGNMENT
+        if pad:
+            # Padded through its bytes, which every device can pad: zero bytes are FP8 zeros.
+            rows = F.pad(rows.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+        # Fast accumulation on GPUs, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's
+        # FP8 tensor cores then skip the periodic promotion to full fp32 along K. The CPU kernel's
+        # fast path rounds more (0.8 dB on the tiny UNet) and gains nothing there.
+        out = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                               bias=self.bias, out_dtype=self.out_dtype, use_fast_accum=rows.is_cuda)
+        if pad:
+            out = out[:-pad]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):
+    """A calibrated convolution in the model's own precision on FP8-rounded weights and inputs."""
+
+    exact = ("input_scale", "input_inverse_scale")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(fake_fp8(x, self.input_inverse_scale, self.input_scale))
