@@ -156,7 +156,7 @@ def test_int8_checkpoints_are_refused_naming_fake_quant(tmp_path_factory):
 
 @pytest.mark.parametrize("overrides, key", [
     (["backend=onnxruntime", "torch_backend.compile=true"], "backend=onnxruntime"),
-    (["torch_backend.quantized=fp8"], "quantized_unet"),
+    (["torch_backend.quantized=fp8"], "quantized_backbone"),
     (["torch_backend.compile_mode=fastest"], "torch_backend.compile_mode"),
 ])
 def test_torch_backend_settings_that_cannot_apply_are_refused(tmp_path, overrides, key):
