@@ -10,6 +10,8 @@ per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figur
     python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer:2 --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer_blocks:2 \
+        --out benchmarks/results/flux_h100.json
 
 The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
 transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised
@@ -19,8 +21,9 @@ the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
 the values) and runs it with torch_backend.quantized=fp8. With --cache, our variants run under one of
-diffusers' cache hooks (sampling.cache.method=taylorseer with its interval, or first_block with its
-threshold): compiled, without CUDA graphs, which a hook's host-side decisions rule out.
+diffusers' cache hooks (sampling.cache.method=taylorseer or taylorseer_blocks with its interval, or
+first_block with its threshold): compiled, without CUDA graphs, which a hook's host-side decisions
+rule out.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, make_scheduler
 from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_flux_on_gpu
-from sdquant.transformer_cache import HookCache
+from sdquant.transformer_cache import TAYLORSEER_METHODS, HookCache
 from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -76,11 +79,12 @@ def fp8_transformer(pipe) -> int:
 
 
 def hook_cache(setting: str) -> HookCache | None:
-    """'taylorseer:<interval>' or 'first_block:<threshold>' as a cache hook; '' as none."""
+    """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' as a
+    cache hook; '' as none."""
     if not setting:
         return None
     method, value = setting.split(":")
-    return HookCache(method, int(value), 0.0) if method == "taylorseer" else HookCache(method, 1, float(value))
+    return HookCache(method, int(value), 0.0) if method in TAYLORSEER_METHODS else HookCache(method, 1, float(value))
 
 
 def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> dict:
@@ -110,8 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="peer,compiled,fp8")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval> or "
-                                                    "first_block:<threshold>")
+    parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval>, "
+                                                    "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()

@@ -173,8 +173,10 @@ class CacheBlock:
     # between, which take the deep blocks' feature from the last whole pass (the defaults are
     # ModelOpt's cache diffusion for SDXL: only down_blocks.0 and up_blocks.2 on alternate steps);
     # for transformers, diffusers' own cache hooks: first_block (the rest of the transformer is
-    # skipped while the first block's output changes less than `threshold`) or taylorseer (the
-    # blocks' outputs predicted by a Taylor series between full passes every `interval` steps).
+    # skipped while the first block's output changes less than `threshold`), taylorseer (the
+    # attention modules' outputs predicted by a Taylor series between full passes every `interval`
+    # steps: diffusers' default) or taylorseer_blocks (whole blocks predicted, so a predicted step
+    # runs none of their GEMMs).
     method: str = "none"
     interval: int = 2
     # The skip branch that stays live: 0 keeps the outermost down and up block, 1 the next pair too.
@@ -182,7 +184,7 @@ class CacheBlock:
     threshold: float = 0.05
 
 
-CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer")
+CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_blocks")
 
 
 @dataclass
