@@ -75,7 +75,7 @@ def fp8_transformer(pipe) -> int:
     block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_to_fp8(pipe.transformer, "the benchmark's FP8 level-3 transformer")
+    return torch_backend.convert_quantized(pipe.transformer, "the benchmark's FP8 level-3 transformer", "fp8")
 
 
 def hook_cache(setting: str) -> HookCache | None:

@@ -1,18 +1,21 @@
 """infer_trt.py's torch backend against diffusers' own compiled SDXL pipeline, on the full-size SDXL
 architecture (random fp16 weights), 1024x1024, in one process: eager, compiled fp16, compiled with
-FP8 GEMMs, and the peer, each timed end to end, with the UNet per step, peak GPU memory and the
-compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+FP8 GEMMs, compiled with INT8 GEMMs, and the peer, each timed end to end, with the UNet per step,
+peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
 
     python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
         --out benchmarks/results/torch_backend_h100_b1.json
     python benchmarks/torch_backend_full_size.py --variants compiled,fp8 --cache-interval 2 --batch 4 ...
+    python benchmarks/torch_backend_full_size.py --variants compiled,fp8,int8 --profile --batch 1 \\
+        --out benchmarks/results/torch_backend_int8_h100_b1.json
 
 The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels-last UNet and
 VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
 mode. Its VAE runs in fp16 as ours does (force_upcast off), which only makes the peer faster.
-The FP8 variant quantizes the UNet with this project's recipe (format=fp8, quant_level=3),
-calibrated on two random UNet calls (the GEMMs' speed does not depend on the values), and runs it
-with torch_backend.quantized=fp8.
+The FP8 and INT8 variants quantize the UNet with this project's level-3 recipe in their format
+(FP8 at max ranges; INT8 with SmoothQuant, whose per-channel input scales the INT8 layers then
+multiply in), calibrated on two random UNet calls (the GEMMs' speed does not depend on the values),
+and run it with torch_backend.quantized=fp8 or int8.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from pathlib import Path
 import torch
 
 from sdquant import report, torch_backend
-from sdquant.config import QuantFormat, TorchBackendBlock
+from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
 from sdquant.deep_cache import DeepCache
 from sdquant.load import quiet_libraries
 from sdquant.pipeline import SamplingSettings, TextToImage, make_scheduler
+from sdquant.recipe import calibration_algorithm
 from sdquant.families.stable_diffusion import SDXL
 from sdquant.stages import StageTimer
 from sdquant.synthetic import full_size_sdxl_on_gpu
@@ -65,12 +69,17 @@ def peer_pipeline(pipe):
     return pipe
 
 
-def fp8_unet(pipe) -> int:
-    """Quantizes the UNet with the project's FP8 level-3 recipe on two random calls, then turns it
-    into FP8 GEMMs; returns how many layers run in FP8."""
+QUANTIZED_VARIANTS = ("fp8", "int8")
+
+
+def quantized_unet(pipe, quantized: str) -> int:
+    """Quantizes the UNet with the project's level-3 recipe in format `quantized` (fp8 or int8) on
+    two random calls, then turns it into that format's GEMMs; returns how many layers run in 8 bits."""
     import modelopt.torch.quantization as mtq
 
-    config = {"quant_cfg": SDXL.quant_cfg_entries(QuantFormat.fp8, 3.0), "algorithm": "max"}
+    fmt = QuantFormat(quantized)
+    config = {"quant_cfg": SDXL.quant_cfg_entries(fmt, 3.0),
+              "algorithm": calibration_algorithm(fmt, 3.0, QuantizeBlock.alpha)}
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = dict(sample=torch.randn(2, 4, 128, 128, device="cuda", dtype=torch.float16, generator=generator),
                   timestep=torch.tensor([500.0, 500.0], device="cuda"),
@@ -86,7 +95,7 @@ def fp8_unet(pipe) -> int:
 
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
-    return torch_backend.convert_to_fp8(pipe.unet, "the benchmark's FP8 level-3 UNet")
+    return torch_backend.convert_quantized(pipe.unet, f"the benchmark's {quantized} level-3 UNet", quantized)
 
 
 def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,
@@ -154,7 +163,7 @@ def unet_profile(pipeline: TextToImage, batch: int, top: int = 12) -> list[dict]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="peer,eager,compiled,fp8")
+    parser.add_argument("--variants", default="peer,eager,compiled,fp8", help="also: int8")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", default="20,30")
     parser.add_argument("--runs", type=int, default=4)
@@ -180,12 +189,12 @@ def main() -> None:
         if variant == "peer":
             row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
         else:
-            fp8_layers = fp8_unet(pipe) if variant == "fp8" else 0
+            quantized = variant in QUANTIZED_VARIANTS
+            quantized_layers = quantized_unet(pipe, variant) if quantized else 0
             block = TorchBackendBlock(compile=variant != "eager")
-            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=variant == "fp8",
-                                    cache=cache)
+            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=quantized, cache=cache)
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
-            row["fp8_layers"] = fp8_layers
+            row["quantized_layers"] = quantized_layers
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"

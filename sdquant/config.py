@@ -244,7 +244,7 @@ class SamplingBlock:
 
 LONG_PROMPTS = ("truncate", "chunk")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-TORCH_QUANTIZED = ("fake", "fp8")
+TORCH_QUANTIZED = ("fake", "fp8", "int8")
 
 
 @dataclass
@@ -257,8 +257,9 @@ class TorchBackendBlock:
     compile: bool = False
     compile_mode: str = "default"
     dynamic: bool = False
-    # quantized_unet as ModelOpt's fake quantization (any checkpoint), or fp8: its Linear layers
-    # as FP8 GEMMs and its convolutions on FP8-rounded values (format=fp8, quant_level 1-3).
+    # quantized_unet as ModelOpt's fake quantization (any checkpoint), or in its own format: fp8
+    # (format=fp8, quant_level 1-3) or int8 (format=int8), its Linear layers as FP8 or INT8 GEMMs
+    # and its convolutions on values rounded to that format.
     quantized: str = "fake"
 
 
@@ -522,12 +523,14 @@ def validate_infer(cfg) -> None:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
     if torch_block.quantized not in TORCH_QUANTIZED:
-        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose fake or fp8")
+        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose "
+                        f"{', '.join(TORCH_QUANTIZED)}")
     if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or cfg.quantized_unet):
         raise UserError(f"torch_backend.compile, torch_backend.quantized and quantized_unet apply to backend=torch, "
                         f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
-    if torch_block.quantized == "fp8" and not cfg.quantized_unet:
-        raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_unet=<folder>")
+    if torch_block.quantized != "fake" and not cfg.quantized_unet:
+        raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
+                        "quantized_unet=<folder>")
     validate_sampling(cfg.sampling)
     if cfg.backend == "onnxruntime":
         validate_providers(cfg.onnx_providers)

@@ -1,6 +1,6 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
-CUDA graph per input shape, and a quantize.py checkpoint's FP8 Linear layers run as FP8
-tensor-core GEMMs.
+CUDA graph per input shape, and a quantize.py checkpoint's Linear layers run as 8-bit GEMMs in its
+own format: FP8 tensor-core GEMMs here, INT8 integer GEMMs in sdquant.kernels.int8.
 
 FP8 here follows ModelOpt's fake quantization number for number: a tensor is multiplied by
 448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
+from .kernels.exact import KeepsExactTensors
+from .kernels.int8 import Int8Linear, Int8RoundedConv2d, fake_int8, int8_scales
 from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 FP8_MAX = 448.0
@@ -42,22 +44,7 @@ def fake_fp8(x: torch.Tensor, inverse_scale: torch.Tensor, scale: torch.Tensor) 
     return (to_fp8(x, inverse_scale).float() * scale).to(x.dtype)
 
 
-class _KeepsExactTensors:
-    """Moving the module to another device moves these buffers too, but casting the module to
-    another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
-    numbers, which a `.half()` would round."""
-
-    exact: tuple[str, ...] = ()
-
-    def _apply(self, fn, recurse=True):
-        kept = {name: getattr(self, name) for name in self.exact}
-        super()._apply(fn, recurse)
-        for name, tensor in kept.items():
-            setattr(self, name, tensor.to(getattr(self, name).device))
-        return self
-
-
-class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
+class Fp8Linear(KeepsExactTensors, torch.nn.Module):
     """A calibrated Linear layer as one FP8 GEMM with the bias and both scales in its epilogue."""
 
     exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
@@ -91,7 +78,7 @@ class Fp8Linear(_KeepsExactTensors, torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Fp8RoundedConv2d(_KeepsExactTensors, torch.nn.Conv2d):
+class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):
     """A calibrated convolution in the model's own precision on FP8-rounded weights and inputs."""
 
     exact = ("input_scale", "input_inverse_scale")
@@ -113,27 +100,50 @@ def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
     return plain
 
 
-def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
-    if isinstance(layer, torch.nn.Linear):
-        return Fp8Linear(layer, amax["weight"], amax["input"])
-    conv = _plain(layer, Fp8RoundedConv2d)
-    device = layer.weight.device
-    weight_inverse, weight_scale = (scale.to(device) for scale in fp8_scales(amax["weight"]))
-    conv.weight = torch.nn.Parameter(fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
-                                     requires_grad=False)
-    input_inverse, input_scale = fp8_scales(amax["input"])
-    conv.register_buffer("input_inverse_scale", input_inverse.to(device))
-    conv.register_buffer("input_scale", input_scale.to(device))
+def _rounded_conv(layer: torch.nn.Module, kind: type, weight: torch.Tensor,
+                  input_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A `kind` convolution in place of `layer`, on its rounded `weight`, with the scales that
+    round its input as buffers."""
+    conv = _plain(layer, kind)
+    conv.weight = torch.nn.Parameter(weight, requires_grad=False)
+    for name, scale in input_scales.items():
+        conv.register_buffer(name, scale.to(layer.weight.device))
     return conv
 
 
-def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
-    """Why the checkpoint in `backbone` cannot run with FP8 GEMMs: one reason per kind of quantizer
-    this path has no kernel for; empty when it can."""
+def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if isinstance(layer, torch.nn.Linear):
+        return Fp8Linear(layer, amax["weight"], amax["input"])
+    weight_inverse, weight_scale = (scale.to(layer.weight.device) for scale in fp8_scales(amax["weight"]))
+    return _rounded_conv(layer, Fp8RoundedConv2d, fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
+                         dict(zip(("input_inverse_scale", "input_scale"), fp8_scales(amax["input"]))))
+
+
+def _int8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if isinstance(layer, torch.nn.Linear):
+        return Int8Linear(layer, amax["weight"], amax["input"], layer.input_quantizer.pre_quant_scale)
+    weight_scale, weight_divisor = (scale.to(layer.weight.device) for scale in int8_scales(amax["weight"]))
+    return _rounded_conv(layer, Int8RoundedConv2d, fake_int8(layer.weight.detach(), weight_scale, weight_divisor),
+                         dict(zip(("input_scale", "input_divisor"), int8_scales(amax["input"]))))
+
+
+# torch_backend.quantized -> the layers its kernels replace a calibrated Linear or Conv2d with.
+KERNEL_LAYERS = {"fp8": _fp8_layer, "int8": _int8_layer}
+
+
+def check_format(checkpoint: str, checkpoint_format: str, quantized: str) -> None:
+    """Refuses to run a checkpoint (its quantize.format) on another format's kernels."""
+    if checkpoint_format != quantized:
+        raise UserError(f"quantized_unet={checkpoint} is a format={checkpoint_format} checkpoint, which "
+                        f"torch_backend.quantized={quantized} cannot run: set torch_backend.quantized="
+                        f"{checkpoint_format} for its own {checkpoint_format.upper()} GEMMs, or "
+                        "torch_backend.quantized=fake")
+
+
+def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
+    """Why the checkpoint in `backbone` (its calibrated `sites`) cannot run on its format's kernels:
+    one reason per kind of quantizer they have none for; empty when it can."""
     reasons = []
-    sites = quantized_inputs(backbone)
-    if any(not site.fp8 for site in sites):
-        reasons.append("INT8 layers (format=int8)")
     if quantized_attention(backbone):
         reasons.append("FP8 attention (quant_level=4)")
     if unsupported_quantizers(backbone):
@@ -143,27 +153,31 @@ def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
     return reasons
 
 
-def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str) -> int:
-    """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
-    Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
-    module class with its plain torch layer; returns how many layers run in FP8."""
+def convert_quantized(backbone: torch.nn.Module, checkpoint: str, quantized: str) -> int:
+    """Replaces every calibrated Linear and Conv2d with the layers of `quantized`'s kernels (fp8 or
+    int8, the checkpoint's own format), scales taken from the checkpoint's quantizers, and every
+    other quantized module class with its plain torch layer; returns how many layers run in 8 bits."""
     from modelopt.torch.quantization.nn import QuantModule
 
-    reasons = runs_as_fp8(backbone)
+    sites = quantized_inputs(backbone)
+    if sites:
+        check_format(checkpoint, "fp8" if sites[0].fp8 else "int8", quantized)
+    reasons = cannot_run(backbone, sites)
     if reasons:
-        raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
-                        "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
-                        "that, or quantize with format=fp8 below quant_level 4")
+        raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized="
+                        f"{quantized} cannot run: it would run them in fake quantization; set torch_backend."
+                        f"quantized=fake for that, or quantize with format={quantized} below quant_level 4")
     amax: dict[str, dict[str, torch.Tensor]] = {}
-    for site in quantized_inputs(backbone):
+    for site in sites:
         amax.setdefault(site.layer, {})[site.role] = site.amax
+    kernel_layer = KERNEL_LAYERS[quantized]
     for name, layer in list(backbone.named_modules()):
         if not isinstance(layer, QuantModule):
             continue
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
             parent_name, _, child = name.rpartition(".")
             setattr(backbone.get_submodule(parent_name), child,
-                    _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
+                    kernel_layer(layer, amax[name]) if name in amax else _plain(layer))
         else:
             # Norms and attention blocks whose quantizers the recipe left off: back to diffusers' class.
             layer.export()

@@ -1,4 +1,5 @@
-"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs."""
+"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs
+(INT8 GEMMs: test_int8_gemm.py)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
                 lambda _m, args, out, layer=layer: fake_calls.__setitem__(layer, (args[0], out)))
     with torch.no_grad():
         UNetGraph(fake, sdxl=True)(*_unet_inputs())
-    converted = torch_backend.convert_to_fp8(real, str(fp8_l3))
+    converted = torch_backend.convert_quantized(real, str(fp8_l3), "fp8")
     assert converted == len(fake_weights) > 100
     for (layer, role), site in sites.items():
         module = real.get_submodule(layer)
@@ -131,15 +132,11 @@ def test_compiled_pipeline_draws_the_eager_image(tmp_path, model_cache):
     assert _psnr(eager, compiled) > 40
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["quantize.quant_level=3"], "INT8 layers"),
-    (["quantize.format=fp8", "quantize.quant_level=4"], "FP8 attention"),
-])
-def test_checkpoints_fp8_gemms_cannot_run_are_refused_naming_fake_quant(tmp_path_factory, overrides, message):
-    checkpoint = _quantize(tmp_path_factory, *overrides)
+def test_fp8_attention_which_fp8_gemms_cannot_run_is_refused_naming_fake_quant(tmp_path_factory):
+    checkpoint = _quantize(tmp_path_factory, "quantize.format=fp8", "quantize.quant_level=4")
     _, unet = _restored(checkpoint)
-    with pytest.raises(UserError, match=f"{message}.*torch_backend.quantized=fake"):
-        torch_backend.convert_to_fp8(unet, str(checkpoint))
+    with pytest.raises(UserError, match="FP8 attention.*torch_backend.quantized=fake"):
+        torch_backend.convert_quantized(unet, str(checkpoint), "fp8")
 
 
 @pytest.mark.parametrize("overrides, key", [

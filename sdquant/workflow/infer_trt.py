@@ -30,7 +30,11 @@ def run_infer(cfg) -> dict:
     start = time.perf_counter()
     validate_infer(cfg)
     if cfg.quantized_unet:
-        checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
+        sidecar = checked_checkpoint(cfg.model, "quantized_unet", cfg.quantized_unet)
+        if cfg.torch_backend.quantized != "fake":
+            from ..torch_backend import check_format
+
+            check_format(cfg.quantized_unet, sidecar["settings"]["quantize"]["format"], cfg.torch_backend.quantized)
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
@@ -136,8 +140,8 @@ def load_stages(cfg, device: torch.device) -> dict:
         if cfg.quantized_unet:
             restore_quantized_unet(cfg.model, "quantized_unet", cfg.quantized_unet, backbone)
             backbone.to(device=device, dtype=dtype)
-            if cfg.torch_backend.quantized == "fp8":
-                torch_backend.convert_to_fp8(backbone, cfg.quantized_unet)
+            if cfg.torch_backend.quantized != "fake":
+                torch_backend.convert_quantized(backbone, cfg.quantized_unet, cfg.torch_backend.quantized)
         stages = family.torch_stages(pipe, dtype)
         cache = step_cache(cfg.sampling.cache)
         if cache is not None:
