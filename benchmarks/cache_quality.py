@@ -5,6 +5,8 @@ with evaluate.py's metrics and one- and two-object adherence.
 
     python benchmarks/cache_quality.py                 # the trained SDXL scene model, on a CPU
     python benchmarks/cache_quality.py --model scenes_flux --backbone transformer --calib-batch 8
+    python benchmarks/cache_quality.py --model scenes_flux --backbone transformer --calib-batch 8 \
+        --variants fp16_ts2,fp16_tsb2,fp8_l3,fp8_l3_tsb2,fp8,fp8_tsb2 --name cache_quality_scenes_flux_blocks
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from sdquant.config import register_schemas
 from quality_recipes import calibrated, evaluate_into_results, held_out_file
 
-CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"]}
+CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"],
+               "fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"]}
 # Per kind of backbone, variant name -> (checkpoint or None for the 16-bit backbone, cache settings
 # as evaluate.py's variant_cache takes them, or None for uncached).
 VARIANTS = {
@@ -36,6 +39,11 @@ VARIANTS = {
         # quant takes 15 minutes a column on the 2-core CPU.
         "int8_ts2": ("int8", "{method:taylorseer,interval:2}"),
         "fp8_ts2": ("fp8", "{method:taylorseer,interval:2}"),
+        # TaylorSeer over whole blocks, beside the uncached checkpoints it caches (FP8 level 3 is
+        # what the FP8 GEMMs run).
+        "fp16_tsb2": (None, "{method:taylorseer_blocks,interval:2}"),
+        "fp8_l3": ("fp8_l3", None), "fp8_l3_tsb2": ("fp8_l3", "{method:taylorseer_blocks,interval:2}"),
+        "fp8": ("fp8", None), "fp8_tsb2": ("fp8", "{method:taylorseer_blocks,interval:2}"),
     },
 }
 
@@ -49,17 +57,31 @@ def main() -> None:
                         help="unet: DeepCache settings; transformer: diffusers' cache hooks")
     parser.add_argument("--calib-batch", type=int, default=1, help="prompts per calibration batch")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variants", help="which of the backbone's variants, by name (default: all)")
+    parser.add_argument("--name", help="the report's name in benchmarks/results/ (default: cache_quality_<model>)")
     args = parser.parse_args()
     register_schemas()
-    checkpoints = calibrated(args, CHECKPOINTS)
+    chosen = chosen_variants(args)
+    used = dict.fromkeys(checkpoint for checkpoint, _ in chosen.values() if checkpoint)
+    checkpoints = calibrated(args, {name: CHECKPOINTS[name] for name in used})
     variants, caches = [], []
-    for name, (checkpoint, cache) in VARIANTS[args.backbone].items():
+    for name, (checkpoint, cache) in chosen.items():
         variants.append(f"+variants.{name}={checkpoints[checkpoint] if checkpoint else 'null'}")
         if cache is not None:
             caches.append(f"{name}:{cache}")
-    evaluate_into_results(f"cache_quality_{args.model}", Path(args.work) / "cache_report", [
+    evaluate_into_results(args.name or f"cache_quality_{args.model}", Path(args.work) / "cache_report", [
         f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
         "sampling.steps=20", *variants, "+variant_cache={" + ",".join(caches) + "}"])
+
+
+def chosen_variants(args) -> dict:
+    table = VARIANTS[args.backbone]
+    names = args.variants.split(",") if args.variants else list(table)
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise SystemExit(f"--variants: {', '.join(unknown)} not among the {args.backbone} variants "
+                         f"({', '.join(table)})")
+    return {name: table[name] for name in names}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figur
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8_l4 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer:2 --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer_blocks:2 \
+        --out benchmarks/results/flux_h100.json
 
 The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
 transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised
@@ -21,8 +23,9 @@ the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
 the values) and runs it with torch_backend.quantized=fp8; fp8_l4 calibrates at quant_level=4. With
---cache, our variants run under one of diffusers' cache hooks (sampling.cache.method=taylorseer with its interval, or first_block with its
-threshold): compiled, without CUDA graphs, which a hook's host-side decisions rule out.
+--cache, our variants run under one of diffusers' cache hooks (sampling.cache.method=taylorseer or
+taylorseer_blocks with its interval, or first_block with its threshold): compiled, without CUDA
+graphs, which a hook's host-side decisions rule out.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.stages import StageTimer
-from sdquant.transformer_cache import HookCache
+from sdquant.transformer_cache import TAYLORSEER_METHODS, HookCache
 from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -77,15 +80,16 @@ def fp8_transformer(pipe, level: float) -> torch_backend.Fp8Conversion:
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_to_fp8(pipe.transformer, f"the benchmark's FP8 level-{level:g} transformer")
+    return torch_backend.convert_quantized(pipe.transformer, f"the benchmark's FP8 level-{level:g} transformer", "fp8")
 
 
 def hook_cache(setting: str) -> HookCache | None:
-    """'taylorseer:<interval>' or 'first_block:<threshold>' as a cache hook; '' as none."""
+    """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' as a
+    cache hook; '' as none."""
     if not setting:
         return None
     method, value = setting.split(":")
-    return HookCache(method, int(value), 0.0) if method == "taylorseer" else HookCache(method, 1, float(value))
+    return HookCache(method, int(value), 0.0) if method in TAYLORSEER_METHODS else HookCache(method, 1, float(value))
 
 
 def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> dict:
@@ -111,8 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="peer,compiled,fp8")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval> or "
-                                                    "first_block:<threshold>")
+    parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval>, "
+                                                    "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()

@@ -1,23 +1,27 @@
 """infer_trt.py's torch backend against diffusers' own compiled SDXL pipeline, on the full-size SDXL
 architecture (random fp16 weights), 1024x1024, in one process: eager, compiled fp16, compiled with
-FP8 GEMMs, and the peer, each timed end to end, with the UNet per step, peak GPU memory and the
-compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+FP8 GEMMs, compiled with INT8 GEMMs, and the peer, each timed end to end, with the UNet per step,
+peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
 
     python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
         --out benchmarks/results/torch_backend_h100_b1.json
     python benchmarks/torch_backend_full_size.py --variants compiled,fp8 --cache-interval 2 --batch 4 ...
+    python benchmarks/torch_backend_full_size.py --variants compiled,fp8,int8 --profile --batch 1 \\
+        --out benchmarks/results/torch_backend_int8_h100_b1.json
 
 The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels-last UNet and
 VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
 mode. Its VAE runs in fp16 as ours does (force_upcast off), which only makes the peer faster.
-The FP8 variant quantizes the UNet with this project's recipe (format=fp8, quant_level=3),
-calibrated on two random UNet calls (the GEMMs' speed does not depend on the values), ties the
-ranges quantize.py ties (q/k/v as one GEMM) and runs it with torch_backend.quantized=fp8; fp8_l4
-does the same at quant_level=4, whose self-attention then runs as cuDNN's FP8 attention (needs
-nvidia-cudnn-frontend; cross-attention stays in fp16, as the recipe keeps it):
+The FP8 variants quantize the UNet with this project's recipe (format=fp8) at level 3 (fp8) or 4
+(fp8_l4, whose self-attention then runs as cuDNN's FP8 attention: needs nvidia-cudnn-frontend;
+cross-attention stays in fp16, as the recipe keeps it), calibrated on two random UNet calls (the
+kernels' speed does not depend on the values), tie the ranges quantize.py ties (q/k/v as one GEMM)
+and run with torch_backend.quantized=fp8; the INT8 variant does the same with the level-3 INT8
+recipe (SmoothQuant, whose per-channel input scales the INT8 layers then multiply in) and
+torch_backend.quantized=int8:
 
-    python benchmarks/torch_backend_full_size.py --variants fp8,fp8_l4 --batch 1 --profile \
-        --out benchmarks/results/torch_backend_fp8_attention_h100_b1.json
+    python benchmarks/torch_backend_full_size.py --variants fp8,fp8_l4,int8 --batch 8 --profile \
+        --out benchmarks/results/torch_backend_8bit_h100_b8.json
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from pathlib import Path
 import torch
 
 from sdquant import report, torch_backend
-from sdquant.config import QuantFormat, TorchBackendBlock
+from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
 from sdquant.families.deep_cache import DeepCache
-from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
 from sdquant.families.sdxl import SDXL
+from sdquant.load import quiet_libraries
+from sdquant.recipe import calibration_algorithm
 from sdquant.shared_ranges import tie_fp8_ranges
 from sdquant.stages import StageTimer
 
@@ -69,16 +74,19 @@ def peer_pipeline(pipe):
     return pipe
 
 
-# Our FP8 variants: the quant level each runs.
-FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
+# Our 8-bit variants: the format and quant level each runs.
+QUANTIZED_VARIANTS = {"fp8": (QuantFormat.fp8, 3.0), "fp8_l4": (QuantFormat.fp8, 4.0), "int8": (QuantFormat.int8, 3.0)}
 
 
-def fp8_unet(pipe, level: float) -> torch_backend.Fp8Conversion:
-    """Quantizes the UNet with the project's FP8 recipe at `level` on two random calls, ties the
-    ranges quantize.py ties, then turns it into FP8 kernels; returns what runs in FP8."""
+def quantized_unet(pipe, variant: str) -> torch_backend.Conversion:
+    """Quantizes the UNet with the project's recipe at the variant's format and level on two random
+    calls, ties the ranges quantize.py ties, then turns it into that format's kernels; returns what
+    runs in 8 bits."""
     import modelopt.torch.quantization as mtq
 
-    config = {"quant_cfg": SDXL.quant_cfg_entries(QuantFormat.fp8, level), "algorithm": "max"}
+    fmt, level = QUANTIZED_VARIANTS[variant]
+    config = {"quant_cfg": SDXL.quant_cfg_entries(fmt, level),
+              "algorithm": calibration_algorithm(fmt, level, QuantizeBlock.alpha)}
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = dict(sample=torch.randn(2, 4, 128, 128, device="cuda", dtype=torch.float16, generator=generator),
                   timestep=torch.tensor([500.0, 500.0], device="cuda"),
@@ -95,7 +103,7 @@ def fp8_unet(pipe, level: float) -> torch_backend.Fp8Conversion:
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
     tie_fp8_ranges(pipe.unet)
-    return torch_backend.convert_to_fp8(pipe.unet, f"the benchmark's FP8 level-{level:g} UNet")
+    return torch_backend.convert_quantized(pipe.unet, f"the benchmark's {variant} UNet", fmt.value)
 
 
 def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,
@@ -160,7 +168,7 @@ def unet_profile(pipeline: TextToImage, batch: int, top: int = 12) -> list[dict]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="peer,eager,compiled,fp8")
+    parser.add_argument("--variants", default="peer,eager,compiled,fp8", help="also: int8")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", default="20,30")
     parser.add_argument("--runs", type=int, default=4)
@@ -186,13 +194,13 @@ def main() -> None:
         if variant == "peer":
             row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
         else:
-            fp8 = fp8_unet(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
+            conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
             block = TorchBackendBlock(compile=variant != "eager")
-            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=fp8 is not None,
+            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
                                     cache=cache)
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
-            row["fp8_layers"] = fp8.layers if fp8 else 0
-            row["fp8_attention_layers"] = fp8.attention if fp8 else 0
+            row["quantized_layers"] = conversion.layers if conversion else 0
+            row["fp8_attention_layers"] = conversion.attention if conversion else 0
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"

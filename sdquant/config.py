@@ -177,8 +177,10 @@ class CacheBlock:
     # none; deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
     # between, which take the deep blocks' feature from the last whole pass;
     # for transformers, diffusers' own cache hooks: first_block (the rest of the transformer is
-    # skipped while the first block's output changes less than `threshold`) or taylorseer (the
-    # blocks' outputs predicted by a Taylor series between full passes every `interval` steps).
+    # skipped while the first block's output changes less than `threshold`), taylorseer (the
+    # attention modules' outputs predicted by a Taylor series between full passes every `interval`
+    # steps: diffusers' default) or taylorseer_blocks (whole blocks predicted, so a predicted step
+    # runs none of their GEMMs).
     method: str = "none"
     interval: int = 2
     # The skip branches that stay live, counted in blocks: 0 keeps the outermost down and up block, 1
@@ -187,7 +189,7 @@ class CacheBlock:
     threshold: float = 0.05
 
 
-CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer")
+CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_blocks")
 
 
 @dataclass
@@ -250,7 +252,7 @@ class SamplingBlock:
 
 LONG_PROMPTS = ("truncate", "chunk")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-TORCH_QUANTIZED = ("fake", "fp8")
+TORCH_QUANTIZED = ("fake", "fp8", "int8")
 TORCH_ATTENTION = ("auto", "fp8", "fp16")
 
 
@@ -264,9 +266,10 @@ class TorchBackendBlock:
     compile: bool = False
     compile_mode: str = "default"
     dynamic: bool = False
-    # quantized_unet as ModelOpt's fake quantization (any checkpoint), or fp8: its Linear layers
-    # as FP8 GEMMs (q/k/v reading one input as one), its convolutions on FP8-rounded values and,
-    # for a quant_level=4 checkpoint, its attention as cuDNN's FP8 attention (format=fp8).
+    # quantized_backbone as ModelOpt's fake quantization (any checkpoint), or in its own format: fp8
+    # (format=fp8) or int8 (format=int8): its Linear layers as FP8 or INT8 GEMMs (FP8's q/k/v reading
+    # one input as one), its convolutions on values rounded to that format and, for a quant_level=4
+    # FP8 checkpoint, its attention as cuDNN's FP8 attention.
     quantized: str = "fake"
     # Under quantized=fp8: auto runs FP8 attention where the checkpoint calibrated it (level 4),
     # fp16 keeps every attention in the model's 16 bits, fp8 insists (refusing a checkpoint
@@ -565,13 +568,15 @@ def validate_infer(cfg) -> None:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
     if torch_block.quantized not in TORCH_QUANTIZED:
-        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose fake or fp8")
+        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose "
+                        f"{', '.join(TORCH_QUANTIZED)}")
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint):
         raise UserError(f"torch_backend.compile, torch_backend.quantized and {checkpoint_key} apply to backend=torch, "
                         f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
-    if torch_block.quantized == "fp8" and not checkpoint:
-        raise UserError("torch_backend.quantized=fp8 runs a quantize.py checkpoint: set quantized_backbone=<folder>")
+    if torch_block.quantized != "fake" and not checkpoint:
+        raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
+                        "quantized_backbone=<folder>")
     if torch_block.attention not in TORCH_ATTENTION:
         raise UserError(f"torch_backend.attention={torch_block.attention!r} is unknown: choose "
                         f"{', '.join(TORCH_ATTENTION)}")

@@ -1,7 +1,8 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
-CUDA graph per input shape, and a quantize.py checkpoint converted to FP8 kernels: its Linear layers
-as FP8 tensor-core GEMMs (sdquant.fp8_layers), its q/k/v projections that read one input as one
-GEMM and, at quant_level=4, its attention as FP8 attention (sdquant.attention).
+CUDA graph per input shape, and a quantize.py checkpoint converted to 8-bit kernels in its own
+format: its Linear layers as FP8 tensor-core GEMMs (sdquant.fp8_layers) or INT8 integer GEMMs
+(sdquant.kernels.int8), its FP8 q/k/v projections that read one input as one GEMM and, at
+quant_level=4, its attention as FP8 attention (sdquant.attention).
 
 FP8 here follows ModelOpt's fake quantization number for number: a tensor is multiplied by
 448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
@@ -23,6 +24,7 @@ from .cuda_graphs import CapturedGraph, signature
 from .errors import UserError
 from .fp8_layers import Fp8Linear, Fp8RoundedConv2d
 from .kernels.fp8 import fake_fp8, fp8_scales
+from .kernels.int8 import Int8Linear, Int8RoundedConv2d, fake_int8, int8_scales
 from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
@@ -38,27 +40,50 @@ def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
     return plain
 
 
-def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
-    if isinstance(layer, torch.nn.Linear):
-        return Fp8Linear.from_linear(layer, amax["weight"], amax["input"])
-    conv = _plain(layer, Fp8RoundedConv2d)
-    device = layer.weight.device
-    weight_inverse, weight_scale = (scale.to(device) for scale in fp8_scales(amax["weight"]))
-    conv.weight = torch.nn.Parameter(fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
-                                     requires_grad=False)
-    input_inverse, input_scale = fp8_scales(amax["input"])
-    conv.register_buffer("input_inverse_scale", input_inverse.to(device))
-    conv.register_buffer("input_scale", input_scale.to(device))
+def _rounded_conv(layer: torch.nn.Module, kind: type, weight: torch.Tensor,
+                  input_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A `kind` convolution in place of `layer`, on its rounded `weight`, with the scales that
+    round its input as buffers."""
+    conv = _plain(layer, kind)
+    conv.weight = torch.nn.Parameter(weight, requires_grad=False)
+    for name, scale in input_scales.items():
+        conv.register_buffer(name, scale.to(layer.weight.device))
     return conv
 
 
-def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
-    """Why the checkpoint in `backbone` cannot run with FP8 kernels: one reason per kind of quantizer
-    this path has no kernel for; empty when it can."""
+def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if isinstance(layer, torch.nn.Linear):
+        return Fp8Linear.from_linear(layer, amax["weight"], amax["input"])
+    weight_inverse, weight_scale = (scale.to(layer.weight.device) for scale in fp8_scales(amax["weight"]))
+    return _rounded_conv(layer, Fp8RoundedConv2d, fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
+                         dict(zip(("input_inverse_scale", "input_scale"), fp8_scales(amax["input"]))))
+
+
+def _int8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if isinstance(layer, torch.nn.Linear):
+        return Int8Linear(layer, amax["weight"], amax["input"], layer.input_quantizer.pre_quant_scale)
+    weight_scale, weight_divisor = (scale.to(layer.weight.device) for scale in int8_scales(amax["weight"]))
+    return _rounded_conv(layer, Int8RoundedConv2d, fake_int8(layer.weight.detach(), weight_scale, weight_divisor),
+                         dict(zip(("input_scale", "input_divisor"), int8_scales(amax["input"]))))
+
+
+# torch_backend.quantized -> the layers its kernels replace a calibrated Linear or Conv2d with.
+KERNEL_LAYERS = {"fp8": _fp8_layer, "int8": _int8_layer}
+
+
+def check_format(named: str, checkpoint_format: str, quantized: str) -> None:
+    """Refuses to run a checkpoint (its quantize.format) on another format's kernels; `named`
+    is the config key and value that name it."""
+    if checkpoint_format != quantized:
+        raise UserError(f"{named} is a format={checkpoint_format} checkpoint, which torch_backend.quantized="
+                        f"{quantized} cannot run: set torch_backend.quantized={checkpoint_format} for its own "
+                        f"{checkpoint_format.upper()} GEMMs, or torch_backend.quantized=fake")
+
+
+def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
+    """Why the checkpoint in `backbone` (its calibrated `sites`) cannot run on its format's kernels:
+    one reason per kind of quantizer they have none for; empty when it can."""
     reasons = []
-    sites = quantized_inputs(backbone)
-    if any(not site.fp8 for site in sites):
-        reasons.append("INT8 layers (format=int8)")
     if unsupported_quantizers(backbone):
         reasons.append(f"quantizers on {', '.join(unsupported_quantizers(backbone)[:3])}")
     if not sites:
@@ -66,7 +91,7 @@ def runs_as_fp8(backbone: torch.nn.Module) -> list[str]:
     return reasons
 
 
-def fp8_attention_ranges(backbone: torch.nn.Module, checkpoint: str, attention: str,
+def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
                          quant_level: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
     torch_backend.attention asks: auto, every layer the checkpoint calibrated it for; fp16, none;
@@ -76,55 +101,59 @@ def fp8_attention_ranges(backbone: torch.nn.Module, checkpoint: str, attention: 
     ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
     if attention == "fp8" and not ranges:
         made_at = "below quant_level=4" if quant_level is None else f"at quant_level={quant_level:g}"
-        raise UserError(f"torch_backend.attention=fp8: quantized_unet={checkpoint} was made {made_at}, which calibrates "
-                        "no attention ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
+        raise UserError(f"torch_backend.attention=fp8: {named} was made {made_at}, which calibrates no attention "
+                        "ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
                         "torch_backend.attention=auto")
     if attention == "fp16" or not ranges:
         return {}
     device = next(backbone.parameters()).device
     missing = cuda_kernel_missing(device) if device.type == "cuda" else None
     if missing:
-        raise UserError(f"quantized_unet={checkpoint} holds FP8 attention (quant_level=4), but {missing}: set "
+        raise UserError(f"{named} holds FP8 attention (quant_level=4), but {missing}: set "
                         "torch_backend.attention=fp16 to run its attention in 16 bits")
     return ranges
 
 
 @dataclass
-class Fp8Conversion:
-    layers: int      # calibrated Linear and Conv2d layers running on FP8 values
+class Conversion:
+    layers: int      # calibrated Linear and Conv2d layers running on 8-bit values
     attention: int   # attention layers running FP8 attention
 
 
-def convert_to_fp8(backbone: torch.nn.Module, checkpoint: str, attention: str = "auto",
-                   quant_level: float | None = None) -> Fp8Conversion:
-    """Replaces every calibrated Linear with an Fp8Linear and every calibrated Conv2d with an
-    Fp8RoundedConv2d, scales taken from the checkpoint's quantizers, and every other quantized
-    module class with its plain torch layer; then gives the attention layers their fused FP8
-    projections and, as torch_backend.attention asks, FP8 attention (sdquant.attention)."""
+def convert_quantized(backbone: torch.nn.Module, named: str, quantized: str, attention: str = "auto",
+                      quant_level: float | None = None) -> Conversion:
+    """Replaces every calibrated Linear and Conv2d with the layers of `quantized`'s kernels (fp8 or
+    int8, the checkpoint's own format), scales taken from the checkpoint's quantizers, and every
+    other quantized module class with its plain torch layer; for FP8, then gives the attention layers
+    their fused projections and, as torch_backend.attention asks, FP8 attention (sdquant.attention).
+    `named`: the config key and value that name the checkpoint, for messages."""
     from modelopt.torch.quantization.nn import QuantModule
 
     from .attention import convert_attention
 
-    reasons = runs_as_fp8(backbone)
+    sites = quantized_inputs(backbone)
+    if sites:
+        check_format(named, "fp8" if sites[0].fp8 else "int8", quantized)
+    reasons = cannot_run(backbone, sites)
     if reasons:
-        raise UserError(f"quantized_unet={checkpoint} holds {'; '.join(reasons)}, which torch_backend.quantized=fp8 "
-                        "cannot run: it would run them in fake quantization; set torch_backend.quantized=fake for "
-                        "that, or quantize with format=fp8")
-    attention_ranges = fp8_attention_ranges(backbone, checkpoint, attention, quant_level)
+        raise UserError(f"{named} holds {'; '.join(reasons)}, which torch_backend.quantized={quantized} cannot run: "
+                        "it would run them in fake quantization; set torch_backend.quantized=fake for that")
+    attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
     amax: dict[str, dict[str, torch.Tensor]] = {}
-    for site in quantized_inputs(backbone):
+    for site in sites:
         amax.setdefault(site.layer, {})[site.role] = site.amax
+    kernel_layer = KERNEL_LAYERS[quantized]
     for name, layer in list(backbone.named_modules()):
         if not isinstance(layer, QuantModule):
             continue
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
             parent_name, _, child = name.rpartition(".")
             setattr(backbone.get_submodule(parent_name), child,
-                    _fp8_layer(layer, amax[name]) if name in amax else _plain(layer))
+                    kernel_layer(layer, amax[name]) if name in amax else _plain(layer))
         else:
             # Norms and attention blocks, back to diffusers' class: attention's ranges are read above.
             layer.export()
-    return Fp8Conversion(len(amax), convert_attention(backbone, attention_ranges))
+    return Conversion(len(amax), convert_attention(backbone, attention_ranges) if quantized == "fp8" else 0)
 
 
 class GraphReplayStage:

@@ -4,9 +4,28 @@ a time."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
+
+TAYLORSEER_METHODS = ("taylorseer", "taylorseer_blocks")
+# The transformer's block stacks, in the order its forward runs them (Flux: double-stream, then single).
+BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")
+
+
+def stacked_blocks(transformer) -> list[str]:
+    """The module names of the transformer's blocks, first to last."""
+    return [f"{stack}.{index}" for stack in BLOCK_STACKS for index in range(len(getattr(transformer, stack, ())))]
+
+
+def whole_block_identifiers(transformer) -> dict[str, list[str]]:
+    """TaylorSeer's module patterns for predicting whole blocks: the last block predicted, every
+    other one skipped. A predicted block ignores its input, so only the last block's prediction
+    reaches the output: this draws what predicting every block draws, without keeping and
+    extrapolating Taylor factors for the blocks whose predictions nothing reads."""
+    *earlier, last = stacked_blocks(transformer)
+    return {"cache_identifiers": [re.escape(last)], "skip_predict_identifiers": [re.escape(name) for name in earlier]}
 
 
 @dataclass(frozen=True)
@@ -19,23 +38,27 @@ class HookCache:
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
-    def config(self):
+    def config(self, transformer):
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
         if self.method == "first_block":
             return FirstBlockCacheConfig(threshold=self.threshold)
-        return TaylorSeerCacheConfig(cache_interval=self.interval)
+        # At its defaults diffusers' TaylorSeer predicts only the attention modules, so every
+        # block's feed-forward GEMMs still run on a predicted step.
+        identifiers = whole_block_identifiers(transformer) if self.method == "taylorseer_blocks" else {}
+        return TaylorSeerCacheConfig(cache_interval=self.interval, **identifiers)
 
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:
             raise UserError(f"{key}.threshold={self.threshold}: give 0 (never skip) or more")
-        if self.method == "taylorseer" and self.interval < 1:
+        if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
 
     def describe(self) -> str:
         if self.method == "first_block":
             return f"First Block Cache, threshold {self.threshold}"
-        return f"TaylorSeer, a full pass every {self.interval} steps"
+        scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
+        return f"TaylorSeer{scope}, a full pass every {self.interval} steps"
 
 
 class HookedStage:
@@ -43,7 +66,7 @@ class HookedStage:
     (as diffusers' pipelines call it), the hook's state cleared at each generation's first step."""
 
     def __init__(self, stage, transformer, cache: HookCache):
-        transformer.enable_cache(cache.config())
+        transformer.enable_cache(cache.config(transformer))
         self.stage = stage
         self.transformer = transformer
 

@@ -53,7 +53,7 @@ def _restored(model: str, folder):
 
 def _converted(model: str, folder):
     backbone = _restored(model, folder)
-    conversion = torch_backend.convert_to_fp8(backbone, str(folder))
+    conversion = torch_backend.convert_quantized(backbone, str(folder), "fp8")
     return backbone, conversion
 
 
@@ -348,7 +348,7 @@ def test_fp8_attention_for_a_checkpoint_without_attention_ranges_names_its_level
 
 def test_fp16_attention_keeps_a_level4_checkpoints_attention_in_16_bits(level4):
     backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
-    conversion = torch_backend.convert_to_fp8(backbone, "level 4", attention="fp16")
+    conversion = torch_backend.convert_quantized(backbone, "level 4", "fp8", attention="fp16")
     assert conversion.attention == 0
     layers = [attn for _, attn in attention_layers(backbone)]
     assert not any(hasattr(attn, "fp8_attention") for attn in layers)

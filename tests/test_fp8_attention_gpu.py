@@ -120,7 +120,7 @@ def _scene_backbone(model: str, folder):
     restore_quantized_backbone(config, "quantized_unet", str(folder), backbone)
     dtype = torch.bfloat16 if model == "scenes_flux" else torch.float16
     backbone.to(device=CUDA, dtype=dtype).eval()
-    torch_backend.convert_to_fp8(backbone, str(folder))
+    torch_backend.convert_quantized(backbone, str(folder), "fp8")
     return backbone, dtype
 
 

@@ -203,6 +203,61 @@ def test_diffusers_cache_hooks_on_the_flux_transformer(tmp_path, model_cache):
     assert np.array_equal(both[1], alone[0])
 
 
+def test_taylorseer_over_whole_blocks_at_interval_one_is_no_cache_and_restarts_with_each_generation(
+        tmp_path, model_cache):
+    blocks = ["sampling.cache.method=taylorseer_blocks"]
+    plain = _flux_images(tmp_path / "none")
+    assert np.array_equal(_flux_images(tmp_path / "every", *blocks, "sampling.cache.interval=1"), plain)
+    assert not np.array_equal(_flux_images(tmp_path / "cached", *blocks, "sampling.cache.interval=2"), plain)
+    both = _flux_images(tmp_path / "both", *blocks, prompts=["a red fox"] * 2, batch_size=1)
+    alone = _flux_images(tmp_path / "alone", *blocks, "sampling.seed=43", prompts=["a red fox"], batch_size=1)
+    assert np.array_equal(both[1], alone[0])
+
+
+def _hooked_velocities(transformer, config, steps: int = 6) -> torch.Tensor:
+    """The transformer's outputs over `steps` calls of a generation under the cache `config`."""
+    sizes, tokens, text = transformer.config, 16, 8
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, tokens, sizes.in_channels, generator=generator)
+    inputs = {"encoder_hidden_states": torch.randn(1, text, sizes.joint_attention_dim, generator=generator),
+              "pooled_projections": torch.randn(1, sizes.pooled_projection_dim, generator=generator),
+              "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text, 3), "guidance": torch.tensor([3.5])}
+    transformer.enable_cache(config)
+    velocities = []
+    with torch.no_grad(), transformer.cache_context("cond"):
+        for step in range(steps):
+            t = 1 - step / steps
+            velocities.append(transformer(hidden_states=latents * t, timestep=torch.tensor([t]), return_dict=False,
+                                          **inputs)[0])
+    transformer.disable_cache()
+    return torch.stack(velocities)
+
+
+def test_predicting_only_the_last_block_draws_what_predicting_every_block_draws():
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    from sdquant.synthetic import build_tiny_flux
+    from sdquant.transformer_cache import HookCache
+
+    transformer = build_tiny_flux().transformer.eval()
+    block_gemms = []
+    for stack in ("transformer_blocks", "single_transformer_blocks"):
+        for layer in getattr(transformer, stack).modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.register_forward_hook(lambda *_: block_gemms.append(1))
+    ours = _hooked_velocities(transformer, HookCache("taylorseer_blocks", 2, 0.0).config(transformer))
+    ours_gemms = len(block_gemms)
+    every_block = _hooked_velocities(transformer, TaylorSeerCacheConfig(
+        cache_interval=2, cache_identifiers=[r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"]))
+    assert torch.equal(ours, every_block)
+    # diffusers' schedule at its defaults: full passes at steps 0-2 and 4, predictions at 3 and 5,
+    # which run no GEMM of any block.
+    block_gemms.clear()
+    plain = _hooked_velocities(transformer, TaylorSeerCacheConfig(cache_interval=1))
+    assert [torch.equal(a, b) for a, b in zip(ours, plain)] == [True, True, True, False, True, False]
+    assert ours_gemms * 6 == len(block_gemms) * 4
+
+
 def test_a_compiled_hooked_transformer_draws_the_eager_image_with_every_block_compiled(tmp_path, model_cache):
     import torch._dynamo
 
@@ -231,6 +286,9 @@ def test_a_cache_hook_variant_is_scored_and_taken_off_again(tmp_path, model_cach
     (["model=tiny_flux", "sampling.cache.method=first_block", "cuda_graph=true"], "set cuda_graph=false"),
     (["model=tiny_flux", "sampling.cache.method=taylorseer", "backend=onnxruntime"], "run it with backend=torch"),
     (["model=scenes_sdxl", "sampling.cache.method=first_block"], "takes none or deepcache"),
+    (["model=scenes_sdxl", "sampling.cache.method=taylorseer_blocks"], "takes none or deepcache"),
+    (["model=tiny_flux", "sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=0"],
+     "sampling.cache.interval=0: give a full pass every 1 or more steps"),
 ])
 def test_a_cache_hook_where_it_cannot_run_is_refused(tmp_path, model_cache, overrides, message):
     with pytest.raises(UserError, match=message):

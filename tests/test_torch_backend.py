@@ -1,4 +1,5 @@
-"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs."""
+"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs
+(INT8 GEMMs: test_int8_gemm.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
                 lambda _m, args, out, layer=layer: fake_calls.__setitem__(layer, (args[0], out)))
     with torch.no_grad():
         UNetGraph(fake)(*_unet_inputs())
-    converted = torch_backend.convert_to_fp8(real, str(fp8_l3))
+    converted = torch_backend.convert_quantized(real, str(fp8_l3), "fp8")
     assert converted.layers == len(fake_weights) > 100 and converted.attention == 0
     for (layer, role), site in sites.items():
         module = _converted_layer(real, layer)
@@ -147,11 +148,6 @@ def test_compiled_pipeline_draws_the_eager_image(tmp_path, model_cache):
     assert _psnr(eager, compiled) > 40
 
 
-def test_int8_checkpoints_are_refused_naming_fake_quant(tmp_path_factory):
-    checkpoint = _quantize(tmp_path_factory, "quantize.quant_level=3")
-    _, unet = _restored(checkpoint)
-    with pytest.raises(UserError, match="INT8 layers.*torch_backend.quantized=fake"):
-        torch_backend.convert_to_fp8(unet, str(checkpoint))
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -318,7 +318,7 @@ def flux_scheduler():
 class FluxFamily(ModelFamily):
     name = "flux"
     backbones = (Backbone("transformer", "transformer"),)
-    cache_methods = ("none", "first_block", "taylorseer")
+    cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     components = ("text_encoder", "text_encoder_2", "transformer", "vae")
     # As diffusers runs Flux.1: its activations overflow fp16.

@@ -42,7 +42,12 @@ def run_infer(cfg) -> dict:
     validate_infer(cfg)
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if checkpoint:
-        checked_checkpoint(cfg.model, checkpoint_key, checkpoint)
+        sidecar = checked_checkpoint(cfg.model, checkpoint_key, checkpoint)
+        if cfg.torch_backend.quantized != "fake":
+            from ..torch_backend import check_format
+
+            check_format(f"{checkpoint_key}={checkpoint}", sidecar["settings"]["quantize"]["format"],
+                         cfg.torch_backend.quantized)
     sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
     files = stage_files(cfg, sampling)
     world = parallel.current_world()
@@ -199,9 +204,9 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
     if checkpoint:
         sidecar = restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
         backbone.to(device=device, dtype=dtype)
-        if cfg.torch_backend.quantized == "fp8":
-            torch_backend.convert_to_fp8(backbone, checkpoint, cfg.torch_backend.attention,
-                                         sidecar["settings"]["quantize"]["quant_level"])
+        if cfg.torch_backend.quantized != "fake":
+            torch_backend.convert_quantized(backbone, f"{checkpoint_key}={checkpoint}", cfg.torch_backend.quantized,
+                                            cfg.torch_backend.attention, sidecar["settings"]["quantize"]["quant_level"])
     stages = family.torch_stages(pipe, dtype, sampling.cache)
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 
