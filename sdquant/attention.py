@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UserError
-from .fp8_layers import Fp8Linear, KeepsExactTensors
+from .fp8_layers import Fp8Linear
+from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
 from .kernels.fp8_attention import fp8_attention
 from .shared_ranges import ADDED_QKV, KV, QKV, attention_layers, output_groups, projection_groups

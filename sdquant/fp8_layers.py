@@ -8,25 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fake_fp8, fp8_scales, to_fp8
 
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16
-
-
-class KeepsExactTensors:
-    """Moving the module to another device moves these buffers too, but casting the module to
-    another dtype leaves them as they are: float8 weights and fp32 scales are the checkpoint's
-    numbers, which a `.half()` would round."""
-
-    exact: tuple[str, ...] = ()
-
-    def _apply(self, fn, recurse=True):
-        kept = {name: getattr(self, name) for name in self.exact}
-        super()._apply(fn, recurse)
-        for name, tensor in kept.items():
-            setattr(self, name, tensor.to(getattr(self, name).device))
-        return self
 
 
 class Fp8Linear(KeepsExactTensors, torch.nn.Module):
