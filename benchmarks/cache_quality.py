@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from sdquant.config import register_schemas
-from quality_recipes import calibrated, evaluate_into_results, held_out_file
+from quality_recipes import add_kernels_argument, calibrated, evaluate_into_results, held_out_file, kernels_suffix
 
 CHECKPOINTS = {"int8": ["quantize.quant_level=3"], "fp8": ["quantize.format=fp8", "quantize.quant_level=4"],
                "fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"]}
@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", help="which of the backbone's variants, by name (default: all)")
     parser.add_argument("--name", help="the report's name in benchmarks/results/ (default: cache_quality_<model>)")
+    add_kernels_argument(parser)
     args = parser.parse_args()
     register_schemas()
     chosen = chosen_variants(args)
@@ -69,9 +70,11 @@ def main() -> None:
         variants.append(f"+variants.{name}={checkpoints[checkpoint] if checkpoint else 'null'}")
         if cache is not None:
             caches.append(f"{name}:{cache}")
-    evaluate_into_results(args.name or f"cache_quality_{args.model}", Path(args.work) / "cache_report", [
+    name = args.name or f"cache_quality_{args.model}{kernels_suffix(args)}"
+    evaluate_into_results(name, Path(args.work) / "cache_report", [
         f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
-        "sampling.steps=20", *variants, "+variant_cache={" + ",".join(caches) + "}"])
+        "sampling.steps=20", f"torch_backend.quantized={args.kernels}", *variants,
+        "+variant_cache={" + ",".join(caches) + "}"])
 
 
 def chosen_variants(args) -> dict:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sdquant.calibrate import (ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches,
-                               quantize_backbone)
+from sdquant.quantize.calibrate import ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches, quantize_backbone
 from sdquant.config import QuantizeBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.load import load_prompts, quiet_libraries

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from sdquant import export
-from sdquant.calibrate import quantize_backbone
+from sdquant.export import graphs
+from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
@@ -54,7 +54,7 @@ def main() -> None:
     start = time.perf_counter()
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
     calibrate_s = time.perf_counter() - start
-    export.prepare_quantizers_for_export(pipe.transformer, torch.float16)
+    graphs.prepare_quantizers_for_export(pipe.transformer, torch.float16)
     graphs = {}
     for spec in FLUX.graph_specs(pipe, 1, LATENT, torch.float16, torch.float32):
         if spec.name not in args.graphs.split(","):
@@ -62,12 +62,12 @@ def main() -> None:
         if not spec.on_meta:
             device = next(spec.module.parameters()).device
             spec = dataclasses.replace(spec, args=tuple(a.to(device) for a in spec.args))
-        folder = export.onnx_path(args.work, spec.name).parent
+        folder = graphs.onnx_path(args.work, spec.name).parent
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        export.export_graph(spec, folder, OPSET, {"graph": spec.name}, torch.float32 if spec.name == "vae" else
+        graphs.export_graph(spec, folder, OPSET, {"graph": spec.name}, torch.float32 if spec.name == "vae" else
                             torch.float16)
-        files = export.graph_files(folder / export.ONNX_FILE)
+        files = graphs.graph_files(folder / graphs.ONNX_FILE)
         graphs[spec.name] = {"seconds": round(time.perf_counter() - started, 1), "on_meta": spec.on_meta,
                              "bytes": sum(f.stat().st_size for f in files), "files": [f.name for f in files],
                              "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),

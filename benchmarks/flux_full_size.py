@@ -20,7 +20,7 @@ transformer with fullgraph=True and of the VAE decoder, in the default mode (the
 max-autotune takes longer than the device's ten minutes a call). The torchao variant adds, between
 the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 `quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`. The FP8 variant calibrates the
-transformer with quantize.py's own calibration (sdquant.calibrate.quantize_backbone: format=fp8,
+transformer with quantize.py's own calibration (sdquant.quantize.calibrate.quantize_backbone: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
 the values) and runs it with torch_backend.quantized=fp8; fp8_l4 calibrates at quant_level=4. With
 --cache, our variants run under one of diffusers' cache hooks (sampling.cache.method=taylorseer or
@@ -37,14 +37,15 @@ from pathlib import Path
 
 import torch
 
-from sdquant import report, torch_backend
-from sdquant.calibrate import quantize_backbone
+from sdquant import report
+from sdquant.runtime import torch_backend
+from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
-from sdquant.stages import StageTimer
-from sdquant.transformer_cache import TAYLORSEER_METHODS, HookCache
+from sdquant.runtime.stages import StageTimer
+from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -80,7 +81,8 @@ def fp8_transformer(pipe, level: float) -> torch_backend.Fp8Conversion:
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_quantized(pipe.transformer, f"the benchmark's FP8 level-{level:g} transformer", "fp8")
+    return torch_backend.convert_quantized(pipe.transformer, FLUX, f"the benchmark's FP8 level-{level:g} transformer",
+                                           "fp8")
 
 
 def hook_cache(setting: str) -> HookCache | None:

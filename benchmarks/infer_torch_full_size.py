@@ -18,7 +18,7 @@ from sdquant import report
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.sdxl import SDXL
-from sdquant.stages import StageTimer
+from sdquant.runtime.stages import StageTimer
 
 TARGET_OVERHEAD = 0.02
 

@@ -66,13 +66,27 @@ def main() -> None:
                         help="prompts per calibration batch (the transformer's ranges do not depend on it: "
                              "no Percentile Quant on convolutions)")
     parser.add_argument("--device", default="cpu")
+    add_kernels_argument(parser)
+    parser.add_argument("--name", help="the results' name (default quality_recipes_<model>[_<kernels>_kernels])")
     args = parser.parse_args()
     register_schemas()
     variants = calibrated(args, {name: RECIPES[name] for name in args.recipes.split(",")})
-    evaluate_into_results(f"quality_recipes_{args.model}", Path(args.work) / "report", [
+    report_name = args.name or f"quality_recipes_{args.model}{kernels_suffix(args)}"
+    evaluate_into_results(report_name, Path(args.work) / "report", [
         f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
         f"sampling.steps={args.steps}", f"sampling.width={args.size}", f"sampling.height={args.size}",
-        *[f"+variants.{name}={folder}" for name, folder in variants.items()]])
+        f"torch_backend.quantized={args.kernels}", *[f"+variants.{name}={folder}" for name, folder in variants.items()]])
+
+
+def add_kernels_argument(parser) -> None:
+    parser.add_argument("--kernels", default="fake", choices=("fake", "fp8", "int8"),
+                        help="how the checkpoints run (evaluate.py torch_backend.quantized): fake quantization, or "
+                             "their format's kernels, as the torch backend runs them (their twins on a CPU)")
+
+
+def kernels_suffix(args) -> str:
+    """What a results file's name adds for checkpoints run on their format's kernels."""
+    return "" if args.kernels == "fake" else f"_{args.kernels}_kernels"
 
 
 def calibrated(args, recipes: dict[str, list[str]]) -> dict[str, Path]:
@@ -80,7 +94,8 @@ def calibrated(args, recipes: dict[str, list[str]]) -> dict[str, Path]:
     checkpoint folder of each (one already there with the same settings is reused)."""
     common = [f"model={args.model}", f"device={args.device}", f"out_dir={Path(args.work) / 'quantized'}",
               f"quantize.batch_size={args.calib_batch}"]
-    return {name: run_quantize(compose_app("sd_xl_quantize", common + overrides)) for name, overrides in recipes.items()}
+    return {name: run_quantize(compose_app("sd_xl_quantize", common + overrides))
+            for name, overrides in recipes.items()}
 
 
 def held_out_file(args) -> Path:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from sdquant.config import ModelConfig, shipped_model_folder  # noqa: E402
 from sdquant.families import family_of  # noqa: E402
 from sdquant.load import load_pipeline  # noqa: E402
-from sdquant.scenes import IMAGE_SIZE  # noqa: E402
+from sdquant.quality.scenes import IMAGE_SIZE  # noqa: E402
 from sdquant.report import library_versions  # noqa: E402
 
 TARGET_S = 10.0

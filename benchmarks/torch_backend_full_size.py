@@ -33,15 +33,16 @@ from pathlib import Path
 
 import torch
 
-from sdquant import report, torch_backend
+from sdquant import report
+from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
 from sdquant.families.deep_cache import DeepCache
 from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
 from sdquant.families.sdxl import SDXL
 from sdquant.load import quiet_libraries
-from sdquant.recipe import calibration_algorithm
-from sdquant.shared_ranges import tie_fp8_ranges
-from sdquant.stages import StageTimer
+from sdquant.quantize.recipe import calibration_algorithm
+from sdquant.quantize.shared_ranges import tie_fp8_ranges
+from sdquant.runtime.stages import StageTimer
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE = 1024
@@ -103,7 +104,7 @@ def quantized_unet(pipe, variant: str) -> torch_backend.Conversion:
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
     tie_fp8_ranges(pipe.unet)
-    return torch_backend.convert_quantized(pipe.unet, f"the benchmark's {variant} UNet", fmt.value)
+    return torch_backend.convert_quantized(pipe.unet, SDXL, f"the benchmark's {variant} UNet", fmt.value)
 
 
 def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,

@@ -339,6 +339,10 @@ class EvaluateApp:
     shard: ShardBlock = field(default_factory=ShardBlock)
     metrics: MetricsBlock = field(default_factory=MetricsBlock)
     onnx_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    # How checkpoint variants run: ModelOpt's fake quantization, or converted to their format's
+    # kernels (quantized=fp8|int8, attention), as infer_trt.py backend=torch runs them; on a CPU the
+    # kernels' twins, which the GPU tests hold the kernels against. compile stays off here.
+    torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
     out_path: str = "quality"
     device: str = "auto"
     dtype: str = "auto"
@@ -567,9 +571,7 @@ def validate_infer(cfg) -> None:
     if torch_block.compile_mode not in COMPILE_MODES:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
-    if torch_block.quantized not in TORCH_QUANTIZED:
-        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose "
-                        f"{', '.join(TORCH_QUANTIZED)}")
+    validate_torch_kernels(torch_block)
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint):
         raise UserError(f"torch_backend.compile, torch_backend.quantized and {checkpoint_key} apply to backend=torch, "
@@ -577,17 +579,24 @@ def validate_infer(cfg) -> None:
     if torch_block.quantized != "fake" and not checkpoint:
         raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
                         "quantized_backbone=<folder>")
+    validate_sampling(cfg.sampling)
+    if cfg.backend == "onnxruntime":
+        validate_providers(cfg.onnx_providers)
+    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
+        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
+
+
+def validate_torch_kernels(torch_block) -> None:
+    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run."""
+    if torch_block.quantized not in TORCH_QUANTIZED:
+        raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose "
+                        f"{', '.join(TORCH_QUANTIZED)}")
     if torch_block.attention not in TORCH_ATTENTION:
         raise UserError(f"torch_backend.attention={torch_block.attention!r} is unknown: choose "
                         f"{', '.join(TORCH_ATTENTION)}")
     if torch_block.attention != "auto" and torch_block.quantized != "fp8":
         raise UserError(f"torch_backend.attention={torch_block.attention} applies to torch_backend.quantized=fp8 (fake "
                         "quantization runs attention as the checkpoint does): set torch_backend.quantized=fp8")
-    validate_sampling(cfg.sampling)
-    if cfg.backend == "onnxruntime":
-        validate_providers(cfg.onnx_providers)
-    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
-        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
 
 
 def validate_providers(providers) -> None:
@@ -613,6 +622,10 @@ def validate_evaluate(cfg) -> None:
         if block.method not in CACHE_METHODS:
             raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
                             f"{' or '.join(CACHE_METHODS)}")
+    validate_torch_kernels(cfg.torch_backend)
+    if cfg.torch_backend.compile:
+        raise UserError("torch_backend.compile: evaluate.py runs the modules as they are, eagerly; compiling is "
+                        "infer_trt.py's (backend=torch)")
     if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
         raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")

@@ -38,7 +38,7 @@ SUMMARY_PACKAGES = {"sdquant": "sdquant", "torch": "torch", "diffusers": "diffus
 
 def versions_line() -> str:
     """What ran: sdquant, torch, diffusers, ModelOpt and the TensorRT flavour this process loaded."""
-    from .build import BACKENDS
+    from .export.engines import BACKENDS
 
     versions = library_versions()
     parts = [f"{label} {versions[name]}" for name, label in SUMMARY_PACKAGES.items() if name in versions]
@@ -73,11 +73,23 @@ def print_engine_table(record: dict) -> None:
 
 
 def device_name(device) -> str:
+    """The GPU's name, or the CPU's model (FP8 fake quantization rounds a little differently on each
+    CPU, so figures measured on one name it)."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
+    return f"cpu ({cpu_model()})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it, e.g. 'AMD EPYC' or 'Intel(R) Xeon(R) ...'."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def save_images(images, out: Path, batch_index: int, settings, engines: dict, backend: str) -> list[Path]:

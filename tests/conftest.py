@@ -78,11 +78,11 @@ def run_script(model_cache, tmp_path):
 
 def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int = 8) -> dict:
     """The engine profile export_trt.py builds for SDXL's graph `graph` at infer's image size."""
-    from sdquant import build
+    from sdquant.export import engines
     from sdquant.families.sdxl import SDXL
 
     sizes = SDXL.profile_axis_sizes(graph, infer.height, infer.width, {"vae_scale_factor": vae_scale}, trt)
-    return build.profile_shapes(infer, trt, SDXL.network(graph), input_dims, sizes)
+    return engines.profile_shapes(infer, trt, SDXL.network(graph), input_dims, sizes)
 
 
 def sdxl_run_sizes(latent_height: int, latent_width: int, windows: int = 1) -> dict:

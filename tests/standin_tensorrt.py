@@ -3,7 +3,7 @@ download from NVIDIA's own index) and whose engines TensorRT for RTX cannot run 
 sdquant's TensorRT runtime can be driven unchanged on a GPU. It enters through the narrowest seam
 there is: the module object in a `build.Flavour` (or `sys.modules`).
 
-It keeps the part of TensorRT 10's documented contract that `sdquant.trt_stages` relies on, and
+It keeps the part of TensorRT 10's documented contract that `sdquant.runtime.trt_stages` relies on, and
 nothing of TensorRT's internals:
 - an input shape must lie within the engine's optimization profile: `set_input_shape` returns
   False otherwise;

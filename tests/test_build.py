@@ -11,7 +11,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from sdquant import build, config, export
+from sdquant.export import engines, graphs
+from sdquant import config
 from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
@@ -39,12 +40,12 @@ def test_nemo_doc_shapes_fit_the_default_full_size_profile():
 
 def test_guidance_doubles_unet_and_text_encoders_not_vae():
     infer, trt = InferBlock(batch_size=3), TrtBlock(min_batch_size=2, max_batch_size=5)
-    assert build.batch_range(infer, trt, SDXL.network("unet_xl")) == build.BatchRange(2, 6, 10)
-    assert build.batch_range(infer, trt, SDXL.network("clip2")) == build.BatchRange(2, 6, 10)
-    assert build.batch_range(infer, trt, SDXL.network("vae")) == build.BatchRange(2, 3, 5)
+    assert engines.batch_range(infer, trt, SDXL.network("unet_xl")) == engines.BatchRange(2, 6, 10)
+    assert engines.batch_range(infer, trt, SDXL.network("clip2")) == engines.BatchRange(2, 6, 10)
+    assert engines.batch_range(infer, trt, SDXL.network("vae")) == engines.BatchRange(2, 3, 5)
     static = TrtBlock(static_batch=True)
-    assert build.batch_range(infer, static, SDXL.network("unet_xl")) == build.BatchRange(6, 6, 6)
-    assert build.batch_range(infer, static, SDXL.network("vae")) == build.BatchRange(3, 3, 3)
+    assert engines.batch_range(infer, static, SDXL.network("unet_xl")) == engines.BatchRange(6, 6, 6)
+    assert engines.batch_range(infer, static, SDXL.network("vae")) == engines.BatchRange(3, 3, 3)
 
 
 @pytest.mark.parametrize("infer,trt", [(InferBlock(batch_size=4), TrtBlock(max_batch_size=2)),
@@ -58,7 +59,7 @@ def test_impossible_batch_range_is_refused(infer, trt):
 def test_trtexec_command_golden(tmp_path):
     infer, trt = InferBlock(batch_size=2, width=512, height=768), TrtBlock(max_batch_size=4, workspace_gb=8)
     shapes = sdxl_profile_shapes(infer, trt, "unet_xl", SDXL_UNET_DIMS)
-    command = build.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
+    command = engines.trtexec_command(tmp_path / "unet_xl.onnx", tmp_path / "unet_xl.plan", shapes, trt,
                                     tmp_path / "timing.cache")
     assert command == [
         "trtexec", f"--onnx={tmp_path}/unet_xl.onnx", f"--saveEngine={tmp_path}/unet_xl.plan",
@@ -107,7 +108,7 @@ def fake_trtexec(tmp_path, monkeypatch):
                                             (110100, "11.1.0"), (8601, "8.6.1")])
 def test_trtexec_version_is_read_from_its_banner(fake_trtexec, number, version):
     fake_trtexec(number)
-    assert build.trtexec_version() == version
+    assert engines.trtexec_version() == version
 
 
 @pytest.mark.parametrize("number,fp8,message", [
@@ -116,13 +117,13 @@ def test_trtexec_version_is_read_from_its_banner(fake_trtexec, number, version):
 def test_old_trtexec_is_refused_in_one_line(fake_trtexec, number, fp8, message):
     fake_trtexec(number)
     with pytest.raises(UserError, match=message):
-        build.engine_builder(TrtBlock(builder="trtexec"), fp8)
+        engines.engine_builder(TrtBlock(builder="trtexec"), fp8)
 
 
 def test_trtexec_builder_is_trtexecs_own_tensorrt(fake_trtexec):
     fake_trtexec(101000)
-    assert build.engine_builder(TrtBlock(builder="trtexec"), True) == \
-        build.EngineBuilder("trtexec", "tensorrt", "10.10.0")
+    assert engines.engine_builder(TrtBlock(builder="trtexec"), True) == \
+        engines.EngineBuilder("trtexec", "tensorrt", "10.10.0")
 
 
 def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_engines, fake_trtexec, tmp_path,
@@ -130,15 +131,15 @@ def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_en
     # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
     log = fake_trtexec(101300)
-    shutil.copytree(export.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    shutil.copytree(graphs.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
     cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
     run_export(cfg)
     commands = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(commands) == 4 and all("--stronglyTyped" in c and "--skipInference" in c for c in commands)
     saved = [arg.split("=", 1)[1] for c in commands for arg in c if arg.startswith("--saveEngine=")]
     assert all(".partial" in path for path in saved), "trtexec writes a temp file, renamed once it succeeds"
-    assert build.plan_path(tmp_path, "unet_xl").read_bytes() == b"engine"
-    record = build.engines_record(tmp_path)["unet_xl"]
+    assert engines.plan_path(tmp_path, "unet_xl").read_bytes() == b"engine"
+    record = engines.engines_record(tmp_path)["unet_xl"]
     assert (record["flavour"], record["version"], record["builder"], record["fp8"]) == \
         ("tensorrt", "10.13.0", "trtexec", False)
 
@@ -160,7 +161,7 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
     cfg, files = fp16_engines
     plans = {p.name for p in files if p.suffix == ".plan"}
     assert plans == {"clip1.plan", "clip2.plan", "unet_xl.plan", "vae.plan"}
-    record = json.loads((build.plan_path(cfg.infer.out_path, "x").parent / build.ENGINES_FILE).read_text())
+    record = json.loads((engines.plan_path(cfg.infer.out_path, "x").parent / engines.ENGINES_FILE).read_text())
     assert record["unet_xl"]["flavour"] == "tensorrt_rtx" and record["unet_xl"]["targets"] == ["SM89"]
     unet = record["unet_xl"]["inputs"]
     assert unet["x"]["profile"] == [[1, 4, 8, 8], [4, 4, 8, 8], [8, 4, 8, 8]]
@@ -168,23 +169,23 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
     assert record["clip1"]["inputs"]["input_ids"]["profile"] == [[1, 77], [4, 77], [8, 77]]
     assert record["vae"]["inputs"]["latent"]["profile"] == [[1, 4, 8, 8], [2, 4, 8, 8], [4, 4, 8, 8]]
     assert record["vae"]["inputs"]["latent"]["dtype"] == "FLOAT"
-    assert all(build.plan_path(cfg.infer.out_path, n).stat().st_size > 0 for n in ("clip1", "vae"))
+    assert all(engines.plan_path(cfg.infer.out_path, n).stat().st_size > 0 for n in ("clip1", "vae"))
 
 
 def test_unet_engine_builds_for_a_size_no_multiple_of_64(fp16_engines, tmp_path):
     cfg, _ = fp16_engines
-    onnx_file = export.onnx_path(cfg.infer.out_path, "unet_xl")
+    onnx_file = graphs.onnx_path(cfg.infer.out_path, "unet_xl")
     infer = InferBlock(batch_size=1, width=72, height=56)
-    shapes = sdxl_profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", build.onnx_input_dims(onnx_file))
+    shapes = sdxl_profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", engines.onnx_input_dims(onnx_file))
     assert shapes["x"][1] == (2, 4, 7, 9)
-    info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes,
+    info = engines.build_engine(engines.load_flavour("tensorrt_rtx"), onnx_file, shapes,
                               TrtBlock(builder_optimization_level=0), tmp_path / "unet_xl.plan", None)
     assert info["bytes"] > 0 and info["inputs"]["x"]["profile"][2] == [2, 4, 7, 9]
 
 
 def test_existing_engines_are_reused(fp16_engines, capsys):
     cfg, _ = fp16_engines
-    plan = build.plan_path(cfg.infer.out_path, "unet_xl")
+    plan = engines.plan_path(cfg.infer.out_path, "unet_xl")
     mtime = plan.stat().st_mtime_ns
     capsys.readouterr()
     build_engines(cfg)
@@ -198,12 +199,12 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
-    onnx_file = export.onnx_path(tmp_path, "unet_xl")
-    shapes = sdxl_profile_shapes(cfg.infer, cfg.trt, "unet_xl", build.onnx_input_dims(onnx_file))
-    info = build.build_engine(build.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
+    onnx_file = graphs.onnx_path(tmp_path, "unet_xl")
+    shapes = sdxl_profile_shapes(cfg.infer, cfg.trt, "unet_xl", engines.onnx_input_dims(onnx_file))
+    info = engines.build_engine(engines.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)
     assert (tmp_path / "unet_xl.plan").stat().st_size == info["bytes"] > 0
-    assert build.uses_fp8(onnx_file) == (fmt == "fp8")
+    assert engines.uses_fp8(onnx_file) == (fmt == "fp8")
     assert info["inputs"]["context"]["profile"] == [[1, 77, 64], [4, 77, 64], [8, 154, 64]]
 
 
@@ -226,15 +227,15 @@ def test_parser_error_names_node_op_and_file(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19),
                                                       helper.make_opsetid("example.custom", 1)]), str(path))
     with pytest.raises(UserError) as error:
-        build.build_engine(build.load_flavour("tensorrt_rtx"), path, {"a": ((1,), (1,), (1,))}, TrtBlock(),
+        engines.build_engine(engines.load_flavour("tensorrt_rtx"), path, {"a": ((1,), (1,), (1,))}, TrtBlock(),
                            tmp_path / "x.plan", None)
     assert "mystery_node" in str(error.value) and "NoSuchOp" in str(error.value) and str(path) in str(error.value)
     assert not (tmp_path / "x.plan").exists()
 
 
 def test_backend_choice_and_install_hint():
-    assert build.load_flavour("auto").name == "tensorrt_rtx", "auto falls back to TensorRT for RTX here"
+    assert engines.load_flavour("auto").name == "tensorrt_rtx", "auto falls back to TensorRT for RTX here"
     with pytest.raises(UserError, match=r"no TensorRT is installed. Install TensorRT >= 10.1"):
-        build.load_flavour("tensorrt")
+        engines.load_flavour("tensorrt")
     with pytest.raises(UserError, match="trt.backend='tensorrt8' is unknown"):
-        build.load_flavour("tensorrt8")
+        engines.load_flavour("tensorrt8")

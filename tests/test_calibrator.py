@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import HeunDiscreteScheduler
 
-from sdquant.calibrate import PercentileCalibrator, StepClock, StepStatistics, attach_clock
+from sdquant.quantize.calibrate import PercentileCalibrator, StepClock, StepStatistics, attach_clock
 from sdquant.families import family_of
 
 # amax seen at each step (rows) in each of three calibration batches (columns).

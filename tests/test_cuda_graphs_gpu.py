@@ -1,4 +1,4 @@
-"""CUDA-graph replay on a GPU (sdquant.cuda_graphs), where each user of it captures its own way:
+"""CUDA-graph replay on a GPU (sdquant.runtime.cuda_graphs), where each user of it captures its own way:
 calibration's captured UNet gives the eager run's statistics, the torch backend's graph replay the
 eager run's images. Skipped without a GPU.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sdquant.cuda_graphs import CapturedGraph, signature
+from sdquant.runtime.cuda_graphs import CapturedGraph, signature
 
 from conftest import compose_config
 

@@ -11,18 +11,21 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor
 
-from sdquant import checkpoint, torch_backend
+from sdquant.quantize import checkpoint
+from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.flux import TransformerGraph
 from sdquant.families.sd import UNetGraph
-from sdquant.fp8_layers import Fp8Linear
-from sdquant.kernels.fp8 import fp8_scales, to_fp8
-from sdquant.kernels.fp8_attention import reference_attention
+from sdquant.runtime.kernels.fp8_layers import Fp8Linear
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.runtime.kernels.fp8_attention import reference_attention
 from sdquant.load import empty_backbone
-from sdquant.shared_ranges import attention_layers, output_groups, projection_groups
+from sdquant.quantize.shared_ranges import attention_layers, output_groups, projection_groups
 from sdquant.workflow.settings import restore_quantized_backbone
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
+from sdquant.families import family_of
+from sdquant.families.sdxl import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config
 
@@ -51,9 +54,13 @@ def _restored(model: str, folder):
     return backbone.float().eval()
 
 
+def _family(model: str):
+    return family_of(compose_config("sd_xl_quantize", [f"model={model}"]).model.family)
+
+
 def _converted(model: str, folder):
     backbone = _restored(model, folder)
-    conversion = torch_backend.convert_quantized(backbone, str(folder), "fp8")
+    conversion = torch_backend.convert_quantized(backbone, _family(model), str(folder), "fp8")
     return backbone, conversion
 
 
@@ -348,7 +355,7 @@ def test_fp8_attention_for_a_checkpoint_without_attention_ranges_names_its_level
 
 def test_fp16_attention_keeps_a_level4_checkpoints_attention_in_16_bits(level4):
     backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
-    conversion = torch_backend.convert_quantized(backbone, "level 4", "fp8", attention="fp16")
+    conversion = torch_backend.convert_quantized(backbone, SDXL, "level 4", "fp8", attention="fp16")
     assert conversion.attention == 0
     layers = [attn for _, attn in attention_layers(backbone)]
     assert not any(hasattr(attn, "fp8_attention") for attn in layers)

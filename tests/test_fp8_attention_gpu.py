@@ -1,5 +1,5 @@
 """cuDNN's FP8 attention (torch.ops.sdquant.fp8_attention on CUDA) against the op's twin
-(sdquant.kernels.fp8_attention.reference_attention, run here on the same GPU tensors): on the
+(sdquant.runtime.kernels.fp8_attention.reference_attention, run here on the same GPU tensors): on the
 full-size SDXL and Flux attention shapes, on every converted attention layer of the scene models,
 and compiled with torch.compile and replayed as a CUDA graph. Skipped without a CUDA GPU; needs a
 Hopper or newer GPU and nvidia-cudnn-frontend.
@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sdquant import torch_backend
-from sdquant.kernels import fp8_attention as kernels
-from sdquant.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.runtime import torch_backend
+from sdquant.runtime.kernels import fp8_attention as kernels
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 
 from conftest import FAST_QUANTIZE, compose_config
 
@@ -112,6 +112,7 @@ def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape):
 
 
 def _scene_backbone(model: str, folder):
+    from sdquant.families import family_of
     from sdquant.load import empty_backbone
     from sdquant.workflow.settings import restore_quantized_backbone
 
@@ -120,7 +121,7 @@ def _scene_backbone(model: str, folder):
     restore_quantized_backbone(config, "quantized_unet", str(folder), backbone)
     dtype = torch.bfloat16 if model == "scenes_flux" else torch.float16
     backbone.to(device=CUDA, dtype=dtype).eval()
-    torch_backend.convert_quantized(backbone, str(folder), "fp8")
+    torch_backend.convert_quantized(backbone, family_of(config.family), str(folder), "fp8")
     return backbone, dtype
 
 

@@ -1,5 +1,5 @@
 """torch_backend.quantized=int8: an INT8 checkpoint's Linear layers as integer GEMMs and its
-convolutions on INT8-rounded values (sdquant.kernels.int8), against ModelOpt's fake quantization."""
+convolutions on INT8-rounded values (sdquant.runtime.kernels.int8), against ModelOpt's fake quantization."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import torch
 
 from modelopt.torch.quantization.nn import QuantModule
 
-from sdquant import torch_backend
+from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
-from sdquant.kernels.int8 import Int8Linear, Int8RoundedConv2d, int8_scales
+from sdquant.runtime.kernels.int8 import Int8Linear, Int8RoundedConv2d, int8_scales
 from sdquant.load import empty_backbone
-from sdquant.quantizers import quantized_inputs
+from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.workflow.settings import restore_quantized_backbone
 from sdquant.workflow.infer_trt import run_infer
+from sdquant.families.sdxl import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config
 from test_torch_backend import _image, _psnr
@@ -82,7 +83,7 @@ def test_int8_layers_round_as_modelopt_and_give_their_fake_quant_twins_output(in
     smoothing = {layer: fake.get_submodule(layer).input_quantizer.pre_quant_scale for layer in layers}
     calls = _calls(fake, layers)
     real = _restored(int8_l3)
-    assert torch_backend.convert_quantized(real, str(int8_l3), "int8").layers == len(layers)
+    assert torch_backend.convert_quantized(real, SDXL, str(int8_l3), "int8").layers == len(layers)
     assert not any(isinstance(module, QuantModule) for module in real.modules())
     linear = [layer for layer in layers if isinstance(real.get_submodule(layer), Int8Linear)]
     assert linear and all(smoothing[layer] is not None for layer in linear)
@@ -106,7 +107,7 @@ def test_int8_layers_round_as_modelopt_and_give_their_fake_quant_twins_output(in
 
 def test_the_int8_unet_gives_the_fake_quant_unets_output_and_compiles_as_one_graph(int8_l3):
     fake, real = _restored(int8_l3), _restored(int8_l3)
-    torch_backend.convert_quantized(real, str(int8_l3), "int8")
+    torch_backend.convert_quantized(real, SDXL, str(int8_l3), "int8")
     inputs = _unet_inputs(real)
     with torch.no_grad():
         expected = UNetGraph(fake)(*inputs)
@@ -129,7 +130,7 @@ def test_int8_gemm_images_are_the_fake_quant_images_but_for_rounding_flips(int8_
 
 def test_an_int8_linear_compiles_to_what_it_computes_eagerly(int8_l3):
     real = _restored(int8_l3)
-    torch_backend.convert_quantized(real, str(int8_l3), "int8")
+    torch_backend.convert_quantized(real, SDXL, str(int8_l3), "int8")
     layer = next(module for module in real.modules() if isinstance(module, Int8Linear))
     x = torch.randn(2, 40, layer.in_features, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -149,7 +150,7 @@ def test_a_checkpoint_of_the_other_format_is_refused_naming_its_format(request, 
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
     # The conversion itself reads the format from the quantizers, for callers that skip infer_trt.py.
     with pytest.raises(UserError, match=message):
-        torch_backend.convert_quantized(_restored(folder), f"quantized_unet={folder}", quantized)
+        torch_backend.convert_quantized(_restored(folder), SDXL, f"quantized_unet={folder}", quantized)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from sdquant import torch_backend
-from sdquant.kernels.int8 import Int8Linear
+from sdquant.runtime import torch_backend
+from sdquant.runtime.kernels.int8 import Int8Linear
+from sdquant.families.sdxl import SDXL
 
 from test_int8_gemm import _calls, _restored, int8_l3  # noqa: F401 (int8_l3: the checkpoint fixture)
 from test_torch_backend import _image, _psnr
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.gpu,
 def test_the_cuda_integer_gemm_gives_the_cpu_layers_output(int8_l3):
     fake = _restored(int8_l3)
     real = _restored(int8_l3)
-    torch_backend.convert_quantized(real, str(int8_l3), "int8")
+    torch_backend.convert_quantized(real, SDXL, str(int8_l3), "int8")
     linear = [name for name, module in real.named_modules() if isinstance(module, Int8Linear)]
     calls = _calls(fake, linear)
     # The deepest attention layers of an 8x8 latent see 16 rows: the padded GEMM is among them.

@@ -12,7 +12,9 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdquant import build, checkpoint, export, lora, refit
+from sdquant.export import engines, graphs, refit
+from sdquant.quantize import checkpoint
+from sdquant import lora
 from sdquant.families.sdxl import SDXL
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
@@ -197,7 +199,7 @@ def fp32_exports(lora_files, model_cache, tmp_path_factory):
     base = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                            "run_trt_export=false", "onnx.precision=fp32"])
     run_export(base)
-    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text())
+    metas = {name: json.loads((out / "onnx" / name / graphs.META_FILE).read_text())
              for name in SDXL.graph_names()}
     with_a = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                              "run_trt_export=false", "onnx.precision=fp32",
@@ -210,7 +212,7 @@ def test_fused_onnx_matches_fused_torch_in_onnx_runtime(fp32_exports, lora_files
     out, _ = fp32_exports
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     feeds = _unet_feeds(fused.unet)
-    onnx_out = _session(export.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    onnx_out = _session(graphs.onnx_path(out, "unet_xl")).run(None, feeds)[0]
     assert _rel_err(onnx_out, _unet_out(fused, feeds)) < 1e-4
     assert _rel_err(onnx_out, _unet_out(_pipeline(), feeds)) > 1e-2
 
@@ -226,7 +228,7 @@ def test_torch_backend_with_the_adapter_matches_its_graphs(fp32_exports, lora_fi
 
 def test_vae_graph_is_reused_across_adapters(fp32_exports):
     out, base_metas = fp32_exports
-    metas = {name: json.loads((out / "onnx" / name / export.META_FILE).read_text()) for name in base_metas}
+    metas = {name: json.loads((out / "onnx" / name / graphs.META_FILE).read_text()) for name in base_metas}
     assert metas["vae"] == base_metas["vae"]
     for name in ("clip1", "clip2", "unet_xl"):
         assert metas[name]["fingerprint"] != base_metas[name]["fingerprint"] and len(metas[name]["loras"]) == 1
@@ -238,10 +240,10 @@ def test_quantized_export_takes_the_adapter_into_the_text_encoders_only(quantize
                  "onnx.precision=fp32", f"quantized_unet={folder}"]
     run_export(compose_config("sd_xl_export", [*overrides, _loras((lora_files["a"], 0.7))]))
     ids = np.random.default_rng(0).integers(0, 200, (2, 77)).astype(np.int32)
-    clip1 = _session(export.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
+    clip1 = _session(graphs.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     with torch.no_grad():
-        expected = export.TextEncoderGraph(fused.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
+        expected = graphs.TextEncoderGraph(fused.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
     assert _rel_err(clip1, expected.numpy()) < 1e-5
 
 
@@ -284,24 +286,24 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
     """Built with A, refitted with B: every weight the build marks refittable is one TensorRT's
     parsed network knows by that name, and the refit's source for it is exactly what a graph
     exported with B holds."""
-    trt = build.load_flavour("tensorrt_rtx")
+    trt = engines.load_flavour("tensorrt_rtx")
     logger = trt.module.Logger(trt.module.Logger.ERROR)
     pipe_b = _pipeline(_loras((lora_files["b"], 1.0)), dtype=torch.float16)
     specs = {spec.name: spec for spec in SDXL.graph_specs(pipe_b, 1, 8, torch.float16, torch.float32)}
     for name in ("clip1", "clip2", "unet_xl"):
-        onnx_a = export.onnx_path(fp16_graphs["a"], name)
+        onnx_a = graphs.onnx_path(fp16_graphs["a"], name)
         expected = refit.refittable_weights(onnx_a)
         builder = trt.module.Builder(logger)
         network = builder.create_network(trt.network_flags())
         assert trt.module.OnnxParser(network, logger).parse_from_file(str(onnx_a))
         config = builder.create_builder_config()
-        build.mark_refittable(trt, network, config, list(expected))
+        engines.mark_refittable(trt, network, config, list(expected))
         assert config.get_flag(trt.module.BuilderFlag.REFIT_INDIVIDUAL)
         assert all(network.are_weights_marked_refittable(weight) for weight in expected)
 
-        sources = refit.refit_sources(expected, export.graph_weights(specs[name].module))
+        sources = refit.refit_sources(expected, graphs.graph_weights(specs[name].module))
         assert sources.keys() == expected.keys()
-        graph_b = onnx.load(str(export.onnx_path(fp16_graphs["b"], name))).graph.initializer
+        graph_b = onnx.load(str(graphs.onnx_path(fp16_graphs["b"], name))).graph.initializer
         initializers_b = {t.name: numpy_helper.to_array(t) for t in graph_b if t.name in expected}
         assert initializers_b.keys() == expected.keys()
         assert all(np.array_equal(sources[w].numpy().reshape(initializers_b[w].shape), initializers_b[w])
@@ -325,7 +327,7 @@ def _graphs_of(source, out):
     """A fresh export folder whose ONNX graphs are those in `source`."""
     (out / "onnx").mkdir(parents=True)
     for name in SDXL.graph_names():
-        (out / "onnx" / name).symlink_to(export.onnx_path(source, name).parent)
+        (out / "onnx" / name).symlink_to(graphs.onnx_path(source, name).parent)
     return out
 
 
@@ -394,16 +396,16 @@ def test_script_refuses_a_scale_that_is_no_number(run_script, lora_files, tmp_pa
 def test_gpu_refit_gives_the_engines_a_rebuild_would(lora_files, tmp_path):
     """Engines built with A and refitted with B make B's images; a second refit has nothing to do.
     TensorRT-RTX engines do not load on Hopper: there only the refittable build is checked."""
-    flavour = build.load_flavour("auto")
+    flavour = engines.load_flavour("auto")
     on_hopper = flavour.name == "tensorrt_rtx" and torch.cuda.get_device_capability()[0] == 9
     common = ["model=tiny_sdxl", "device=cpu", "infer.batch_size=1", "trt.max_batch_size=1", "infer.width=64",
               "infer.height=64", "trt.refittable=true", *(["trt.rtx_compute_capabilities=[SM89]"] if on_hopper else [])]
     adapters = {"a": (lora_files["a"], 0.7), "b": (lora_files["b"], 1.0)}
     for name, adapter in adapters.items():
         run_export(compose_config("sd_xl_export", [*common, f"infer.out_path={tmp_path / name}", _loras(adapter)]))
-    record = build.engines_record(tmp_path / "a")
+    record = engines.engines_record(tmp_path / "a")
     assert [graph for graph, info in record.items() if info["refittable"]] == ["clip1", "clip2", "unet_xl"]
-    unet_plan = build.plan_path(tmp_path / "a", "unet_xl")
+    unet_plan = engines.plan_path(tmp_path / "a", "unet_xl")
     built = unet_plan.read_bytes()
     refit_cfg = compose_config("sd_xl_export", [*common, f"infer.out_path={tmp_path / 'a'}", "run_refit=true",
                                                 _loras(adapters["b"])])
@@ -413,9 +415,9 @@ def test_gpu_refit_gives_the_engines_a_rebuild_would(lora_files, tmp_path):
         if not on_hopper:
             raise
         pytest.skip(f"refittable engines built; the refit cannot run here: {error}")
-    assert refitted == [build.plan_path(tmp_path / "a", graph) for graph in ("clip1", "clip2", "unet_xl")]
+    assert refitted == [engines.plan_path(tmp_path / "a", graph) for graph in ("clip1", "clip2", "unet_xl")]
     assert unet_plan.read_bytes() != built
-    assert build.engines_record(tmp_path / "a")["unet_xl"]["loras"] == lora.identities([{"path": str(lora_files["b"])}])
+    assert engines.engines_record(tmp_path / "a")["unet_xl"]["loras"] == lora.identities([{"path": str(lora_files["b"])}])
     assert run_export(refit_cfg) == []
     for name in adapters:
         run_infer(_infer_cfg(tmp_path / name, tmp_path / f"images_{name}", "backend=trt", "device=cuda"))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sdquant.calibrate import max_abs, quantize_backbone
+from sdquant.quantize.calibrate import max_abs, quantize_backbone
 from sdquant.families.sdxl import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts

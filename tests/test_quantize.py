@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from sdquant import checkpoint
-from sdquant.calibrate import activation_amax, quantize_backbone
+from sdquant.quantize import checkpoint
+from sdquant.quantize.calibrate import activation_amax, quantize_backbone
 from sdquant.families import family_of
 from sdquant.errors import UserError
 from sdquant.load import load_prompts

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sdquant import scenes
+from sdquant.quality import scenes
 from sdquant.config import shipped_model_folder
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.quantize import run_quantize

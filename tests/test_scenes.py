@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdquant import scenes
+from sdquant.quality import scenes
 
 
 def test_detector_reads_back_what_the_generator_drew_on_500_scenes():

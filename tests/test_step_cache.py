@@ -237,7 +237,7 @@ def test_predicting_only_the_last_block_draws_what_predicting_every_block_draws(
     from diffusers.hooks import TaylorSeerCacheConfig
 
     from sdquant.synthetic import build_tiny_flux
-    from sdquant.transformer_cache import HookCache
+    from sdquant.runtime.cache_hooks import HookCache
 
     transformer = build_tiny_flux().transformer.eval()
     block_gemms = []

@@ -10,16 +10,17 @@ from PIL import Image
 
 from modelopt.torch.quantization.nn import QuantModule
 
-from sdquant import torch_backend
+from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
-from sdquant.fp8_layers import Fp8Linear
+from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.load import empty_backbone
-from sdquant.quantizers import quantized_inputs
-from sdquant.shared_ranges import projection_groups
+from sdquant.quantize.quantizers import quantized_inputs
+from sdquant.quantize.shared_ranges import projection_groups
 from sdquant.workflow.settings import restore_quantized_backbone
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
+from sdquant.families.sdxl import SDXL
 
 from conftest import compose_config
 
@@ -87,7 +88,7 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
                 lambda _m, args, out, layer=layer: fake_calls.__setitem__(layer, (args[0], out)))
     with torch.no_grad():
         UNetGraph(fake)(*_unet_inputs())
-    converted = torch_backend.convert_quantized(real, str(fp8_l3), "fp8")
+    converted = torch_backend.convert_quantized(real, SDXL, str(fp8_l3), "fp8")
     assert converted.layers == len(fake_weights) > 100 and converted.attention == 0
     for (layer, role), site in sites.items():
         module = _converted_layer(real, layer)

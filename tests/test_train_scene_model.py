@@ -9,7 +9,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from sdquant import scenes
+from sdquant.quality import scenes
 from sdquant.config import ModelConfig
 from sdquant.errors import EXIT_USER_ERROR
 from sdquant.families.flux import FLUX

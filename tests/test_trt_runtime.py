@@ -13,15 +13,15 @@ import tensorrt_rtx
 import torch
 
 import standin_tensorrt
-from sdquant import build
+from sdquant.export import engines
 from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.families.pipeline import SamplingSettings
 from sdquant.families.sdxl import SDXLTextToImage
 from sdquant.families import family_of
-from sdquant.stages import StageTimer
-from sdquant.trt_stages import check_within_profiles, trt_stages
+from sdquant.runtime.stages import StageTimer
+from sdquant.runtime.trt_stages import check_within_profiles, trt_stages
 from sdquant.workflow.settings import settle_sampling
 
 from conftest import compose_config, sdxl_profile_shapes, sdxl_run_sizes
@@ -95,8 +95,8 @@ def test_engines_built_for_a_run_admit_it(trt, negative_prompt):
 
 def test_static_text_encoders_take_the_prompts_alone_or_with_negatives():
     infer, static = InferBlock(batch_size=3), TrtBlock(static_batch=True)
-    assert build.batch_range(infer, static, SDXL.network("clip2")) == build.BatchRange(3, 6, 6)
-    assert build.batch_range(infer, static, SDXL.network("unet_xl")) == build.BatchRange(6, 6, 6)
+    assert engines.batch_range(infer, static, SDXL.network("clip2")) == engines.BatchRange(3, 6, 6)
+    assert engines.batch_range(infer, static, SDXL.network("unet_xl")) == engines.BatchRange(6, 6, 6)
 
 
 def test_images_per_prompt_beyond_the_engines_batch_is_refused_before_any_work():
@@ -141,19 +141,19 @@ def _plan_with_record(folder, record: dict | None):
     plan = folder / "unet_xl.plan"
     plan.write_bytes(b"plan")
     if record is not None:
-        (folder / build.ENGINES_FILE).write_text(json.dumps({"unet_xl": record}))
+        (folder / engines.ENGINES_FILE).write_text(json.dumps({"unet_xl": record}))
     return plan
 
 
 def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("10.13.0"))
     rtx = _plan_with_record(tmp_path, {"flavour": "tensorrt_rtx", "version": tensorrt_rtx.__version__})
-    assert build.engine_flavour(rtx).module is tensorrt_rtx, "TensorRT is installed too, but RTX built it"
+    assert engines.engine_flavour(rtx).module is tensorrt_rtx, "TensorRT is installed too, but RTX built it"
     full = _plan_with_record(tmp_path, {"flavour": "tensorrt", "version": "10.13.0"})
-    assert build.engine_flavour(full).module is sys.modules["tensorrt"]
+    assert engines.engine_flavour(full).module is sys.modules["tensorrt"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    assert build.engine_flavour(_plan_with_record(elsewhere, None)).name == "tensorrt", "no record: any installed"
+    assert engines.engine_flavour(_plan_with_record(elsewhere, None)).name == "tensorrt", "no record: any installed"
 
 
 def test_engine_of_a_missing_tensorrt_names_both(tmp_path, monkeypatch):
@@ -161,7 +161,7 @@ def test_engine_of_a_missing_tensorrt_names_both(tmp_path, monkeypatch):
     plan = _plan_with_record(tmp_path, {"flavour": "tensorrt", "version": "10.13.0"})
     with pytest.raises(UserError, match=rf"unet_xl.plan was built by tensorrt 10.13.0, which is not installed here "
                                         rf"\(tensorrt_rtx {tensorrt_rtx.__version__} is\)"):
-        build.engine_flavour(plan)
+        engines.engine_flavour(plan)
 
 
 @pytest.mark.parametrize("version,task,refused", [
@@ -170,23 +170,23 @@ def test_engine_of_a_missing_tensorrt_names_both(tmp_path, monkeypatch):
     ("8.6.1", "building strongly typed engines", True), ("10.0.0", "building strongly typed engines", False),
     ("11.1.0", "FP8 engines", False)])
 def test_minimum_tensorrt_versions(version, task, refused):
-    flavour = build.Flavour(standin_tensorrt.module(version), "tensorrt", version)
+    flavour = engines.Flavour(standin_tensorrt.module(version), "tensorrt", version)
     if refused:
         with pytest.raises(UserError, match=rf"^{task} needs TensorRT >= \d+\.\d+, but tensorrt is {version}: install"):
             flavour.require(task)
     else:
         flavour.require(task)
-    build.Flavour(tensorrt_rtx, "tensorrt_rtx", "1.0.0").require(task)  # RTX has it all since 1.0
+    engines.Flavour(tensorrt_rtx, "tensorrt_rtx", "1.0.0").require(task)  # RTX has it all since 1.0
 
 
 def test_fp8_engine_needs_tensorrt_10_2(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("10.1.0"))
     plan = _plan_with_record(tmp_path, {"flavour": "tensorrt", "version": "10.1.0", "fp8": True})
     with pytest.raises(UserError, match="FP8 engines needs TensorRT >= 10.2, but tensorrt is 10.1.0"):
-        build.engine_flavour(plan)
+        engines.engine_flavour(plan)
 
 
 def test_runtime_refuses_tensorrt_10_0_before_anything(tmp_path):
-    flavour = build.Flavour(standin_tensorrt.module("10.0.1"), "tensorrt", "10.0.1")
+    flavour = engines.Flavour(standin_tensorrt.module("10.0.1"), "tensorrt", "10.0.1")
     with pytest.raises(UserError, match=r"running engines needs TensorRT >= 10.1, but tensorrt is 10.0.1"):
         trt_stages(flavour, {"unet": tmp_path / "unet.plan"}, ())

@@ -93,7 +93,7 @@ class ModelFamily:
 
     def recipe_revisions(self, fmt, quant_level: float) -> dict:
         """What the recipe calibrates differently from older sdquant at this format and level, for
-        the fingerprint of the checkpoints it changes (sdquant.recipe.revisions)."""
+        the fingerprint of the checkpoints it changes (sdquant.quantize.recipe.revisions)."""
         raise NotImplementedError
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
@@ -130,7 +130,7 @@ class ModelFamily:
         return None
 
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
-        """The pipeline's modules as stages (sdquant.stages.TorchStage), by graph name, with the
+        """The pipeline's modules as stages (sdquant.runtime.stages.TorchStage), by graph name, with the
         backbone's cached passes (or its hooked stage) under `cache`."""
         raise NotImplementedError
 
@@ -144,6 +144,12 @@ class ModelFamily:
 
     def release_cache(self, backbone) -> None:
         """Takes a step cache's changes off the backbone module, so that it runs uncached again."""
+
+    def fp8_attention_processor(self, attn):
+        """The attention processor that runs attention layer `attn` of a backbone the torch backend
+        converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following
+        diffusers' own processor for it; None for a layer it has none for, which then stays as it is."""
+        return None
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         """The family's text-to-image data flow over `stages` (parts: tokenizers and configs)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..recipe import LayerGroup, LevelTable
+from ..quantize.recipe import LayerGroup, LevelTable
 from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
@@ -126,6 +126,41 @@ class TransformerGraph(torch.nn.Module):
         return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                 pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
                                 txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+
+
+class FluxFp8AttnProcessor:
+    """diffusers' FluxAttnProcessor on a FluxAttention the torch backend converted to FP8: a double
+    block's joint attention (text tokens first, then the image's; the output split back into the
+    image's through to_out and the text's through to_add_out) or a single block's (its output read by
+    the block's proj_out), over fused projections and FP8 attention where the layer has its ranges."""
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        from ..quantize.shared_ranges import ADDED_QKV, QKV
+        from ..runtime.attention import FP8_ATTENTION, attend, no_mask, project
+
+        no_mask(attention_mask)
+        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in project(attn, hidden_states, QKV))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            text = (x.unflatten(-1, (-1, attn.head_dim)) for x in project(attn, encoder_hidden_states, ADDED_QKV))
+            text_query, text_key, text_value = text
+            text_query, text_key = attn.norm_added_q(text_query), attn.norm_added_k(text_key)
+            query, key, value = (torch.cat(pair, dim=1)
+                                 for pair in ((text_query, query), (text_key, key), (text_value, value)))
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = attend(attn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)).transpose(1, 2).flatten(2)
+        if encoder_hidden_states is None:
+            fp8 = getattr(attn, FP8_ATTENTION, None)
+            return out if fp8 is None else fp8.dequantize(out, hidden_states.dtype)
+        text_tokens = encoder_hidden_states.shape[1]
+        text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
 
 
 class FluxTextToImage(TextToImage):
@@ -359,12 +394,12 @@ class FluxFamily(ModelFamily):
         return LEVELS.levels
 
     def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
-        from ..recipe import quant_cfg_entries
+        from ..quantize.recipe import quant_cfg_entries
 
         return quant_cfg_entries(LEVELS, fmt, quant_level)
 
     def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        from ..recipe import revisions
+        from ..quantize.recipe import revisions
 
         return revisions(LEVELS, fmt, quant_level)
 
@@ -381,8 +416,8 @@ class FluxFamily(ModelFamily):
         return {"text_tokens": text_tokens(pipe.tokenizer_2)}
 
     def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        from ..export import GraphSpec
-        from ..quantizers import unsupported_quantizers
+        from ..export.graphs import GraphSpec
+        from ..quantize.quantizers import unsupported_quantizers
 
         transformer = pipe.transformer.to(dtype)
         config = transformer.config
@@ -414,12 +449,12 @@ class FluxFamily(ModelFamily):
     # --- running it ----------------------------------------------------------------------------
 
     def step_cache(self, block):
-        from ..transformer_cache import HookCache
+        from ..runtime.cache_hooks import HookCache
 
         return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold)
 
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
-        from ..stages import TorchStage
+        from ..runtime.stages import TorchStage
 
         stages = {"clip": TorchStage(ClipGraph(pipe.text_encoder, penultimate=False, hidden=False, pooled=True),
                                      CLIP, dtype),
@@ -431,18 +466,25 @@ class FluxFamily(ModelFamily):
         return stages
 
     def backbone_stage(self, backbone, dtype):
-        from ..stages import TorchStage
+        from ..runtime.stages import TorchStage
 
         return TorchStage(TransformerGraph(backbone), transformer_network(backbone.config.guidance_embeds), dtype)
 
     def cache_stages(self, backbone, dtype, cache) -> dict:
-        from ..transformer_cache import HookedStage
+        from ..runtime.cache_hooks import HookedStage
 
         return {self.backbone.graph: HookedStage(self.backbone_stage(backbone, dtype), backbone, cache)}
 
     def release_cache(self, backbone) -> None:
         if backbone.is_cache_enabled:
             backbone.disable_cache()
+
+    def fp8_attention_processor(self, attn):
+        """The processor for FluxAttention layers diffusers runs with its own FluxAttnProcessor."""
+        from diffusers.models.transformers import transformer_flux
+
+        default = type(getattr(attn, "processor", None)) is transformer_flux.FluxAttnProcessor
+        return FluxFp8AttnProcessor() if default else None
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         return FluxTextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),

@@ -1,7 +1,7 @@
 """What every family's text-to-image data flow shares: the settings of one pipeline call, the
 scheduler by name, CLIP's prompt windows, and the base of the data flows (one generator per image,
 the initial latents, decoding with the finite check). Each family's own flow, read top to bottom
-like a diffusers pipeline's __call__, lives in its module and runs over stages (sdquant.stages),
+like a diffusers pipeline's __call__, lives in its module and runs over stages (sdquant.runtime.stages),
 so one loop drives the TensorRT engines, the ONNX files and the diffusers modules alike.
 """
 
@@ -19,7 +19,7 @@ from ..errors import UserError
 from .networks import TOKENS
 
 if TYPE_CHECKING:
-    from ..stages import StageTimer
+    from ..runtime.stages import StageTimer
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "dpmpp_2m": "DPMSolverMultistepScheduler", "ddim": "DDIMScheduler",

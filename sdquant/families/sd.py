@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..recipe import LayerGroup, LevelTable
+from ..quantize.recipe import LayerGroup, LevelTable
 from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .deep_cache import DEEP, FULL, SHALLOW, DeepCache, deep_sizes
@@ -267,6 +267,27 @@ def unet_axis_sizes(latent_height: int, latent_width: int, windows: int, branch:
     return {HEIGHT: latent_height, WIDTH: latent_width, CONTEXT: windows * TOKENS, **deep}
 
 
+class UNetFp8AttnProcessor:
+    """diffusers' AttnProcessor2_0 for the attention of a UNet's transformer blocks (no group or
+    spatial norm, q/k norm, residual or output rescale) on a layer the torch backend converted to
+    FP8: fused projections, and FP8 attention where the layer has its ranges."""
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:
+        from ..quantize.shared_ranges import KV, QKV
+        from ..runtime.attention import attend, no_mask, project
+
+        no_mask(attention_mask)
+        if attn.is_cross_attention:
+            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+            query, (key, value) = attn.to_q(hidden_states), project(attn, context, KV)
+        else:
+            query, key, value = project(attn, hidden_states, QKV)
+        query, key, value = (x.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for x in (query, key, value))
+        out = attend(attn, query, key, value).transpose(1, 2).flatten(2)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 class StableDiffusionFamily(ModelFamily):
     """SD 1.5 and 2.x: one CLIP text encoder, a UNet without add-embeddings, an AutoencoderKL."""
 
@@ -321,12 +342,12 @@ class StableDiffusionFamily(ModelFamily):
         return LEVELS.levels
 
     def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
-        from ..recipe import quant_cfg_entries
+        from ..quantize.recipe import quant_cfg_entries
 
         return quant_cfg_entries(LEVELS, fmt, quant_level)
 
     def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        from ..recipe import revisions
+        from ..quantize.recipe import revisions
 
         return revisions(LEVELS, fmt, quant_level)
 
@@ -336,7 +357,7 @@ class StableDiffusionFamily(ModelFamily):
     # --- export and engines --------------------------------------------------------------------
 
     def text_graph_specs(self, pipe, ids: torch.Tensor, dtype) -> list:
-        from ..export import GraphSpec
+        from ..export.graphs import GraphSpec
 
         return [GraphSpec(self.text_networks()[0], ClipGraph(pipe.text_encoder.to(dtype), penultimate=False), (ids,))]
 
@@ -348,8 +369,8 @@ class StableDiffusionFamily(ModelFamily):
         return tuple(args)
 
     def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        from ..export import GraphSpec
-        from ..quantizers import unsupported_quantizers
+        from ..export.graphs import GraphSpec
+        from ..quantize.quantizers import unsupported_quantizers
         from .deep_cache import FullPass, ShallowPass
 
         ids = torch.zeros(batch, TOKENS, dtype=torch.int32)
@@ -383,8 +404,17 @@ class StableDiffusionFamily(ModelFamily):
             return None
         return DeepCache(block.interval, block.branch)
 
+    def fp8_attention_processor(self, attn):
+        """The UNet's processor for attention layers diffusers runs with its plain AttnProcessor2_0."""
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        plain = (type(attn.processor) is AttnProcessor2_0 and attn.spatial_norm is None and attn.group_norm is None
+                 and attn.norm_cross is None and attn.norm_q is None and attn.norm_k is None
+                 and not attn.residual_connection and attn.rescale_output_factor == 1.0)
+        return UNetFp8AttnProcessor() if plain else None
+
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
-        from ..stages import TorchStage
+        from ..runtime.stages import TorchStage
 
         stages = {network.name: TorchStage(graph, network, dtype)
                   for network, graph in self.text_graphs(pipe)}
@@ -398,12 +428,12 @@ class StableDiffusionFamily(ModelFamily):
         return [(self.text_networks()[0], ClipGraph(pipe.text_encoder, penultimate=False))]
 
     def backbone_stage(self, backbone, dtype):
-        from ..stages import TorchStage
+        from ..runtime.stages import TorchStage
 
         return TorchStage(UNetGraph(backbone), self.unet(), dtype)
 
     def cache_stages(self, backbone, dtype, cache) -> dict:
-        from ..stages import TorchStage
+        from ..runtime.stages import TorchStage
         from .deep_cache import FullPass, ShallowPass
 
         full, shallow = self.cached_passes()

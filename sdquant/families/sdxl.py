@@ -134,7 +134,7 @@ class SDXLFamily(StableDiffusionFamily):
                 (second, ClipGraph(pipe.text_encoder_2, penultimate=True, pooled=True))]
 
     def text_graph_specs(self, pipe, ids: torch.Tensor, dtype) -> list:
-        from ..export import GraphSpec
+        from ..export.graphs import GraphSpec
 
         first, second = self.text_networks()
         return [GraphSpec(first, ClipGraph(pipe.text_encoder.to(dtype), penultimate=True), (ids,)),

@@ -11,8 +11,10 @@ from omegaconf import OmegaConf
 
 import torch
 
-from .. import build, parallel, quality, report
-from ..export import check_graph_file
+from ..export import engines
+from .. import parallel, report
+from ..quality import scoring
+from ..export.graphs import check_graph_file
 from ..families import family_of
 from ..cli import stage
 from ..config import validate_evaluate
@@ -20,7 +22,7 @@ from ..errors import UserError
 from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
-from ..stages import OnnxRuntimeStage, StageTimer
+from ..runtime.stages import OnnxRuntimeStage, StageTimer
 from .settings import Sampling, checked_cache, checked_checkpoint, restore_quantized_backbone, settle_sampling
 
 
@@ -59,11 +61,11 @@ def run_evaluate(cfg) -> dict:
         settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
                     "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions(),
                     "processes": part.size}
-        result = quality.build_report(scores, reference_clip, reference_adherence, notes, settings,
-                                      quality.reference_name(dtype))
+        result = scoring.build_report(scores, reference_clip, reference_adherence, notes, settings,
+                                      scoring.reference_name(dtype))
         with stage("writing the report"):
-            written = quality.write_outputs(out, result, quality.image_grid(columns))
-        quality.print_means(result)
+            written = scoring.write_outputs(out, result, scoring.image_grid(columns))
+        scoring.print_means(result)
         print_summary("quality evaluation", written, time.perf_counter() - start)
         return result
     finally:
@@ -80,16 +82,16 @@ def _part_results(cfg, sampling: Sampling, kinds: dict, caches: dict, mine: list
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
         pipeline = sampling.pipeline(family.torch_stages(pipe, dtype), device)
-        lpips, clip = (quality.lpips_metric(cfg.metrics.lpips_net, device),
-                       quality.clip_metric(cfg.metrics.clip_model, device))
+        lpips, clip = (scoring.lpips_metric(cfg.metrics.lpips_net, device),
+                       scoring.clip_metric(cfg.metrics.clip_model, device))
     reference_backbone = pipeline.stages[family.backbone.graph]
     with stage("the unquantized reference runs"):
         references = _reference_runs(pipeline, [settings for _, settings in mine], device,
-                                     quality.reference_name(dtype))
+                                     scoring.reference_name(dtype))
     batches = {}
     for (index, _), (settings, _, images, _) in zip(mine, references):
         batches[index] = {"reference": {
-            "images": images.cpu(), "adherence": quality.adherence(images, settings.image_prompts),
+            "images": images.cpu(), "adherence": scoring.adherence(images, settings.image_prompts),
             "clip": clip.score(None, images, settings.image_prompts) if clip.score else None}, "variants": {}}
     sources = {}
     for name, kind in kinds.items():
@@ -129,7 +131,7 @@ def _merged(batches: dict, sources: dict) -> tuple[dict, list | None, list, list
     """The batch records in the run's order, as the report takes them: each variant's scores, the
     reference's CLIP scores and adherence, and the grid's columns."""
     ordered = [batches[index] for index in sorted(batches)]
-    scores = {name: quality.VariantScores(source=source) for name, source in sources.items()}
+    scores = {name: scoring.VariantScores(source=source) for name, source in sources.items()}
     for batch in ordered:
         for name, variant in batch["variants"].items():
             scores[name].per_prompt += variant["per_prompt"]
@@ -150,7 +152,7 @@ def _reference_runs(pipeline, runs: list, device: torch.device, name: str) -> li
     references = []
     for settings in Progress(runs, name, "prompt batches"):
         latents = pipeline.initial_latents(settings)
-        recorder = quality.RecordingStage(reference_backbone)
+        recorder = scoring.RecordingStage(reference_backbone)
         pipeline.stages[pipeline.backbone] = recorder
         references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
                            recorder.calls))
@@ -168,9 +170,9 @@ def _variant_runs(pipeline, name: str, backbone, cache, references: list[tuple],
         settings = dataclasses.replace(settings, cache=cache)
         images = pipeline(settings, StageTimer(device), latents=latents)
         batches.append({
-            "images": images.cpu(), "adherence": quality.adherence(images, settings.image_prompts),
-            "per_prompt": quality.score_images(reference, images, settings.image_prompts, metrics),
-            "step_errors": quality.teacher_forced_errors(
+            "images": images.cpu(), "adherence": scoring.adherence(images, settings.image_prompts),
+            "per_prompt": scoring.score_images(reference, images, settings.image_prompts, metrics),
+            "step_errors": scoring.teacher_forced_errors(
                 calls, lambda step, inputs: pipeline.predict(settings, step, inputs, StageTimer(device)))})
     return batches
 
@@ -211,12 +213,18 @@ def _variant_backbone(cfg, name: str, kind: str, reference_backbone, reference_m
         return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
                                 family.network(family.backbone.graph)), None
     if kind == "engine":
-        from ..trt_stages import trt_stages
+        from ..runtime.trt_stages import trt_stages
 
         plan = Path(source).expanduser()
         graph = family.backbone.graph
-        return trt_stages(build.engine_flavour(plan), {graph: plan}, ())[graph], None
+        return trt_stages(engines.engine_flavour(plan), {graph: plan}, ())[graph], None
     backbone = empty_backbone(cfg.model)
-    restore_quantized_backbone(cfg.model, f"variants.{name}", source, backbone)
+    sidecar = restore_quantized_backbone(cfg.model, f"variants.{name}", source, backbone)
     backbone.to(device=device, dtype=dtype)
+    kernels = cfg.torch_backend
+    if kernels.quantized != "fake":
+        from ..runtime import torch_backend
+
+        torch_backend.convert_quantized(backbone, family, f"variants.{name}={source}", kernels.quantized,
+                                        kernels.attention, sidecar["settings"]["quantize"]["quant_level"])
     return family.backbone_stage(backbone, dtype), backbone

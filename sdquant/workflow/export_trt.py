@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .. import build, checkpoint, export, load, lora, refit
+from ..export import engines, graphs, refit
+from ..quantize import checkpoint
+from .. import load, lora
 from ..artifacts import read_json
 from ..cli import stage
 from ..config import quantized_backbone, validate_export, validate_image_size
@@ -58,16 +60,16 @@ def export_onnx(cfg, cache=None) -> list[Path]:
             pipe = load_pipeline(cfg.model, device, dtype)
     vae_dtype = torch.float16 if cfg.onnx.vae_precision == "fp16" else torch.float32
     if quantized is not None:
-        export.prepare_quantizers_for_export(getattr(pipe, family.backbone.attribute), dtype)
+        graphs.prepare_quantizers_for_export(getattr(pipe, family.backbone.attribute), dtype)
     latent = cfg.onnx.trace_latent_size
     specs = family.graph_specs(pipe, cfg.infer.batch_size, latent, dtype, vae_dtype, cache)
     written, reused = [], []
     for spec in specs:
-        folder = export.onnx_path(cfg.infer.out_path, spec.name).parent
+        folder = graphs.onnx_path(cfg.infer.out_path, spec.name).parent
         graph_dtype = vae_dtype if spec.name == "vae" else dtype
         fingerprint = _graph_fingerprint(cfg, spec.name, graph_dtype, quantized, cache)
-        if not cfg.force and export.is_current(folder, fingerprint):
-            reused.append(folder / export.ONNX_FILE)
+        if not cfg.force and graphs.is_current(folder, fingerprint):
+            reused.append(folder / graphs.ONNX_FILE)
             continue
         meta = {"fingerprint": fingerprint, "graph": spec.name, "dtype": str(graph_dtype),
                 "inputs": spec.input_names, "outputs": spec.output_names,
@@ -78,9 +80,9 @@ def export_onnx(cfg, cache=None) -> list[Path]:
                 "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
-            export.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
-        written.append(folder / export.ONNX_FILE)
-    print_summary("ONNX export", [f for path in written for f in export.graph_files(path)],
+            graphs.export_graph(spec, folder, cfg.onnx.opset, meta, graph_dtype)
+        written.append(folder / graphs.ONNX_FILE)
+    print_summary("ONNX export", [f for path in written for f in graphs.graph_files(path)],
                   time.perf_counter() - start, reused=reused)
     return written + reused
 
@@ -117,10 +119,10 @@ def refit_engines(cfg) -> list[Path]:
     the refittable engines in infer.out_path, without exporting or building; returns the plans."""
     start = time.perf_counter()
     out = cfg.infer.out_path
-    record = build.engines_record(out)
+    record = engines.engines_record(out)
     wanted = lora.identities(cfg.model.loras)
     family = family_of(cfg.model.family)
-    plans = {name: build.plan_path(out, name) for name in family.graph_names() if family.carries_adapters(name)}
+    plans = {name: engines.plan_path(out, name) for name in family.graph_names() if family.carries_adapters(name)}
     for name, plan in plans.items():
         if name not in record or not plan.is_file():
             raise UserError(f"{plan} does not exist: build the engines first (export_trt.py trt.refittable=true)")
@@ -140,14 +142,14 @@ def refit_engines(cfg) -> list[Path]:
         # Only the TensorRT that built an engine can load it, and so refit it.
         with stage(f"refitting {plans[name].name}"):
             print(f"refitting {plans[name]} ...", flush=True)
-            count = refit.refit_engine(build.engine_flavour(plans[name]), plans[name],
-                                       export.graph_weights(modules[name]))
+            count = refit.refit_engine(engines.engine_flavour(plans[name]), plans[name],
+                                       graphs.graph_weights(modules[name]))
         # The engine no longer holds what its ONNX file does: a build from that file is not reused.
         record[name] = {**record[name], "loras": wanted, "refit_weights": count,
                         "fingerprint": checkpoint.fingerprint({"refit_of": record[name]["fingerprint"],
                                                                "loras": wanted})}
         # Saved after each engine, so the record describes every plan even if a later refit fails.
-        record_file = build.save_engines_record(out, record)
+        record_file = engines.save_engines_record(out, record)
         refitted.append(plans[name])
     print_summary("TensorRT refit", [*refitted, record_file], time.perf_counter() - start)
     return refitted
@@ -159,23 +161,23 @@ def build_engines(cfg) -> list[Path]:
     out = cfg.infer.out_path
     family = family_of(cfg.model.family)
     onnx_files = required_onnx(out, family)
-    fp8 = {name: build.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
-    builder = build.engine_builder(cfg.trt, any(fp8.values()))
+    fp8 = {name: engines.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
+    builder = engines.engine_builder(cfg.trt, any(fp8.values()))
     timing_cache = Path(cfg.trt.timing_cache).expanduser() if cfg.trt.timing_cache else \
-        build.plan_path(out, "timing").with_suffix(".cache")
+        engines.plan_path(out, "timing").with_suffix(".cache")
     # Graphs exported before the scale was recorded are from SD or SDXL, whose VAEs scale by 8.
-    vae_scale = (read_json(onnx_files["vae"].parent / export.META_FILE) or {}).get("vae_scale_factor", 8)
+    vae_scale = (read_json(onnx_files["vae"].parent / graphs.META_FILE) or {}).get("vae_scale_factor", 8)
     # The graphs may be from another model.source than the size was settled for.
     validate_image_size(cfg.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
-    record = build.engines_record(out)
-    build.free_gpu_memory_for_builder()
+    record = engines.engines_record(out)
+    engines.free_gpu_memory_for_builder()
     written, reused = [], []
     for name, onnx_file in onnx_files.items():
-        graph_meta = read_json(onnx_file.parent / export.META_FILE) or {}
+        graph_meta = read_json(onnx_file.parent / graphs.META_FILE) or {}
         axis_sizes = family.profile_axis_sizes(name, cfg.infer.height, cfg.infer.width, graph_meta, cfg.trt)
-        shapes = build.profile_shapes(cfg.infer, cfg.trt, family.network(name), build.onnx_input_dims(onnx_file),
+        shapes = engines.profile_shapes(cfg.infer, cfg.trt, family.network(name), engines.onnx_input_dims(onnx_file),
                                       axis_sizes)
-        plan = build.plan_path(out, name)
+        plan = engines.plan_path(out, name)
         # Graphs exported before the name was general call their checkpoint quantized_unet.
         quantized = graph_meta.get("quantized_backbone") or graph_meta.get("quantized_unet")
         # An 8-bit backbone's scales fit the adapters it was calibrated with: it never takes others.
@@ -191,21 +193,21 @@ def build_engines(cfg) -> list[Path]:
         with stage(f"building {plan.name}"):
             print(f"building {plan} ...", flush=True)
             if builder.tool == "trtexec":
-                command = build.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
-                if not build.run_trtexec(command, plan):
+                command = engines.trtexec_command(onnx_file, plan, shapes, cfg.trt, timing_cache)
+                if not engines.run_trtexec(command, plan):
                     continue
                 info = {"plan": plan.name, "onnx": str(onnx_file), "trtexec": command,
                         "inputs": {n: {"profile": [list(s) for s in v]} for n, v in shapes.items()}}
             else:
-                info = build.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
+                info = engines.build_engine(builder.api, onnx_file, shapes, cfg.trt, plan, timing_cache,
                                           list(refit.refittable_weights(onnx_file)) if refittable else ())
-        # The TensorRT that built the engine is the one that must load it (build.engine_flavour).
+        # The TensorRT that built the engine is the one that must load it (engines.engine_flavour).
         record[name] = {**info, "fingerprint": fingerprint, "flavour": builder.flavour,
                         "version": builder.version, "builder": builder.tool, "fp8": fp8[name],
                         "loras": graph_meta.get("loras", []), "quantized_backbone": quantized}
         # Saved after each engine, so the engines built before an interrupted or failed build are
         # described, and reused by the next run.
-        record_file = build.save_engines_record(out, record)
+        record_file = engines.save_engines_record(out, record)
         written.append(plan)
     if written:
         written.append(record_file)
@@ -217,10 +219,10 @@ def build_engines(cfg) -> list[Path]:
 def required_onnx(out_path, family) -> dict[str, Path]:
     """The ONNX file of every graph, and of the cached backbone passes where they were exported; a
     missing one names the step that makes it."""
-    files = {name: export.onnx_path(out_path, name) for name in family.graph_names()}
+    files = {name: graphs.onnx_path(out_path, name) for name in family.graph_names()}
     for name, path in files.items():
         if not path.is_file():
             raise UserError(f"{path} does not exist: export the ONNX graphs first "
                             "(python export_trt.py run_onnx_export=true ...)")
-    cached = {name: export.onnx_path(out_path, name) for name in family.backbone_graphs() if name not in files}
+    cached = {name: graphs.onnx_path(out_path, name) for name in family.backbone_graphs() if name not in files}
     return {**files, **{name: path for name, path in cached.items() if path.is_file()}}

@@ -11,14 +11,15 @@ from omegaconf import OmegaConf
 
 import torch
 
-from .. import build, export, parallel, report
+from ..export import engines, graphs
+from .. import parallel, report
 from ..cli import stage
 from ..config import quantized_backbone, validate_infer
 from ..errors import UserError
 from ..families.pipeline import SamplingSettings
 from ..load import compute_dtype, load_pipeline, resolve_device
 from ..report import library_versions, print_summary
-from ..stages import OnnxRuntimeStage, StageTimer
+from ..runtime.stages import OnnxRuntimeStage, StageTimer
 from .settings import Sampling, checked_checkpoint, restore_quantized_backbone, settle_sampling
 
 # NeMo's engine keys, kept beside engines.<graph>: unet_xl names the backbone's engine whatever the
@@ -44,7 +45,7 @@ def run_infer(cfg) -> dict:
     if checkpoint:
         sidecar = checked_checkpoint(cfg.model, checkpoint_key, checkpoint)
         if cfg.torch_backend.quantized != "fake":
-            from ..torch_backend import check_format
+            from ..runtime.torch_backend import check_format
 
             check_format(f"{checkpoint_key}={checkpoint}", sidecar["settings"]["quantize"]["format"],
                          cfg.torch_backend.quantized)
@@ -160,7 +161,7 @@ def _onnx_file(file: StageFile) -> Path:
             raise UserError(f"{file.key}={file.path}: no such ONNX file; give an .onnx file or the engine path of an "
                             "export_trt.py output folder")
         return file.path
-    onnx_file = export.onnx_path(file.path.parent.parent, file.path.stem)
+    onnx_file = graphs.onnx_path(file.path.parent.parent, file.path.stem)
     if not onnx_file.is_file():
         raise UserError(f"{file.key}={file.path}: backend=onnxruntime runs the ONNX graph export_trt.py writes beside "
                         f"that engine, {onnx_file}, which does not exist: export it (export_trt.py "
@@ -179,14 +180,14 @@ def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: to
         return stages
     if cfg.backend == "torch":
         return _torch_stages(cfg, sampling, device)
-    from ..trt_stages import trt_stages
+    from ..runtime.trt_stages import trt_stages
 
     for name, file in files.items():
         if not file.path.is_file():
             how = (f"export_trt.py cache.method={cfg.sampling.cache.method} cache.branch={cfg.sampling.cache.branch}"
                    if name in family.backbone_graphs()[1:] else "export_trt.py")
             raise UserError(f"{file.key}={file.path}: no such engine; build it with {how}")
-    flavours = {name: build.engine_flavour(file.path) for name, file in files.items()}
+    flavours = {name: engines.engine_flavour(file.path) for name, file in files.items()}
     replayed = family.backbone_graphs() if cfg.cuda_graph else ()
     return trt_stages(flavours, {name: file.path for name, file in files.items()}, replayed)
 
@@ -194,7 +195,7 @@ def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: to
 def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
     """The diffusers modules as stages, the backbone restored from quantized_backbone where set,
     with the torch backend's settings (compile, CUDA graphs, 8-bit kernels) applied."""
-    from .. import torch_backend
+    from ..runtime import torch_backend
 
     family = sampling.family
     dtype = compute_dtype(device, gpu_dtype=family.gpu_dtype)
@@ -205,15 +206,16 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
         sidecar = restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
         backbone.to(device=device, dtype=dtype)
         if cfg.torch_backend.quantized != "fake":
-            torch_backend.convert_quantized(backbone, f"{checkpoint_key}={checkpoint}", cfg.torch_backend.quantized,
-                                            cfg.torch_backend.attention, sidecar["settings"]["quantize"]["quant_level"])
+            torch_backend.convert_quantized(backbone, family, f"{checkpoint_key}={checkpoint}",
+                                            cfg.torch_backend.quantized, cfg.torch_backend.attention,
+                                            sidecar["settings"]["quantize"]["quant_level"])
     stages = family.torch_stages(pipe, dtype, sampling.cache)
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 
 
 def _check_engine_profiles(pipeline, sampling: Sampling, runs: list[SamplingSettings]) -> None:
     """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
-    from ..trt_stages import check_within_profiles
+    from ..runtime.trt_stages import check_within_profiles
 
     profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
     networks = {name: sampling.family.network(name) for name in pipeline.stages}

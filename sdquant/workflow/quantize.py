@@ -8,9 +8,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .. import checkpoint, parallel
+from ..quantize import checkpoint
+from .. import parallel
 from ..artifacts import read_json
-from ..calibrate import activation_amax, amax_summary, quantize_backbone
+from ..quantize.calibrate import activation_amax, amax_summary, quantize_backbone
 from ..cli import stage
 from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block, validate_steps
 from ..errors import UserError
@@ -18,7 +19,7 @@ from ..families import family_of
 from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
 from ..families.networks import TOKENS
 from ..families.pipeline import say_truncated
-from ..recipe import uses_smoothquant
+from ..quantize.recipe import uses_smoothquant
 from ..report import library_versions, print_summary
 from .settings import settled_image_size
 from .export_trt import run_export

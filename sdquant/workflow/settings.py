@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, load, lora
+from ..quantize import checkpoint
+from .. import load, lora
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
 from ..families import family_of

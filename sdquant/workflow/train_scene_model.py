@@ -12,7 +12,7 @@ from ..report import print_summary
 
 def run_train_scene_model(cfg) -> Path:
     """tools/train_scene_model.py: trains the scene model and writes its diffusers folder."""
-    from ..train import train_scene_model
+    from ..quality.training import train_scene_model
 
     start = time.perf_counter()
     validate_train_scene(cfg)

@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .artifacts import atomic_path, write_json
-from .load import folder_or_hub_id
+from ..artifacts import atomic_path, write_json
+from ..load import folder_or_hub_id
 
 # The reference is the model's own backbone, unquantized, in the dtype it ran in (fp32 on a CPU).
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

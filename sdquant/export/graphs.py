@@ -9,7 +9,7 @@ from the model's tensors, as initializers. The backbone is traced on the meta de
 then computes nothing and copies no weight, which is what lets a full-size SDXL UNet export in
 well under a minute and a few GB on a CPU host. Its ModelOpt quantizers are switched off for that
 trace and their QuantizeLinear/DequantizeLinear pairs are written into the graph afterwards from
-their calibrated ranges (sdquant.insert_qdq), as ModelOpt's own ONNX export gives them.
+their calibrated ranges (sdquant.export.insert_qdq), as ModelOpt's own ONNX export gives them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import atomic_folder, read_json, write_json
-from .errors import UserError
+from ..artifacts import atomic_folder, read_json, write_json
+from ..errors import UserError
 from .insert_qdq import insert_qdq, module_path
-from .families.networks import Network
+from ..families.networks import Network
 
 ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import QuantizeBlock
-from .cuda_graphs import CapturedGraph, clone_tensors
-from .errors import UserError
-from .parallel import World, combine, shard, sum_over_ranks
-from .progress import Progress
+from ..config import QuantizeBlock
+from ..runtime.cuda_graphs import CapturedGraph, clone_tensors
+from ..errors import UserError
+from ..parallel import World, combine, shard, sum_over_ranks
+from ..progress import Progress
 from .quantizers import ATTENTION_ROLES
 from .recipe import calibration_algorithm, is_enabled, percentile_covers, uses_smoothquant
 from .shared_ranges import tie_fp8_ranges
@@ -502,7 +502,7 @@ def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, se
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
     mtq.calibrate(backbone, algorithm, forward_loop=lambda _backbone: None)
-    # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.shared_ranges).
+    # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.quantize.shared_ranges).
     tie_fp8_ranges(backbone)
     means = sum(stats.reduction == "sum" for stats in recorder.all_statistics())
     return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm, means)

@@ -1,8 +1,8 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
 CUDA graph per input shape, and a quantize.py checkpoint converted to 8-bit kernels in its own
-format: its Linear layers as FP8 tensor-core GEMMs (sdquant.fp8_layers) or INT8 integer GEMMs
-(sdquant.kernels.int8), its FP8 q/k/v projections that read one input as one GEMM and, at
-quant_level=4, its attention as FP8 attention (sdquant.attention).
+format: its Linear layers as FP8 tensor-core GEMMs (sdquant.runtime.kernels.fp8_layers) or INT8 integer GEMMs
+(sdquant.runtime.kernels.int8), its FP8 q/k/v projections that read one input as one GEMM and, at
+quant_level=4, its attention as FP8 attention (sdquant.runtime.attention).
 
 FP8 here follows ModelOpt's fake quantization number for number: a tensor is multiplied by
 448 / amax in fp32, clamped to E4M3's range and rounded to float8_e4m3fn, and the scale amax / 448
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_graphs import CapturedGraph, signature
-from .errors import UserError
-from .fp8_layers import Fp8Linear, Fp8RoundedConv2d
+from ..errors import UserError
+from .kernels.fp8_layers import Fp8Linear, Fp8RoundedConv2d
 from .kernels.fp8 import fake_fp8, fp8_scales
 from .kernels.int8 import Int8Linear, Int8RoundedConv2d, fake_int8, int8_scales
-from .quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
+from ..quantize.quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
     """A plain torch Linear or Conv2d (or `kind`, a subclass) sharing `layer`'s weights, in place
@@ -120,13 +120,13 @@ class Conversion:
     attention: int   # attention layers running FP8 attention
 
 
-def convert_quantized(backbone: torch.nn.Module, named: str, quantized: str, attention: str = "auto",
+def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: str, attention: str = "auto",
                       quant_level: float | None = None) -> Conversion:
     """Replaces every calibrated Linear and Conv2d with the layers of `quantized`'s kernels (fp8 or
     int8, the checkpoint's own format), scales taken from the checkpoint's quantizers, and every
     other quantized module class with its plain torch layer; for FP8, then gives the attention layers
-    their fused projections and, as torch_backend.attention asks, FP8 attention (sdquant.attention).
-    `named`: the config key and value that name the checkpoint, for messages."""
+    their fused projections and, as torch_backend.attention asks, FP8 attention (sdquant.runtime.attention)
+    by `family`'s processors. `named`: the config key and value that name the checkpoint, for messages."""
     from modelopt.torch.quantization.nn import QuantModule
 
     from .attention import convert_attention
@@ -153,7 +153,8 @@ def convert_quantized(backbone: torch.nn.Module, named: str, quantized: str, att
         else:
             # Norms and attention blocks, back to diffusers' class: attention's ranges are read above.
             layer.export()
-    return Conversion(len(amax), convert_attention(backbone, attention_ranges) if quantized == "fp8" else 0)
+    fp8_attention = convert_attention(backbone, attention_ranges, family.fp8_attention_processor) if quantized == "fp8" else 0
+    return Conversion(len(amax), fp8_attention)
 
 
 class GraphReplayStage:
@@ -188,7 +189,7 @@ class GraphReplayStage:
 
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
-    from .families.networks import Role
+    from ..families.networks import Role
 
     # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
     # stages that run every step or on every image.

@@ -1,6 +1,6 @@
 """Writes a quantized UNet's QuantizeLinear/DequantizeLinear pairs into its graph traced without them.
 
-The export traces the UNet on the meta device with its ModelOpt quantizers off (sdquant.export);
+The export traces the UNet on the meta device with its ModelOpt quantizers off (sdquant.export.graphs);
 this puts back, from the calibrated ranges, the Q/DQ pairs ModelOpt's own ONNX export would have
 traced, with the same scales, types, names and places: on each quantized Conv and Linear layer's
 weight (before any Transpose) and activation input, and around the two MatMuls of each attention
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
-from .quantizers import ATTENTION_ROLES, QuantizedAttention, QuantizedInput, quantized_attention, quantized_inputs
+from ..errors import UserError
+from ..quantize.quantizers import ATTENTION_ROLES, QuantizedAttention, QuantizedInput, quantized_attention, quantized_inputs
 
 LINEAR_OPS = ("Conv", "MatMul", "Gemm")
 

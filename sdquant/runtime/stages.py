@@ -3,7 +3,7 @@ stage returns named tensors, with the names of the ONNX graphs (each family's ne
 SDXL's clip1: input_ids -> hidden_states; unet_xl: x, timesteps, context, y -> out; vae: latent
 -> images). Here the ``onnxruntime`` stage (the ONNX files) and the ``torch`` stage (the diffusers
 modules, wrapped as the export wraps them), and the timer of stage calls; the TensorRT engines'
-stage is in sdquant.trt_stages, and each family builds its torch stages (ModelFamily.torch_stages).
+stage is in sdquant.runtime.trt_stages, and each family builds its torch stages (ModelFamily.torch_stages).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
-from .export import check_graph_file
-from .families.networks import Network
+from ..errors import UserError
+from ..export.graphs import check_graph_file
+from ..families.networks import Network
 
 
 class OnnxRuntimeStage:

@@ -15,17 +15,11 @@ import torch
 from .quantizers import is_fp8_attention
 
 
-def _attention_classes() -> tuple[type, type]:
-    from diffusers.models.attention_processor import Attention
-    from diffusers.models.transformers.transformer_flux import FluxAttention
-
-    return Attention, FluxAttention
-
-
 def attention_layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The UNet (Attention) and Flux (FluxAttention) attention layers of `root`, by name."""
-    classes = _attention_classes()
-    return [(name, module) for name, module in root.named_modules() if isinstance(module, classes)]
+    """The attention layers of `root` by name: diffusers' attention modules, whatever their class,
+    with their q, k and v projections as layers of their own."""
+    return [(name, module) for name, module in root.named_modules()
+            if all(isinstance(getattr(module, projection, None), torch.nn.Module) for projection in QKV[0])]
 
 
 # Projections that read one input, and the name diffusers gives their fused layer.
@@ -35,14 +29,13 @@ ADDED_QKV = (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
 
 
 def projection_groups(attention: torch.nn.Module) -> list[tuple[tuple[str, ...], str]]:
-    """The groups of projections of `attention` that read one input: q, k and v of self-attention
-    and of each stream of a joint attention; k and v of cross-attention."""
-    attention_class, flux_class = _attention_classes()
-    if isinstance(attention, flux_class):
-        return [QKV, ADDED_QKV] if attention.added_kv_proj_dim is not None else [QKV]
-    if isinstance(attention, attention_class):
-        return [KV] if attention.is_cross_attention else [QKV]
-    return []
+    """The groups of projections of `attention` that read one input: q, k and v of self-attention,
+    k and v of cross-attention (q reads the image, k and v the text), and q, k and v of a joint
+    attention's text stream (its added projections)."""
+    groups = [KV] if getattr(attention, "is_cross_attention", False) else [QKV]
+    if isinstance(getattr(attention, ADDED_QKV[0][0], None), torch.nn.Module):
+        groups.append(ADDED_QKV)
+    return groups
 
 
 def output_groups(attention: torch.nn.Module) -> list[tuple[str, ...]]:

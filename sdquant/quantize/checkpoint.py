@@ -13,12 +13,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from . import lora
-from .artifacts import atomic_path, read_json, write_json
-from .config import plain
-from .errors import UserError
-from .families import family_of
-from .load import calibration_prompts_file
+from .. import lora
+from ..artifacts import atomic_path, read_json, write_json
+from ..config import plain
+from ..errors import UserError
+from ..families import family_of
+from ..load import calibration_prompts_file
 
 UNET_FILE = "unet.mto"
 SIDECAR_FILE = "unet.json"

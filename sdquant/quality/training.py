@@ -1,6 +1,6 @@
 """Training stage: a built-in scene model, a pipeline of any family with a scene architecture
 (SDXL's and Flux's so far), trained from scratch on captioned scenes of one and two objects
-(``sdquant.scenes``) with diffusers' and transformers' own classes.
+(``sdquant.quality.scenes``) with diffusers' and transformers' own classes.
 
 Two phases, as latent diffusion is trained: first the AutoencoderKL on the images alone, until its
 reconstructions keep every attribute; then the denoiser and its text encoders together on the
@@ -26,14 +26,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from . import scenes
-from .artifacts import atomic_folder
-from .cli import stage
-from .errors import UserError
-from .config import plain
-from .families import family_of
-from .families.training import autocast
-from .progress import Progress
-from .report import library_versions
+from ..artifacts import atomic_folder
+from ..cli import stage
+from ..errors import UserError
+from ..config import plain
+from ..families import family_of
+from ..families.training import autocast
+from ..progress import Progress
+from ..report import library_versions
 
 TRAINING_RECORD = "training.json"
 LOSS_LOG = "loss_log.csv"
@@ -213,7 +213,7 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
 def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int,
                        call_kwargs: dict) -> dict:
     """The trained pipeline's prompt adherence on held-out scenes, with diffusers' own sampler."""
-    from .quality import adherence, adherence_summary
+    from .scoring import adherence, adherence_summary
 
     rows = []
     batch = 16

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import QuantFormat
+from ..config import QuantFormat
 
 # ModelOpt's attention quantizers: q, k and v where they enter attention, and softmax's output.
 ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")
@@ -79,7 +79,7 @@ def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -
     return entries
 
 
-# What quantize.py ties after calibrating FP8 (sdquant.shared_ranges), named in the fingerprint of the
+# What quantize.py ties after calibrating FP8 (sdquant.quantize.shared_ranges), named in the fingerprint of the
 # checkpoints it changes.
 SHARED_FP8_RANGES = "q/k/v weights reading one input; the outputs of a joint FP8 attention"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.exact import KeepsExactTensors
-from .kernels.fp8 import fake_fp8, fp8_scales, to_fp8
+from .exact import KeepsExactTensors
+from .fp8 import fake_fp8, fp8_scales, to_fp8
 
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16
@@ -43,7 +43,7 @@ class Fp8Linear(KeepsExactTensors, torch.nn.Module):
     def stacked(cls, layers: list["Fp8Linear"]) -> "Fp8Linear | None":
         """One GEMM for layers that read one input: their weights and biases stacked along the
         outputs, so its output is theirs side by side. None unless they share their weight and input
-        scales, as quantize.py ties them (sdquant.shared_ranges)."""
+        scales, as quantize.py ties them (sdquant.quantize.shared_ranges)."""
         first = layers[0]
         if not all(torch.equal(layer.weight_scale, first.weight_scale) and torch.equal(layer.input_scale, first.input_scale)
                    and (layer.bias is None) == (first.bias is None) for layer in layers):
@@ -58,18 +58,26 @@ class Fp8Linear(KeepsExactTensors, torch.nn.Module):
         # (FP8 attention), so it goes into the GEMM as it is.
         if rows.dtype != torch.float8_e4m3fn:
             rows = to_fp8(rows, self.input_inverse_scale)
+        if not rows.is_cuda:
+            return self._twin(rows).reshape(*x.shape[:-1], self.out_features)
         pad = -rows.shape[0] % GEMM_ALIGNMENT
         if pad:
             # Padded through its bytes, which every device can pad: zero bytes are FP8 zeros.
             rows = F.pad(rows.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-        # Fast accumulation on GPUs, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's
-        # FP8 tensor cores then skip the periodic promotion to full fp32 along K. The CPU kernel's
-        # fast path rounds more (0.8 dB on the tiny UNet) and gains nothing there.
+        # Fast accumulation, as FP8 inference kernels (torchao's, TensorRT's) run: Hopper's FP8 tensor
+        # cores then skip the periodic promotion to full fp32 along K.
         out = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                               bias=self.bias, out_dtype=self.out_dtype, use_fast_accum=rows.is_cuda)
+                               bias=self.bias, out_dtype=self.out_dtype, use_fast_accum=True)
         if pad:
             out = out[:-pad]
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _twin(self, rows: torch.Tensor) -> torch.Tensor:
+        """The GEMM's products of FP8 values summed in the model's precision: what ModelOpt's fake
+        quantization computes. CPUs have no fast FP8 GEMM (oneDNN's reference one takes seconds for
+        one), so a CPU runs this twin, which the GPU tests hold the tensor-core GEMM against."""
+        return F.linear((rows.float() * self.input_scale).to(self.out_dtype),
+                        (self.weight_fp8.float() * self.weight_scale).to(self.out_dtype), self.bias)
 
 
 class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipe import SOFTMAX_AMAX
+from ...quantize.recipe import SOFTMAX_AMAX
 from .fp8 import fake_fp8, fp8_scales, to_fp8
 
 FP8 = torch.float8_e4m3fn

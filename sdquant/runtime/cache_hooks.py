@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 TAYLORSEER_METHODS = ("taylorseer", "taylorseer_blocks")
 # The transformer's block stacks, in the order its forward runs them (Flux: double-stream, then single).

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .artifacts import atomic_path
-from .errors import UserError
-from .lora import describe
+from ..artifacts import atomic_path
+from ..errors import UserError
+from ..lora import describe
 
 # The weights a refit can replace, by ONNX TensorProto element type and TensorRT DataType name.
 ONNX_FLOAT_TYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
@@ -74,7 +74,7 @@ def refit_sources(expected: dict[str, tuple[torch.dtype, int]],
 def refit_engine(flavour, plan: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Writes `tensors` into the engine at `plan` with TensorRT's Refitter and saves it in place;
     returns how many weights were refitted. Needs the GPU the engine was built for."""
-    from .trt_stages import deserialize
+    from ..runtime.trt_stages import deserialize
 
     trt = flavour.module
     logger = trt.Logger(trt.Logger.WARNING)

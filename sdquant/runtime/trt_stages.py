@@ -1,4 +1,4 @@
-"""The TensorRT stage (GPU only): each engine as a stage (sdquant.stages' interface) on the
+"""The TensorRT stage (GPU only): each engine as a stage (sdquant.runtime.stages' interface) on the
 caller's CUDA stream, one device-memory block shared by all engines, optional CUDA graph replay
 per input shape, and the check of a run against the engines' profiles before any work.
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .build import Flavour, built_by, engine_record
+from ..export.engines import Flavour, built_by, engine_record
 from .cuda_graphs import CapturedGraph, signature
-from .errors import UserError
-from .families.networks import BATCH, CONTEXT, TOKENS, Network
+from ..errors import UserError
+from ..families.networks import BATCH, CONTEXT, TOKENS, Network
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}

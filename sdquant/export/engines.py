@@ -21,10 +21,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .artifacts import atomic_path, read_json, write_json
-from .errors import UserError
-from .interrupts import interrupts_deferred
-from .families.networks import BATCH, Network, Role
+from ..artifacts import atomic_path, read_json, write_json
+from ..errors import UserError
+from ..interrupts import interrupts_deferred
+from ..families.networks import BATCH, Network, Role
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"

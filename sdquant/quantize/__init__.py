@@ -1,0 +1,1 @@
+"""Quantization: the recipe's levels, calibration over denoising steps, and the checkpoint."""

@@ -1,0 +1,127 @@
+"""The attention layers of a checkpoint that torch_backend.quantized=fp8 converts: the q/k/v
+projections that read one input as one FP8 GEMM, and, where the checkpoint calibrated attention
+(quant_level=4), attention itself as FP8 (sdquant.runtime.kernels.fp8_attention), its FP8 output
+going into the next FP8 GEMM as it is.
+
+Each family gives the processor that runs its attention so (ModelFamily.fp8_attention_processor):
+diffusers' own processor for that attention step for step (the same reshapes, q/k norms, rotary
+embedding, order of the text and image tokens and split of the output) over `project` and
+`attend` here. An attention whose ranges say FP8 quantizes q, k and v where they enter attention
+with those ranges; the output is rounded with the input range of the layer that reads it (to_out,
+or the block's proj_out where the attention has none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from .kernels.fp8_layers import Fp8Linear
+from .kernels.exact import KeepsExactTensors
+from .kernels.fp8 import fp8_scales, to_fp8
+from .kernels.fp8_attention import fp8_attention
+from ..quantize.shared_ranges import attention_layers, output_groups, projection_groups
+
+FP8_ATTENTION = "fp8_attention"
+
+
+class Fp8Attention(KeepsExactTensors, torch.nn.Module):
+    """One attention layer's FP8 attention: the ranges of its q, k and v where they enter attention,
+    and the input range of the layer that reads its output."""
+
+    exact = ("q_inverse_scale", "q_scale", "k_inverse_scale", "k_scale", "v_inverse_scale", "v_scale",
+             "out_inverse_scale", "out_scale")
+
+    def __init__(self, amax: dict[str, torch.Tensor], reader: Fp8Linear):
+        super().__init__()
+        device = reader.input_scale.device
+        for role in ("q", "k", "v"):
+            inverse, scale = fp8_scales(amax[role])
+            self.register_buffer(f"{role}_inverse_scale", inverse.to(device))
+            self.register_buffer(f"{role}_scale", scale.to(device))
+        self.register_buffer("out_inverse_scale", reader.input_inverse_scale.clone())
+        self.register_buffer("out_scale", reader.input_scale.clone())
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output."""
+        return fp8_attention(
+            to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale), to_fp8(value, self.v_inverse_scale),
+            self.q_scale, self.k_scale, self.v_scale, query.shape[-1] ** -0.5, self.out_inverse_scale)
+
+    def dequantize(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """For a reader that takes it in the model's precision: its FP8 input quantizer rounds these
+        values back to the very same FP8 ones."""
+        return (out.float() * self.out_scale).to(dtype)
+
+
+def project(attn, x: torch.Tensor, group: tuple[tuple[str, ...], str]) -> tuple[torch.Tensor, ...]:
+    """The group's projections of `x`, by its fused GEMM where the conversion made one."""
+    names, fused_name = group
+    fused = getattr(attn, fused_name, None)
+    if fused is not None:
+        return fused(x).chunk(len(names), dim=-1)
+    return tuple(getattr(attn, name)(x) for name in names)
+
+
+def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, head_dim) attention: FP8 where the layer has its ranges, else in the
+    model's precision, as diffusers runs it."""
+    fp8 = getattr(attn, FP8_ATTENTION, None)
+    return F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value)
+
+
+def no_mask(attention_mask) -> None:
+    if attention_mask is not None:
+        raise ValueError("a converted attention layer takes no attention mask (no sdquant pipeline passes one)")
+
+
+def _fuse(attn, group: tuple[tuple[str, ...], str]) -> bool:
+    """Replaces the group's FP8 layers with one GEMM where their scales allow (see Fp8Linear.stacked)."""
+    names, fused_name = group
+    layers = [getattr(attn, name) for name in names]
+    stacked = Fp8Linear.stacked(layers) if all(isinstance(layer, Fp8Linear) for layer in layers) else None
+    if stacked is None:
+        return False
+    setattr(attn, fused_name, stacked)
+    for name in names:
+        delattr(attn, name)
+    return True
+
+
+def _output_reader(backbone, name: str, attn) -> Fp8Linear:
+    """The FP8 layer whose input range the attention output is rounded with: to_out (which a joint
+    attention's to_add_out must share, as quantize.py ties them), or for an attention without one (a
+    Flux single block's) its block's proj_out."""
+    if isinstance(getattr(attn, "to_out", None), torch.nn.ModuleList):
+        readers = [attn.get_submodule(layer) for group in output_groups(attn) for layer in group] or [attn.to_out[0]]
+    else:
+        readers = [backbone.get_submodule(name.rpartition(".")[0]).proj_out]
+    first = readers[0]
+    if not all(isinstance(reader, Fp8Linear) and torch.equal(reader.input_scale, first.input_scale) for reader in readers):
+        raise UserError(f"{name}: FP8 attention needs the layers reading its output to be FP8 layers sharing one "
+                        "input range, which quantize.py ties from this version on: quantize the checkpoint again, or "
+                        "set torch_backend.attention=fp16")
+    return first
+
+
+def convert_attention(backbone: torch.nn.Module, ranges: dict[str, dict[str, torch.Tensor]], processor_for) -> int:
+    """Gives each attention layer of `backbone` (whose Linear layers are already Fp8Linear) its
+    fused projections and, where `ranges` names it ({layer: q, k, v amax}), FP8 attention, run by
+    the processor `processor_for(layer)` gives (its family's; None: the layer stays as it is);
+    returns how many run FP8 attention."""
+    fp8_layers = 0
+    for name, attn in attention_layers(backbone):
+        processor = processor_for(attn)
+        if processor is None:
+            if name in ranges:
+                raise UserError(f"{name}: FP8 attention runs diffusers' default attention processors only, and this "
+                                f"layer runs {type(attn.processor).__name__}: set torch_backend.attention=fp16")
+            continue
+        fused = [_fuse(attn, group) for group in projection_groups(attn)]
+        if name in ranges:
+            attn.add_module(FP8_ATTENTION, Fp8Attention(ranges[name], _output_reader(backbone, name, attn)))
+            fp8_layers += 1
+        if any(fused) or name in ranges:
+            attn.set_processor(processor)
+    return fp8_layers
