@@ -284,7 +284,7 @@ class InferApp:
     # export_trt.py's engines: each graph's <engine_dir>/<graph>.plan, and for backend=onnxruntime
     # its ONNX file <engine_dir>/../onnx/<graph>/model.onnx.
     engine_dir: str = "sdxl_export/plan"
-    # A graph's engine (or .onnx file) from elsewhere, by graph name: engines.transformer=<file>.
+    # A graph's engine (or .onnx file) from elsewhere, by graph name: +engines.transformer=<file>.
     engines: dict[str, str] = field(default_factory=dict)
     # NeMo's keys, kept: unet_xl names the backbone's engine, clip1, clip2 and vae SDXL's others.
     unet_xl: Optional[str] = None

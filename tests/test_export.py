@@ -14,6 +14,7 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant.quantize import checkpoint
 from sdquant.export import graphs
+from sdquant.families.encoders import ClipGraph, VaeDecoderGraph
 from sdquant.families.sd import UNetGraph
 from sdquant.families.sdxl import SDXL, sdxl_y
 from sdquant.errors import UserError
@@ -79,10 +80,10 @@ def test_fp32_graphs_match_pytorch(fp32_export, tiny_pipeline):
     pipe = tiny_pipeline()
     ids = np.random.default_rng(1).integers(0, 500, (BATCH, 77)).astype(np.int32)
     with torch.no_grad():
-        clip1 = graphs.TextEncoderGraph(pipe.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
-        clip2 = graphs.TextEncoderGraph(pipe.text_encoder_2, penultimate=True, pooled=True)(torch.from_numpy(ids))
+        clip1 = ClipGraph(pipe.text_encoder, penultimate=True)(torch.from_numpy(ids))
+        clip2 = ClipGraph(pipe.text_encoder_2, penultimate=True, pooled=True)(torch.from_numpy(ids))
         latent = torch.randn(BATCH, 4, LATENT, LATENT)
-        image = graphs.VaeDecoderGraph(pipe.vae)(latent)
+        image = VaeDecoderGraph(pipe.vae)(latent)
     out = cfg.infer.out_path
     assert _rel_err(_session(graphs.onnx_path(out, "clip1")).run(None, {"input_ids": ids})[0], clip1) < 1e-5
     hidden, pooled = _session(graphs.onnx_path(out, "clip2")).run(None, {"input_ids": ids})
@@ -280,13 +281,13 @@ def test_qdq_written_by_the_export_match_modelopts_own(quantize_cfg, tiny_pipeli
     assert spec.on_meta
     graphs.export_graph(spec, tmp_path / "inserted", 19, {}, dtype)
     graphs.export_graph(dataclasses.replace(spec, on_meta=False), tmp_path / "modelopt", 19, {}, dtype)
-    graphs = {name: onnx.load(str(tmp_path / name / graphs.ONNX_FILE)) for name in ("inserted", "modelopt")}
-    ops = {name: _op_counts(model) for name, model in graphs.items()}
+    exported = {name: onnx.load(str(tmp_path / name / graphs.ONNX_FILE)) for name in ("inserted", "modelopt")}
+    ops = {name: _op_counts(model) for name, model in exported.items()}
     assert ops["inserted"]["QuantizeLinear" if fmt == "int8" else "TRT_FP8QuantizeLinear"] > 0
     assert ops["inserted"] == ops["modelopt"]
     if fmt == "int8":
         feeds = _unet_feeds(pipe.unet)
-        inserted, modelopt = (_session(tmp_path / name / graphs.ONNX_FILE).run(None, feeds)[0] for name in graphs)
+        inserted, modelopt = (_session(tmp_path / name / graphs.ONNX_FILE).run(None, feeds)[0] for name in exported)
         assert _rel_err(inserted, modelopt) < 1e-5
 
 

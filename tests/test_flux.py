@@ -15,6 +15,7 @@ import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant.cli import exits_cleanly
+from sdquant.export import graphs
 from sdquant.errors import EXIT_USER_ERROR
 from sdquant.load import load_pipeline, resolve_device
 from sdquant.workflow.evaluate import run_evaluate
@@ -114,12 +115,11 @@ def test_onnx_graphs_run_as_torch_and_int8_as_fake_quantization(tmp_path, checkp
     run_export(compose_config("sd_xl_export", ["model=tiny_flux", "device=cpu", f"infer.out_path={fp32}",
                                                "onnx.precision=fp32", "run_trt_export=false"]))
     assert {path.parent.name for path in (fp32 / "onnx").glob("*/model.onnx")} == {"clip", "t5", "transformer", "vae"}
-    graph = onnx.load(str(export.onnx_path(fp32, "transformer")), load_external_data=False)
+    graph = onnx.load(str(graphs.onnx_path(fp32, "transformer")), load_external_data=False)
     assert [i.name for i in graph.graph.input] == ["hidden_states", "encoder_hidden_states", "pooled_projections",
                                                    "timestep", "img_ids", "txt_ids", "guidance"]
-    plans = {name: fp32 / "plan" / f"{name}.plan" for name in ("clip", "t5", "transformer", "vae")}
-    keys = [f"{name}={plan}" for name, plan in plans.items()]
-    ours = _infer(tmp_path / "ort", "backend=onnxruntime", *keys)
+    ours = _infer(tmp_path / "ort", "backend=onnxruntime", f"+engines.transformer={fp32 / 'plan/transformer.plan'}",
+                  f"engine_dir={fp32 / 'plan'}")
     torch_images = _infer(tmp_path / "torch", "backend=torch")
     assert np.abs(ours.astype(int) - torch_images.astype(int)).max() <= 1
 
@@ -130,7 +130,7 @@ def test_onnx_graphs_run_as_torch_and_int8_as_fake_quantization(tmp_path, checkp
     report = run_evaluate(compose_config("sd_xl_evaluate", [
         "model=tiny_flux", "device=cpu", f"out_path={tmp_path / 'quality'}", f"sampling.prompts={json.dumps(PROMPTS)}",
         f"sampling.steps={STEPS}", f"+variants.fake={checkpoints['int8_l3']}",
-        f"+variants.onnx={export.onnx_path(int8, 'transformer')}"]))
+        f"+variants.onnx={graphs.onnx_path(int8, 'transformer')}"]))
     fake, graph_run = report["variants"]["fake"], report["variants"]["onnx"]
     assert all(np.isfinite(row["psnr"]) for row in fake["per_prompt"])
     # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
@@ -149,7 +149,7 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
     assert record["transformer"]["fp8"] == recipe.startswith("fp8")
     hidden = record["transformer"]["inputs"]["hidden_states"]["profile"]
     assert hidden == [[1, 16, 64], [1, 16, 64], [2, 16, 64]], "batch 1..2, 16 packed tokens of a 64x64 image"
-    graph = onnx.load(str(export.onnx_path(out, "transformer")), load_external_data=False)
+    graph = onnx.load(str(graphs.onnx_path(out, "transformer")), load_external_data=False)
     kinds = collections.Counter(node.op_type for node in graph.graph.node)
     quantize = "TRT_FP8QuantizeLinear" if recipe.startswith("fp8") else "QuantizeLinear"
     # One Q/DQ per quantized weight and input (34 Linear layers), FP8 attention adds 4 per layer.

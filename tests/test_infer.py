@@ -27,10 +27,8 @@ def _export(out, *overrides, model="tiny_sdxl"):
 
 
 def _infer_cfg(export_dir, out, *overrides, model="tiny_sdxl"):
-    unet = "unet_xl" if model == "tiny_sdxl" else "unet"
-    plans = [f"{name}={export_dir}/plan/{name}.plan" for name in ("clip1", "clip2", "vae")]
     return compose_config("sd_xl_trt_inference", [
-        f"model={model}", *plans, f"unet_xl={export_dir}/plan/{unet}.plan", f"out_path={out}", "device=cpu",
+        f"model={model}", f"engine_dir={export_dir}/plan", f"out_path={out}", "device=cpu",
         "backend=onnxruntime", f"sampling.prompts=['{PROMPT}']", f"sampling.steps={STEPS}",
         "sampling.width=64", "sampling.height=64", "num_warmup_runs=0", *overrides])
 
@@ -76,8 +74,8 @@ def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):
     assert 0 < saved["ms"]["end_to_end"] and saved["images_per_second"] > 0
     assert latency["backend"] == "onnxruntime"
     assert saved["setup_seconds"] >= 0
-    # The settings name the engines of the model's own family, not Flux's.
-    assert {"clip1", "clip2", "unet_xl", "vae"} <= set(saved["settings"]) and "transformer" not in saved["settings"]
+    # The settings name the files of the model's own graphs, not Flux's.
+    assert set(saved["settings"]["stage_files"]) == {"clip1", "clip2", "unet_xl", "vae"}
     info = Image.open(tmp_path / "image_000_00.png").text
     assert info["prompt"] == PROMPT and info["seed"] == "42" and info["steps"] == str(STEPS)
     assert "unet_xl=" in info["engines"]
@@ -140,17 +138,17 @@ def test_trt_backend_without_gpu_says_so(tmp_path, model_cache):
 
 
 def test_missing_onnx_file_is_named(tmp_path, model_cache):
-    with pytest.raises(UserError, match="does not exist: run export_trt.py first"):
+    with pytest.raises(UserError, match=r"clip1.plan: .*clip1/model.onnx, which does not exist: export it"):
         run_infer(_infer_cfg(tmp_path / "nothing", tmp_path))
 
 
 def test_missing_engine_is_named(tmp_path, model_cache):
-    with pytest.raises(UserError, match=r"clip1=.*clip1.plan: no such engine"):
+    with pytest.raises(UserError, match=r"engine_dir=.*clip1.plan: no such engine"):
         run_infer(_infer_cfg(tmp_path / "nothing", tmp_path, "backend=trt"))
 
 
 def test_non_finite_vae_output_warns_naming_the_vae():
     with pytest.warns(UserWarning, match="the VAE produced NaN"):
         warn_if_not_finite(torch.zeros(1, 4, 8, 8), torch.tensor([[float("inf")]]))
-    with pytest.warns(UserWarning, match="the UNet produced NaN"):
+    with pytest.warns(UserWarning, match="the backbone produced NaN"):
         warn_if_not_finite(torch.tensor([float("nan")]), torch.zeros(1))

@@ -15,6 +15,7 @@ from onnx import numpy_helper
 from sdquant.export import engines, graphs, refit
 from sdquant.quantize import checkpoint
 from sdquant import lora
+from sdquant.families.encoders import ClipGraph
 from sdquant.families.sdxl import SDXL
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
@@ -243,7 +244,7 @@ def test_quantized_export_takes_the_adapter_into_the_text_encoders_only(quantize
     clip1 = _session(graphs.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     with torch.no_grad():
-        expected = graphs.TextEncoderGraph(fused.text_encoder, penultimate=True, pooled=False)(torch.from_numpy(ids))
+        expected = ClipGraph(fused.text_encoder, penultimate=True)(torch.from_numpy(ids))
     assert _rel_err(clip1, expected.numpy()) < 1e-5
 
 
@@ -315,7 +316,7 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
 def test_refit_refuses_engines_that_cannot_take_other_adapters(tmp_path):
     held, wanted = [{"sha256": "a" * 64, "scale": 1.0}], [{"sha256": "b" * 64, "scale": 1.0}]
     plan = tmp_path / "unet_xl.plan"
-    with pytest.raises(UserError, match="8-bit UNet .* needs quantize.py with them"):
+    with pytest.raises(UserError, match="is an 8-bit backbone made with .* needs quantize.py with them"):
         refit.needs_refit({"loras": held, "refittable": False, "quantized_unet": "q/int8"}, plan, wanted)
     with pytest.raises(UserError, match="built without trt.refittable=true"):
         refit.needs_refit({"loras": held, "refittable": False, "quantized_unet": None}, plan, wanted)

@@ -236,10 +236,10 @@ def _hooked_velocities(transformer, config, steps: int = 6) -> torch.Tensor:
 def test_predicting_only_the_last_block_draws_what_predicting_every_block_draws():
     from diffusers.hooks import TaylorSeerCacheConfig
 
-    from sdquant.synthetic import build_tiny_flux
+    from sdquant.families.flux import FLUX
     from sdquant.runtime.cache_hooks import HookCache
 
-    transformer = build_tiny_flux().transformer.eval()
+    transformer = FLUX.build_pipeline(FLUX.sizes["tiny"]).transformer.eval()
     block_gemms = []
     for stack in ("transformer_blocks", "single_transformer_blocks"):
         for layer in getattr(transformer, stack).modules():

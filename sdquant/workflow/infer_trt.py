@@ -109,7 +109,7 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
     for graph, file in given.items():
         if graph not in graphs:
             raise UserError(f"{file.key}={file.path}: model={cfg.model.name} has no {graph} graph; its graphs are "
-                            f"{', '.join(graphs)} (engines.<graph>=<file>)")
+                            f"{', '.join(graphs)} (+engines.<graph>=<file>)")
     files = {graph: given.get(graph, StageFile("engine_dir", Path(cfg.engine_dir).expanduser() / f"{graph}.plan"))
              for graph in graphs}
     backbone = files[family.backbone.graph]
