@@ -84,6 +84,13 @@ def prompt_windows(tokenizer, prompt: str) -> list[list[int]]:
             for piece in pieces]
 
 
+def padded_ids(tokenizer, texts: list[str], length: int, device: torch.device) -> torch.Tensor:
+    """(texts, length) int32 token ids, each text cut or padded to `length` with the tokenizer's own
+    start and end tokens, as diffusers' DiT pipelines tokenize for CLIP and T5."""
+    ids = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+    return ids.to(device=device, dtype=torch.int32)
+
+
 def dropped_words(tokenizers: list, prompt: str) -> str:
     """What cutting `prompt` to one CLIP window drops, as text; empty when it fits."""
     for tokenizer in tokenizers:
