@@ -100,6 +100,11 @@ def dropped_words(tokenizers: list, prompt: str) -> str:
     return ""
 
 
+def shortened(prompt: str) -> str:
+    """A prompt as a warning shows it: up to 60 characters."""
+    return prompt if len(prompt) <= 60 else prompt[:57] + "..."
+
+
 def say_truncated(tokenizers: list, prompts: list[str], told: set[str], keep_them: str) -> int:
     """Says once per prompt (those in `told` are not said again) that a prompt is cut to CLIP's
     window and which words it loses; `keep_them` says how to keep them. Returns how many of
@@ -112,8 +117,7 @@ def say_truncated(tokenizers: list, prompts: list[str], told: set[str], keep_the
         cut += 1
         if prompt not in told:
             told.add(prompt)
-            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-            print(f"warning: prompt {shown!r} is longer than CLIP's {TOKENS} tokens and is cut, dropping "
+            print(f"warning: prompt {shortened(prompt)!r} is longer than CLIP's {TOKENS} tokens and is cut, dropping "
                   f"{dropped!r}; {keep_them}", file=sys.stderr, flush=True)
     return cut
 

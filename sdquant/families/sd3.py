@@ -13,7 +13,6 @@ the scheduler's 0..1000 scale, in fp32 as the pipeline hands it; it gives the ve
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import types
@@ -28,7 +27,7 @@ from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .flux import calculate_shift
 from .networks import BATCH, HEIGHT, LATENT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
-from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated
+from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, shortened
 
 # The MMDiT's levels (every layer of its blocks is a Linear, so there is no level 1): 2 the
 # feed-forward layers of both streams; 2.5 + the q/k/v projections of the joint attention (image
@@ -75,23 +74,14 @@ def sd3_axis_sizes(latent_height: int, latent_width: int, t5_tokens: int) -> dic
     return {HEIGHT: latent_height, WIDTH: latent_width, TEXT_TOKENS: t5_tokens, JOINT_TOKENS: TOKENS + t5_tokens}
 
 
-def _cropped_pos_embed(self, height, width):
-    """PatchEmbed's crop of its position grid to the latent's patches, centred, with the offsets
-    computed by tensor ops on the traced sizes: diffusers' Python slice bounds would pin the graph
-    to the traced image size."""
-    side = self.pos_embed_max_size
-    rows, columns = height // self.patch_size, width // self.patch_size
-    device = self.pos_embed.device
-    grid = self.pos_embed.unflatten(1, (side, side))
-    grid = grid.index_select(1, torch.arange(rows, device=device) + (side - rows) // 2)
-    grid = grid.index_select(2, torch.arange(columns, device=device) + (side - columns) // 2)
-    return grid.flatten(1, 2)
-
-
 class TransformerGraph(torch.nn.Module):
     """SD3Transformer2DModel with diffusers' inputs. Its stage hands the timestep over as the
     pipeline does, in fp32 (bf16 would round t near 1000 by up to 2), and the graph casts the
-    other inputs to the transformer's precision itself."""
+    other inputs to the transformer's precision itself.
+
+    It traces with the latent's sides dynamic as it is: the crop of PatchEmbed's position grid and
+    the unpatchifying reshape compute from the input's shape, which the tracer records as shape
+    ops (the graph equals torch at latent sizes other than the traced one)."""
 
     # The timestep's Fourier features build their frequencies with arange on the timestep's device:
     # for a meta trace it stays on the CPU and only its embedding moves to meta.
@@ -104,17 +94,6 @@ class TransformerGraph(torch.nn.Module):
 
     def host_modules(self) -> list[torch.nn.Module]:
         return [self.transformer.time_text_embed.time_proj]
-
-    @contextlib.contextmanager
-    def traceable(self):
-        """For the ONNX trace: the position grid cropped with tensor ops, so the latent's sides stay
-        dynamic."""
-        patch_embed = self.transformer.pos_embed
-        patch_embed.cropped_pos_embed = types.MethodType(_cropped_pos_embed, patch_embed)
-        try:
-            yield
-        finally:
-            del patch_embed.cropped_pos_embed
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         return self.transformer(hidden_states=hidden_states.to(self.dtype),
@@ -202,7 +181,7 @@ class SD3TextToImage(TextToImage):
             if len(ids) > self.text_tokens and text not in self.told_t5:
                 self.told_t5.add(text)
                 dropped = self.t5_tokenizer.decode(ids[self.text_tokens - 1:], skip_special_tokens=True)
-                print(f"warning: prompt {text[:57]!r} is longer than T5's {self.text_tokens} tokens and is cut, "
+                print(f"warning: prompt {shortened(text)!r} is longer than T5's {self.text_tokens} tokens and is cut, "
                       f"dropping {dropped!r}, as diffusers does", file=sys.stderr, flush=True)
 
     def encode(self, settings: SamplingSettings, timer) -> tuple[torch.Tensor, torch.Tensor]:
