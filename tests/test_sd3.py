@@ -288,4 +288,9 @@ def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, mode
         "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.width=72", f"out_path={tmp_path / 'images'}"]),
         capsys)
     assert "sampling.width=72 must be a positive multiple of 16, the model's VAE scale factor times its 2x2" in err
+    # diffusers 0.42's SD3Transformer2DModel has no cache hooks (CacheMixin): refused before any work.
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.cache.method=first_block",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert "sampling.cache.method=first_block: model=tiny_sd3's transformer takes none" in err
     assert not any((tmp_path / name).exists() for name in ("q", "images", "export"))
