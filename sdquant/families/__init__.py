@@ -19,9 +19,10 @@ from .names import Family
 def _registry() -> dict[Family, ModelFamily]:
     from .flux import FLUX
     from .sd import SD
+    from .sd3 import SD3
     from .sdxl import SDXL
 
-    return {Family.sdxl: SDXL, Family.sd15: SD, Family.sd2: SD, Family.flux: FLUX}
+    return {Family.sdxl: SDXL, Family.sd15: SD, Family.sd2: SD, Family.flux: FLUX, Family.sd3: SD3}
 
 
 def family_of(family) -> ModelFamily:

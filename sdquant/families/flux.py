@@ -23,7 +23,7 @@ from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
-from .pipeline import SamplingSettings, TextToImage, say_truncated
+from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated
 
 # The DiT's levels (every layer is a Linear, so there is no level 1): 2 the feed-forward layers of
 # both streams and the single blocks' MLP input projection; 2.5 + the q/k/v projections of both
@@ -202,18 +202,14 @@ class FluxTextToImage(TextToImage):
         """Unpacked noise (B, C, h, w), as diffusers draws it before packing."""
         return (len(settings.image_prompts), self.backbone_config.in_channels // 4, *self.latent_size(settings))
 
-    def _ids(self, tokenizer, texts: list[str], length: int) -> torch.Tensor:
-        ids = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
-        return ids.to(device=self.device, dtype=torch.int32)
-
     def encode(self, settings: SamplingSettings, timer) -> tuple[torch.Tensor, torch.Tensor]:
         """T5's hidden states and CLIP's pooled embedding of each prompt, one per image."""
         say_truncated([self.clip_tokenizer], list(settings.prompts), self.told,
                       "Flux's pooled embedding reads only CLIP's window, as diffusers does")
-        pooled = timer.time("clip", self.stages["clip"], input_ids=self._ids(
-            self.clip_tokenizer, list(settings.prompts), self.clip_tokenizer.model_max_length))["pooled"]
-        hidden = timer.time("t5", self.stages["t5"], input_ids=self._ids(
-            self.t5_tokenizer, list(settings.prompts), self.text_tokens))["hidden_states"]
+        pooled = timer.time("clip", self.stages["clip"], input_ids=padded_ids(
+            self.clip_tokenizer, list(settings.prompts), self.clip_tokenizer.model_max_length, self.device))["pooled"]
+        hidden = timer.time("t5", self.stages["t5"], input_ids=padded_ids(
+            self.t5_tokenizer, list(settings.prompts), self.text_tokens, self.device))["hidden_states"]
         repeat = settings.images_per_prompt
         return hidden.repeat_interleave(repeat, 0), pooled.repeat_interleave(repeat, 0)
 

@@ -11,3 +11,4 @@ class Family(str, Enum):
     sd15 = "sd15"
     sd2 = "sd2"
     flux = "flux"
+    sd3 = "sd3"

@@ -84,6 +84,13 @@ def prompt_windows(tokenizer, prompt: str) -> list[list[int]]:
             for piece in pieces]
 
 
+def padded_ids(tokenizer, texts: list[str], length: int, device: torch.device) -> torch.Tensor:
+    """(texts, length) int32 token ids, each text cut or padded to `length` with the tokenizer's own
+    start and end tokens, as diffusers' DiT pipelines tokenize for CLIP and T5."""
+    ids = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+    return ids.to(device=device, dtype=torch.int32)
+
+
 def dropped_words(tokenizers: list, prompt: str) -> str:
     """What cutting `prompt` to one CLIP window drops, as text; empty when it fits."""
     for tokenizer in tokenizers:
@@ -91,6 +98,11 @@ def dropped_words(tokenizers: list, prompt: str) -> str:
         if len(ids) > WINDOW:
             return tokenizer.decode(ids[WINDOW:])
     return ""
+
+
+def shortened(prompt: str) -> str:
+    """A prompt as a warning shows it: up to 60 characters."""
+    return prompt if len(prompt) <= 60 else prompt[:57] + "..."
 
 
 def say_truncated(tokenizers: list, prompts: list[str], told: set[str], keep_them: str) -> int:
@@ -105,8 +117,7 @@ def say_truncated(tokenizers: list, prompts: list[str], told: set[str], keep_the
         cut += 1
         if prompt not in told:
             told.add(prompt)
-            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-            print(f"warning: prompt {shown!r} is longer than CLIP's {TOKENS} tokens and is cut, dropping "
+            print(f"warning: prompt {shortened(prompt)!r} is longer than CLIP's {TOKENS} tokens and is cut, dropping "
                   f"{dropped!r}; {keep_them}", file=sys.stderr, flush=True)
     return cut
 

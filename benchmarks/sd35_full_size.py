@@ -1,0 +1,145 @@
+"""infer_trt.py's torch backend on the full-size SD3.5-large architecture (random bf16 weights,
+1024x1024, 28 steps, guidance 3.5 over a doubled batch, one image) against diffusers' own compiled
+StableDiffusion3Pipeline, each variant in its own process (so peak memory is its own): the peer, our
+compiled bf16 backend, our backend with FP8 GEMMs from this project's FP8 level-3 calibration (fp8),
+and the same at level 4 with every attention as cuDNN's FP8 attention (fp8_l4; needs
+nvidia-cudnn-frontend). End to end, transformer per step, peak GPU memory, compile time. Needs a
+CUDA GPU (an H100 for the figures in RESULTS.md).
+
+    python benchmarks/sd35_full_size.py --variants peer,compiled,fp8 --out benchmarks/results/sd35_h100.json
+    python benchmarks/sd35_full_size.py --variants fp8_l4 --out benchmarks/results/sd35_h100.json
+
+Several variants run one after another, each in a process of its own. The peer follows diffusers'
+speed advice for SD3: channels-last weights, fused q/k/v projections, and torch.compile of the
+transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised max-autotune
+takes longer than the device's ten minutes a call; --peer-mode max-autotune asks for it). The FP8
+variants calibrate the transformer with quantize.py's own calibration
+(sdquant.quantize.calibrate.quantize_backbone: format=fp8, two denoising steps of one prompt at
+1024x1024 through diffusers' pipeline; the GEMMs' speed does not depend on the values) and run it
+with torch_backend.quantized=fp8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sdquant import report
+from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.families.pipeline import SamplingSettings, make_scheduler
+from sdquant.families.sd3 import SD3
+from sdquant.load import quiet_libraries
+from sdquant.quantize.calibrate import quantize_backbone
+from sdquant.runtime import torch_backend
+from sdquant.runtime.stages import StageTimer
+from torch_backend_full_size import timed
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
+CUDA = torch.device("cuda")
+# Our FP8 variants: the quant level each calibrates at.
+FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
+VARIANTS = ("peer", "compiled", *FP8_LEVELS)
+
+
+def peer(pipe, runs: int, mode: str) -> dict:
+    pipe.transformer.to(memory_format=torch.channels_last)
+    pipe.vae.to(memory_format=torch.channels_last)
+    pipe.transformer.fuse_qkv_projections()
+    pipe.transformer = torch.compile(pipe.transformer, mode=mode, fullgraph=True)
+    pipe.vae.decode = torch.compile(pipe.vae.decode, mode=mode, fullgraph=True)
+
+    def call():
+        pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
+             generator=torch.Generator("cuda").manual_seed(42), **SD3.pipeline_call_kwargs(pipe))
+
+    torch.cuda.reset_peak_memory_stats()
+    first = timed(call, 1)[0]
+    seconds = timed(call, runs)
+    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+            "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def fp8_transformer(pipe, level: float) -> torch_backend.Conversion:
+    block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
+                          width=SIZE, guidance_scale=GUIDANCE)
+    quantize_backbone(pipe, SD3, [PROMPT], block, seed=0, cuda_graph=False)
+    return torch_backend.convert_quantized(pipe.transformer, SD3, f"the benchmark's FP8 level-{level:g} transformer",
+                                           "fp8", quant_level=level)
+
+
+def ours(pipe, quantized: bool, runs: int) -> dict:
+    stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16), TorchBackendBlock(compile=True),
+                                    cuda_graph=True, quantized=quantized)
+    pipeline = SD3.text_to_image(stages, SD3.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
+                                 CUDA)
+    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
+                                height=SIZE, width=SIZE, seed=42)
+    torch.cuda.reset_peak_memory_stats()
+    first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
+    pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
+    seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
+    timer = StageTimer(CUDA)
+    pipeline(settings, timer, progress=False)
+    stage = report.latency_report([(min(seconds), timer.finish())], 1, STEPS, "transformer")
+    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+            "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
+            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def run_variant(variant: str, args) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    pipe = SD3.full_size_on_gpu()
+    build_s = time.perf_counter() - start
+    fp8 = fp8_transformer(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
+    # Set-up (building, calibrating, converting) peaks apart from what inference holds.
+    setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.empty_cache()
+    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, fp8 is not None, args.runs)
+    row.update(fp8_layers=fp8.layers if fp8 else 0, fp8_attention_layers=fp8.attention if fp8 else 0,
+               build_s=build_s, setup_peak_gib=setup_peak_gib, wall_s=time.perf_counter() - start)
+    if variant == "peer":
+        row["compile_mode"] = args.peer_mode
+    print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
+          f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {setup_peak_gib:.1f}), transformer "
+          f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="peer,compiled,fp8", help=f"comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--peer-mode", default="default", help="the peer's torch.compile mode")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    if len(variants) > 1:
+        # One process per variant: each one's peak memory and compiled code are its own.
+        for variant in variants:
+            subprocess.run([sys.executable, __file__, "--variants", variant, "--runs", str(args.runs),
+                            "--peer-mode", args.peer_mode, "--out", str(args.out)], check=True)
+        return
+    quiet_libraries()
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {
+        "benchmark": "sd35_full_size", "model": "SD3.5-large architecture, random bf16 weights",
+        "device": torch.cuda.get_device_name(), "versions": report.library_versions(), "resolution": SIZE,
+        "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
+    results["variants"][variants[0]] = run_variant(variants[0], args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""SD3.5 through every script on the tiny SD3 (tiny CLIP-L, CLIP-G and T5, an SD3Transformer2DModel
+with three blocks: one with SD3.5-medium's second attention, one plain, the last with no text
+output; RMS-normed q/k; a 16-channel VAE): images equal diffusers' StableDiffusion3Pipeline's, the
+MMDiT's quant levels, ONNX graphs equal to torch at two sizes and to fake quantization, TensorRT-RTX
+builds, evaluate.py, FP8 GEMMs and attention, LoRA, and the refusals that keep families apart."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from modelopt.torch.quantization.nn import TensorQuantizer
+
+from sdquant.cli import exits_cleanly
+from sdquant.errors import EXIT_USER_ERROR
+from sdquant.export.graphs import onnx_path
+from sdquant.load import load_pipeline
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
+
+from conftest import compose_config
+
+CPU = torch.device("cpu")
+# The second prompt is longer than the tiny T5's 256 tokens (one a character): T5 cuts it as
+# diffusers does, and says what it drops.
+LONG_PROMPT = "a lighthouse at dusk, " * 11 + "and a ship far out at sea"
+PROMPTS = ["a red fox in the snow", LONG_PROMPT]
+STEPS = 4
+QUICK = ["model=tiny_sd3", "device=cpu", "quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_size=2"]
+GRAPHS = {"clip_l", "clip_g", "t5", "transformer", "vae"}
+
+
+def _pipe(*overrides):
+    return load_pipeline(compose_config("sd_xl_quantize", ["model=tiny_sd3", *overrides]).model, CPU, torch.float32)
+
+
+def _infer(out, *overrides, prompts=PROMPTS, guidance=4.5, per_prompt=1):
+    run_infer(compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", f"out_path={out}", f"sampling.prompts={json.dumps(prompts)}",
+        f"sampling.steps={STEPS}", f"sampling.guidance_scale={guidance}", "sampling.negative_prompt=blurry",
+        f"sampling.num_images_per_prompt={per_prompt}", *overrides]))
+    return np.stack([np.asarray(_png(out / f"image_{i:03d}_{k:02d}.png"))
+                     for i in range(len(prompts)) for k in range(per_prompt)])
+
+
+def _png(path):
+    from PIL import Image
+
+    return Image.open(path).convert("RGB")
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    from skimage.metrics import peak_signal_noise_ratio
+
+    return peak_signal_noise_ratio(a, b, data_range=255)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sd3_quantized")
+    recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
+               "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
+               "int8_l3": ["quantize.quant_level=3"]}
+    return {name: run_quantize(compose_config("sd_xl_quantize", [*QUICK, f"out_dir={out}", *overrides]))
+            for name, overrides in recipes.items()}
+
+
+@pytest.mark.parametrize("guidance, per_prompt", [(4.5, 1), (0.0, 2)], ids=["guided", "turbo_unguided"])
+def test_torch_backend_draws_diffusers_sd3_pipelines_image(tmp_path, model_cache, capsys, guidance, per_prompt):
+    ours = _infer(tmp_path, "backend=torch", guidance=guidance, per_prompt=per_prompt)
+    cut = [line for line in capsys.readouterr().err.splitlines() if "longer than T5's 256 tokens" in line]
+    assert len(cut) == 1 and "out at sea'" in cut[0], "T5 cuts the long prompt once, naming what it drops"
+    images = len(PROMPTS) * per_prompt
+    reference = _pipe()(prompt=PROMPTS, negative_prompt="blurry", num_inference_steps=STEPS, guidance_scale=guidance,
+                        num_images_per_prompt=per_prompt, height=64, width=64, output_type="np",
+                        generator=[torch.Generator().manual_seed(42 + i) for i in range(images)]).images
+    assert ours.shape == (images, 64, 64, 3)
+    reference = np.round(reference * 255).astype(np.uint8)
+    assert np.abs(ours.astype(int) - reference.astype(int)).max() <= 1
+    assert min(_psnr(r, o) for r, o in zip(reference, ours)) >= 40
+
+
+def _enabled(checkpoint) -> collections.Counter:
+    """Enabled quantizers of a restored checkpoint, by the layer group they sit on (summed over blocks)."""
+    from sdquant.load import empty_backbone
+    from sdquant.workflow.settings import restore_quantized_backbone
+
+    model = compose_config("sd_xl_quantize", ["model=tiny_sd3"]).model
+    transformer = empty_backbone(model)
+    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
+    groups = collections.Counter()
+    for name, module in transformer.named_modules():
+        if isinstance(module, TensorQuantizer) and module.is_enabled:
+            owner, kind = name.rsplit(".", 1)
+            if "bmm" in kind or "softmax" in kind:
+                groups[kind] += 1
+                continue
+            stack, _, rest = owner.partition(".")
+            groups[rest.partition(".")[2] if stack == "transformer_blocks" else f"top:{owner}"] += 1
+    return groups
+
+
+def test_levels_quantize_their_layer_groups_and_keep_embedders_and_modulation_high(checkpoints):
+    level3 = _enabled(checkpoints["fp8_l3"])
+    assert not [group for group in level3 if group.startswith("top:")], "embedders, norm_out, proj_out stay high"
+    assert not [group for group in level3 if "norm" in group], "AdaLN modulation stays high"
+    # Two quantizers (weight, input) per layer; three blocks, of which the last has no text output
+    # and only the first SD3.5-medium's attn2.
+    every_block = ("ff.net.0.proj", "ff.net.2", "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj",
+                   "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0")
+    text_output = ("ff_context.net.0.proj", "ff_context.net.2", "attn.to_add_out")
+    dual = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+    expected = {**{g: 6 for g in every_block}, **{g: 4 for g in text_output}, **{g: 2 for g in dual}}
+    assert level3 == expected
+    assert _enabled(checkpoints["int8_l3"]) == level3
+    level4 = _enabled(checkpoints["fp8_l4"])
+    attention_layers = 4  # three joint attentions and one attn2
+    assert all(level4[f"{role}_bmm_quantizer"] == attention_layers for role in "qkv")
+    assert {g: n for g, n in level4.items() if "bmm" not in g and "softmax" not in g} == expected
+
+
+def test_onnx_graphs_run_as_torch_at_the_traced_size_and_another(tmp_path, model_cache):
+    fp32 = tmp_path / "fp32"
+    run_export(compose_config("sd_xl_export", ["model=tiny_sd3", "device=cpu", f"infer.out_path={fp32}",
+                                               "onnx.precision=fp32", "run_trt_export=false"]))
+    assert {path.parent.name for path in (fp32 / "onnx").glob("*/model.onnx")} == GRAPHS
+    dims = {}
+    for graph in GRAPHS:
+        model = onnx.load(str(onnx_path(fp32, graph)), load_external_data=False).graph
+        dims.update({f"{graph}.{i.name}": [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+                     for i in model.input if "." not in i.name})
+    assert dims == {"clip_l.input_ids": ["B", 77], "clip_g.input_ids": ["B", 77], "t5.input_ids": ["B", "T"],
+                    "vae.latent": ["B", 16, "H", "W"], "transformer.hidden_states": ["B", 16, "H", "W"],
+                    "transformer.encoder_hidden_states": ["B", "J", 96], "transformer.pooled_projections": ["B", 80],
+                    "transformer.timestep": ["B"]}
+    # Traced at 128x128 pixels (onnx.trace_latent_size=16); run at the native 64x64 and at 96x64.
+    for height in (64, 96):
+        size = f"sampling.height={height}"
+        graphs = _infer(tmp_path / f"ort{height}", "backend=onnxruntime", f"engine_dir={fp32 / 'plan'}", size)
+        modules = _infer(tmp_path / f"torch{height}", "backend=torch", size)
+        assert graphs.shape[1] == height and np.abs(graphs.astype(int) - modules.astype(int)).max() <= 1
+
+
+def test_int8_graph_runs_as_fake_quantization_in_evaluate(tmp_path, checkpoints):
+    int8 = tmp_path / "int8"
+    run_export(compose_config("sd_xl_export", ["model=tiny_sd3", "device=cpu", f"infer.out_path={int8}",
+                                               "onnx.precision=fp32", "run_trt_export=false",
+                                               f"quantized_unet={checkpoints['int8_l3']}"]))
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_sd3", "device=cpu", f"out_path={tmp_path / 'quality'}", f"sampling.prompts={json.dumps(PROMPTS)}",
+        f"sampling.steps={STEPS}", "sampling.guidance_scale=4.5", f"+variants.fake={checkpoints['int8_l3']}",
+        f"+variants.onnx={onnx_path(int8, 'transformer')}"]))
+    fake, graph_run = report["variants"]["fake"], report["variants"]["onnx"]
+    assert all(np.isfinite(row["psnr"]) for row in fake["per_prompt"])
+    # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
+    steps = np.array(fake["step_error"]), np.array(graph_run["step_error"])
+    assert np.abs(steps[0] - steps[1]).max() < 0.02 and steps[0].min() > 0
+
+
+@pytest.mark.parametrize("recipe", ["int8_l3", "fp8_l4"])
+def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, recipe):
+    out = tmp_path / "export"
+    run_export(compose_config("sd_xl_export", [
+        "model=tiny_sd3", "device=cpu", f"infer.out_path={out}", f"quantized_unet={checkpoints[recipe]}",
+        "infer.batch_size=1", "trt.max_batch_size=2", "trt.backend=tensorrt_rtx"]))
+    record = json.loads((out / "plan" / "engines.json").read_text())
+    assert set(record) == GRAPHS and record["transformer"]["flavour"] == "tensorrt_rtx"
+    assert record["transformer"]["fp8"] == recipe.startswith("fp8")
+    inputs = record["transformer"]["inputs"]
+    # Guided: the negative and the positive prompt in one batch, 1..2 images; 77 CLIP + 256 T5 tokens.
+    assert inputs["hidden_states"]["profile"] == [[1, 16, 8, 8], [2, 16, 8, 8], [4, 16, 8, 8]]
+    assert inputs["encoder_hidden_states"]["profile"] == [[1, 333, 96], [2, 333, 96], [4, 333, 96]]
+    assert record["t5"]["inputs"]["input_ids"]["profile"] == [[1, 256], [2, 256], [4, 256]]
+    graph = onnx.load(str(onnx_path(out, "transformer")), load_external_data=False)
+    kinds = collections.Counter(node.op_type for node in graph.graph.node)
+    quantize = "TRT_FP8QuantizeLinear" if recipe.startswith("fp8") else "QuantizeLinear"
+    # One Q/DQ per quantized weight and input (37 Linear layers); FP8 attention adds 4 per layer.
+    assert kinds[quantize] == 74 + (16 if recipe == "fp8_l4" else 0)
+
+
+def _transformer(checkpoint, kernels: bool, level: float):
+    """The checkpoint's transformer, in fake quantization or converted to the FP8 kernels (their CPU twins)."""
+    from sdquant.families.sd3 import SD3
+    from sdquant.load import empty_backbone
+    from sdquant.runtime import torch_backend
+    from sdquant.workflow.settings import restore_quantized_backbone
+
+    model = compose_config("sd_xl_quantize", ["model=tiny_sd3"]).model
+    transformer = empty_backbone(model)
+    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
+    transformer.to(torch.float32)
+    conversion = torch_backend.convert_quantized(transformer, SD3, "quantized_unet", "fp8", "auto", level) \
+        if kernels else None
+    return transformer, conversion
+
+
+@pytest.mark.parametrize("recipe, level, attention, tolerance", [("fp8_l3", 3.0, 0, 1e-5), ("fp8_l4", 4.0, 4, 1e-2)])
+def test_fp8_kernels_compute_what_fake_quantization_does(checkpoints, recipe, level, attention, tolerance):
+    fake, _ = _transformer(checkpoints[recipe], False, level)
+    kernels, conversion = _transformer(checkpoints[recipe], True, level)
+    # Every quantized Linear runs as an FP8 GEMM; at level 4 every attention (three joint, one attn2)
+    # runs SD3's FP8 processor.
+    assert (conversion.layers, conversion.attention) == (37, attention)
+    torch.manual_seed(1)
+    inputs = {"hidden_states": torch.randn(2, 16, 8, 12), "encoder_hidden_states": torch.randn(2, 333, 96),
+              "pooled_projections": torch.randn(2, 80), "timestep": torch.tensor([700.0, 700.0])}
+    with torch.no_grad():
+        expected, got = (module(**inputs, return_dict=False)[0] for module in (fake, kernels))
+    assert (got - expected).norm() / expected.norm() < tolerance
+
+
+def test_fp8_attention_images_stay_within_half_a_db_of_fake_quantization(tmp_path, checkpoints):
+    fake = _infer(tmp_path / "fake", "backend=torch", f"quantized_unet={checkpoints['fp8_l4']}")
+    kernels = _infer(tmp_path / "kernels", "backend=torch", f"quantized_unet={checkpoints['fp8_l4']}",
+                     "torch_backend.quantized=fp8")
+    reference = _infer(tmp_path / "ref", "backend=torch")
+    for ref, a, b in zip(reference, fake, kernels):
+        assert abs(_psnr(ref, a) - _psnr(ref, b)) < 0.5 or _psnr(a, b) > 45
+
+
+def test_lora_fuses_into_the_transformer_and_both_clips(tmp_path, model_cache):
+    from diffusers import StableDiffusion3Pipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = _pipe()
+    torch.manual_seed(0)
+    layers = {}
+    for component, targets in {"transformer": ["to_q", "to_k", "to_v", "to_out.0"],
+                               "text_encoder": ["q_proj", "v_proj"], "text_encoder_2": ["q_proj", "v_proj"]}.items():
+        network = getattr(pipe, component)
+        network.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=targets))
+        layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(network))
+    StableDiffusion3Pipeline.save_lora_weights(str(tmp_path / "lora"), safe_serialization=True, **layers)
+    fused = _pipe(f"model.loras=[{{path:'{tmp_path / 'lora'}',scale:1.0}}]")
+    base = _pipe()
+
+    def first(module, suffix):
+        return next(p for name, p in module.named_parameters() if name.endswith(suffix))
+
+    changed = {component for component, suffix in {"transformer": "attn.to_q.weight",
+                                                   "text_encoder": "self_attn.q_proj.weight",
+                                                   "text_encoder_2": "self_attn.q_proj.weight"}.items()
+               if not torch.equal(first(getattr(fused, component), suffix), first(getattr(base, component), suffix))}
+    assert changed == {"transformer", "text_encoder", "text_encoder_2"}
+    assert not any("lora" in name for name, _ in fused.transformer.named_modules())
+    torch.manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 16, 8, 8), "encoder_hidden_states": torch.randn(1, 333, 96),
+              "pooled_projections": torch.randn(1, 80), "timestep": torch.tensor([500.0])}
+    with torch.no_grad():
+        outputs = [pipe.transformer(**inputs, return_dict=False)[0] for pipe in (fused, base)]
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-3
+
+
+def _refused(run, cfg, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        exits_cleanly(run)(cfg)
+    assert exit_info.value.code == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, model_cache):
+    err = _refused(run_quantize, compose_config("sd_xl_quantize", [*QUICK, "quantize.quant_level=1",
+                                                                    f"out_dir={tmp_path / 'q'}"]), capsys)
+    assert "quantize.quant_level=1 is not a level of sd3 models: choose one of 2, 2.5, 3, 4" in err
+    flux_checkpoint = run_quantize(compose_config("sd_xl_quantize", [
+        "model=tiny_flux", "device=cpu", "quantize.n_steps=2", "quantize.calib_size=2", "quantize.batch_size=2",
+        "quantize.format=fp8", "quantize.quant_level=3", f"out_dir={tmp_path / 'flux'}"]))
+    capsys.readouterr()
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", "backend=torch", f"quantized_unet={flux_checkpoint}",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert err.startswith("error: quantized_unet=") and "was made from a flux model, not from model=tiny_sd3 (sd3)" in err
+    err = _refused(run_export, compose_config("sd_xl_export", [
+        "model=tiny_flux", "device=cpu", f"quantized_backbone={checkpoints['fp8_l3']}",
+        f"infer.out_path={tmp_path / 'export'}"]), capsys)
+    assert err.startswith("error: quantized_backbone=") and "was made from a sd3 model, not from model=tiny_flux (flux)" in err
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.width=72", f"out_path={tmp_path / 'images'}"]),
+        capsys)
+    assert "sampling.width=72 must be a positive multiple of 16, the model's VAE scale factor times its 2x2" in err
+    # diffusers 0.42's SD3Transformer2DModel has no cache hooks (CacheMixin): refused before any work.
+    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.cache.method=first_block",
+        f"out_path={tmp_path / 'images'}"]), capsys)
+    assert "sampling.cache.method=first_block: model=tiny_sd3's transformer takes none" in err
+    assert not any((tmp_path / name).exists() for name in ("q", "images", "export"))
