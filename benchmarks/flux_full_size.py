@@ -77,7 +77,7 @@ def peer(pipe, runs: int, torchao: bool = False) -> dict:
 FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 
 
-def fp8_transformer(pipe, level: float) -> torch_backend.Fp8Conversion:
+def fp8_transformer(pipe, level: float) -> torch_backend.Conversion:
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)

@@ -10,8 +10,9 @@ CUDA GPU (an H100 for the figures in RESULTS.md).
     python benchmarks/sd35_full_size.py --variants fp8_l4 --out benchmarks/results/sd35_h100.json
 
 Several variants run one after another, each in a process of its own. The peer follows diffusers'
-speed advice for SD3: channels-last weights, fused q/k/v projections, and torch.compile of the
-transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised max-autotune
+speed advice for SD3: channels-last weights, fused q/k/v projections (whose fused processor in
+diffusers 0.42 skips SD3.5's q/k RMS norms: the peer computes a little less than the model, which
+only helps its time), and torch.compile of the transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised max-autotune
 takes longer than the device's ten minutes a call; --peer-mode max-autotune asks for it). The FP8
 variants calibrate the transformer with quantize.py's own calibration
 (sdquant.quantize.calibrate.quantize_backbone: format=fp8, two denoising steps of one prompt at

@@ -145,6 +145,11 @@ class ModelFamily:
     def release_cache(self, backbone) -> None:
         """Takes a step cache's changes off the backbone module, so that it runs uncached again."""
 
+    def fuse_projections(self, backbone) -> None:
+        """Makes the unquantized backbone's projections that read one input one GEMM each, as
+        diffusers' fuse_qkv_projections does (the compiled torch backend's recipe)."""
+        backbone.fuse_qkv_projections()
+
     def fp8_attention_processor(self, attn):
         """The attention processor that runs attention layer `attn` of a backbone the torch backend
         converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following

@@ -21,6 +21,7 @@ passes, are not taken.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,10 @@ def deep_sizes(latent_height: int, latent_width: int, branch: int) -> dict[str, 
 def passes(backbone: Network) -> tuple[Network, Network]:
     """The networks of the full pass (the backbone's, and the deep feature out) and of the shallow
     pass (the backbone's inputs and the deep feature in)."""
-    full = Network(FULL.format(backbone.name), backbone.inputs, {**backbone.outputs, DEEP: DEEP_AXES},
-                   role=backbone.role, guided=backbone.guided)
-    shallow = Network(SHALLOW.format(backbone.name), {**backbone.inputs, DEEP: DEEP_AXES}, backbone.outputs,
-                      role=backbone.role, guided=backbone.guided, optional=("context",))
+    full = dataclasses.replace(backbone, name=FULL.format(backbone.name),
+                               outputs={**backbone.outputs, DEEP: DEEP_AXES})
+    shallow = dataclasses.replace(backbone, name=SHALLOW.format(backbone.name),
+                                  inputs={**backbone.inputs, DEEP: DEEP_AXES}, optional=("context",))
     return full, shallow
 
 

@@ -42,6 +42,9 @@ class Network:
     # Inputs the exporter leaves out of a graph that never reads them (a transformer without the
     # guidance embedding, a UNet pass whose live blocks read no text).
     optional: tuple[str, ...] = ()
+    # Float inputs a torch stage hands over in the precision the pipeline gives them rather than the
+    # model's (a timestep whose embedding reads it in fp32: bf16 rounds t near 1000 by up to 4).
+    kept_precision: tuple[str, ...] = ()
 
     @property
     def input_names(self) -> list[str]:

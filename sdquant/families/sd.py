@@ -44,7 +44,7 @@ def unet_network(name: str, pooled_input: bool) -> Network:
     inputs = {"x": LATENT, "timesteps": {0: BATCH}, "context": {0: BATCH, 1: CONTEXT}}
     if pooled_input:
         inputs["y"] = {0: BATCH}
-    return Network(name, inputs, {"out": LATENT}, role=Role.backbone, guided=True)
+    return Network(name, inputs, {"out": LATENT}, role=Role.backbone, guided=True, kept_precision=("timesteps",))
 
 
 class UNetGraph(torch.nn.Module):

@@ -60,7 +60,7 @@ T5 = dataclasses.replace(t5_network(), guided=True)
 TRANSFORMER = Network(
     "transformer", {"hidden_states": LATENT, "encoder_hidden_states": {0: BATCH, 1: JOINT_TOKENS},
                     "pooled_projections": {0: BATCH}, "timestep": {0: BATCH}},
-    {"latent": LATENT}, role=Role.backbone, guided=True)
+    {"latent": LATENT}, role=Role.backbone, guided=True, kept_precision=("timestep",))
 NETWORKS = (CLIP_L, CLIP_G, T5, VAE, TRANSFORMER)
 
 
@@ -75,9 +75,8 @@ def sd3_axis_sizes(latent_height: int, latent_width: int, t5_tokens: int) -> dic
 
 
 class TransformerGraph(torch.nn.Module):
-    """SD3Transformer2DModel with diffusers' inputs. Its stage hands the timestep over as the
-    pipeline does, in fp32 (bf16 would round t near 1000 by up to 2), and the graph casts the
-    other inputs to the transformer's precision itself.
+    """SD3Transformer2DModel with diffusers' inputs, the timestep in fp32 as the pipeline hands it
+    over (TRANSFORMER.kept_precision).
 
     It traces with the latent's sides dynamic as it is: the crop of PatchEmbed's position grid and
     the unpatchifying reshape compute from the input's shape, which the tracer records as shape
@@ -87,19 +86,16 @@ class TransformerGraph(torch.nn.Module):
     # for a meta trace it stays on the CPU and only its embedding moves to meta.
     host_inputs = ("timestep",)
 
-    def __init__(self, transformer, dtype: torch.dtype):
+    def __init__(self, transformer):
         super().__init__()
         self.transformer = transformer
-        self.dtype = dtype
 
     def host_modules(self) -> list[torch.nn.Module]:
         return [self.transformer.time_text_embed.time_proj]
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
-        return self.transformer(hidden_states=hidden_states.to(self.dtype),
-                                encoder_hidden_states=encoder_hidden_states.to(self.dtype),
-                                pooled_projections=pooled_projections.to(self.dtype), timestep=timestep,
-                                return_dict=False)[0]
+        return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                pooled_projections=pooled_projections, timestep=timestep, return_dict=False)[0]
 
 
 class SD3Fp8AttnProcessor:
@@ -363,7 +359,7 @@ class SD3Family(ModelFamily):
             GraphSpec(T5, T5Graph(pipe.text_encoder_3.to(dtype)), (torch.zeros(batch, text, dtype=torch.int32),)),
             GraphSpec(VAE, VaeDecoderGraph(vae), (torch.randn(batch, vae.config.latent_channels, latent, latent,
                                                               dtype=vae_dtype),)),
-            GraphSpec(TRANSFORMER, TransformerGraph(transformer, dtype), args,
+            GraphSpec(TRANSFORMER, TransformerGraph(transformer), args,
                       on_meta=not unsupported_quantizers(transformer)),
         ]
 
@@ -386,8 +382,16 @@ class SD3Family(ModelFamily):
     def backbone_stage(self, backbone, dtype):
         from ..runtime.stages import TorchStage
 
-        # In fp32, so that the stage narrows no input: the graph casts all but the timestep itself.
-        return TorchStage(TransformerGraph(backbone, dtype), TRANSFORMER, torch.float32)
+        return TorchStage(TransformerGraph(backbone), TRANSFORMER, dtype)
+
+    def fuse_projections(self, backbone) -> None:
+        """diffusers' fused projections, run by this family's processor: diffusers' own fused joint
+        processor (0.42) skips SD3.5's q/k RMS norms and needs text tokens, which SD3.5-medium's
+        image-only attn2 has none of."""
+        for attn in backbone.modules():
+            if self.fp8_attention_processor(attn) is not None:
+                attn.fuse_projections(fuse=True)
+                attn.set_processor(SD3Fp8AttnProcessor())
 
     def fp8_attention_processor(self, attn):
         """The processor for the attention layers diffusers runs with its own JointAttnProcessor2_0."""

@@ -68,7 +68,8 @@ class TorchStage:
 
     @torch.no_grad()
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        args = [inputs[name].to(self.dtype) if inputs[name].is_floating_point() and name != "timesteps"
+        kept = self.network.kept_precision
+        args = [inputs[name].to(self.dtype) if inputs[name].is_floating_point() and name not in kept
                 else inputs[name] for name in self.network.input_names]
         outputs = self.graph(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)

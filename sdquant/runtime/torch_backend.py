@@ -200,7 +200,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
             if not quantized:
-                module.fuse_qkv_projections()
+                family.fuse_projections(module)
         pipe.vae.to(memory_format=torch.channels_last)
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
