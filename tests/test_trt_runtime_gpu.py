@@ -22,7 +22,7 @@ import torch
 
 import standin_tensorrt
 from conftest import sdxl_profile_shapes
-from sdquant.export import engines
+from sdquant.export import engines as trt_engines
 from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
@@ -42,7 +42,7 @@ class StandInEngines:
 
     def __init__(self, folder):
         self.folder = folder
-        self.flavour = engines.Flavour(standin_tensorrt.module("10.13.0"), "tensorrt", "10.13.0")
+        self.flavour = trt_engines.Flavour(standin_tensorrt.module("10.13.0"), "tensorrt", "10.13.0")
 
     def make(self, name: str = "unet", batches: tuple[int, int, int] = (1, 2, 4), **options):
         profile = [[batch, *self.sample] for batch in batches]
@@ -60,7 +60,7 @@ class TensorRTEngines:
 
     def __init__(self, folder):
         self.folder = folder
-        self.flavour = engines.load_flavour("tensorrt")
+        self.flavour = trt_engines.load_flavour("tensorrt")
         self.built = {}
 
     def make(self, name: str = "unet", batches: tuple[int, int, int] = (1, 2, 4)):
@@ -87,7 +87,7 @@ class TensorRTEngines:
                                     opset_imports=[helper.make_opsetid("", 17)]), str(onnx_file))
         plan = self.folder / f"{name}.plan"
         shapes = {"x": tuple((batch, *self.sample) for batch in batches)}
-        engines.build_engine(self.flavour, onnx_file, shapes, TrtBlock(builder_optimization_level=0), plan, None)
+        trt_engines.build_engine(self.flavour, onnx_file, shapes, TrtBlock(builder_optimization_level=0), plan, None)
         return plan
 
 
@@ -229,7 +229,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
                                     {"out": {"dtype": "FLOAT", "from": "features"}},
                                     built_by=("tensorrt_rtx", "1.7.1"), work_ms=0)
         record[name] = {"flavour": "tensorrt_rtx", "version": "1.7.1", "inputs": {"features": {"profile": profile}}}
-    (plans / engines.ENGINES_FILE).write_text(json.dumps(record))
+    (plans / trt_engines.ENGINES_FILE).write_text(json.dumps(record))
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "backend=trt",
                                                  *(f"{name}={plans / f'{name}.plan'}" for name in names)])
     stages = infer_stages(cfg, torch.device("cuda"))
@@ -239,7 +239,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
 
 def test_tensorrt_10_0_is_refused_at_start(tmp_path):
     """Finding 7: TensorRT 10.0 lacks set_device_memory(ptr, size) and device_memory_size_v2."""
-    flavour = engines.Flavour(standin_tensorrt.module("10.0.1"), "tensorrt", "10.0.1")
+    flavour = trt_engines.Flavour(standin_tensorrt.module("10.0.1"), "tensorrt", "10.0.1")
     plan = standin_tensorrt.write_plan(tmp_path / "unet.plan", {"x": {"dtype": "FLOAT", "profile": [[1, 8]] * 3}},
                                        {"out": {"dtype": "FLOAT", "from": "x"}}, built_by=("tensorrt", "10.0.1"))
     with pytest.raises(UserError, match=r"^running engines needs TensorRT >= 10.1, but tensorrt is 10.0.1"):
@@ -256,7 +256,7 @@ def test_cuda_graph_per_input_shape(engines):
 
 def test_plan_of_another_tensorrt_version_names_both(stand_in):
     flavour, plan = stand_in.make(built_by=("tensorrt", "10.12.0"))
-    (plan.parent / engines.ENGINES_FILE).write_text(json.dumps({"unet": {"flavour": "tensorrt", "version": "10.12.0"}}))
+    (plan.parent / trt_engines.ENGINES_FILE).write_text(json.dumps({"unet": {"flavour": "tensorrt", "version": "10.12.0"}}))
     with pytest.raises(UserError, match=r"cannot be loaded by tensorrt 10.13.0 on .*: it was built by tensorrt 10.12.0"):
         trt_stages(flavour, {"unet": plan}, ())
 
@@ -269,7 +269,7 @@ def test_gpu_memory_is_freed_for_the_builder(capsys):
     cached = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     del cached
     assert torch.cuda.memory_reserved() >= held_before + (1 << 30)
-    engines.free_gpu_memory_for_builder()
+    trt_engines.free_gpu_memory_for_builder()
     assert torch.cuda.memory_reserved() <= held_before
     free = torch.cuda.mem_get_info()[0] / 1024**3
     reported = float(capsys.readouterr().out.split("GPU memory free for the TensorRT builder: ")[1].split(" ")[0])
