@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .networks import Network
+
+if TYPE_CHECKING:
+    from ..quantize.recipe import LevelTable
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class ModelFamily:
     # Named architectures build_pipeline takes: "tiny" (toy widths, for tests on a CPU) and "full"
     # (the real model's layer sizes, random weights, for speed and memory benchmarks).
     sizes: dict[str, object] = {}
+    # Its quantization levels: which layer groups each adds, what stays in high precision
+    # (sdquant.quantize.recipe.LevelTable).
+    level_table: LevelTable
 
     @property
     def backbone(self) -> Backbone:
@@ -84,17 +91,22 @@ class ModelFamily:
     # --- quantization --------------------------------------------------------------------------
 
     def quant_levels(self) -> tuple[float, ...]:
-        raise NotImplementedError
+        return self.level_table.levels
 
     def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
         """ModelOpt's quant_cfg for this format and level: everything off, what each level adds,
         then what stays in high precision last, so no level can turn it back on."""
-        raise NotImplementedError
+        # Imported here: sdquant.config imports the families, and the recipe imports the config.
+        from ..quantize.recipe import quant_cfg_entries
+
+        return quant_cfg_entries(self.level_table, fmt, quant_level)
 
     def recipe_revisions(self, fmt, quant_level: float) -> dict:
         """What the recipe calibrates differently from older sdquant at this format and level, for
         the fingerprint of the checkpoints it changes (sdquant.quantize.recipe.revisions)."""
-        raise NotImplementedError
+        from ..quantize.recipe import revisions
+
+        return revisions(self.level_table, fmt, quant_level)
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         """The timestep a call of the backbone (by the diffusers pipeline) is made with, on the

@@ -357,6 +357,7 @@ class FluxFamily(ModelFamily):
     default_scheduler = "flow_euler"
     size_reason = "the model's VAE scale factor times its 2x2 latent patches"
     sizes = {"tiny": TINY, "full": FULL}
+    level_table = LEVELS
     scene_tokenizers = ("clip", "t5")
 
     def pipeline_class(self):
@@ -385,19 +386,6 @@ class FluxFamily(ModelFamily):
         return graph in ("transformer", "clip")
 
     # --- quantization --------------------------------------------------------------------------
-
-    def quant_levels(self) -> tuple[float, ...]:
-        return LEVELS.levels
-
-    def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
-        from ..quantize.recipe import quant_cfg_entries
-
-        return quant_cfg_entries(LEVELS, fmt, quant_level)
-
-    def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        from ..quantize.recipe import revisions
-
-        return revisions(LEVELS, fmt, quant_level)
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         # FluxPipeline hands the transformer t / 1000.

@@ -299,6 +299,7 @@ class StableDiffusionFamily(ModelFamily):
     cache_methods = ("none", "deepcache")
     default_scheduler = "euler"
     sizes = {"tiny": TINY}
+    level_table = LEVELS
     # The second CLIP encoder and its pooled embedding are SDXL's.
     pooled_input = False
     text_to_image_class = SDTextToImage
@@ -337,19 +338,6 @@ class StableDiffusionFamily(ModelFamily):
         return (self.backbone.graph, *(network.name for network in self.cached_passes()))
 
     # --- quantization --------------------------------------------------------------------------
-
-    def quant_levels(self) -> tuple[float, ...]:
-        return LEVELS.levels
-
-    def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
-        from ..quantize.recipe import quant_cfg_entries
-
-        return quant_cfg_entries(LEVELS, fmt, quant_level)
-
-    def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        from ..quantize.recipe import revisions
-
-        return revisions(LEVELS, fmt, quant_level)
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         return kwargs["timestep"] if "timestep" in kwargs else args[1]

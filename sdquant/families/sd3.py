@@ -288,6 +288,7 @@ class SD3Family(ModelFamily):
     default_scheduler = "flow_euler"
     size_reason = "the model's VAE scale factor times its 2x2 latent patches"
     sizes = {"tiny": TINY, "full": FULL}
+    level_table = LEVELS
 
     def pipeline_class(self):
         from diffusers import StableDiffusion3Pipeline
@@ -315,19 +316,6 @@ class SD3Family(ModelFamily):
         return graph in ("transformer", "clip_l", "clip_g")
 
     # --- quantization --------------------------------------------------------------------------
-
-    def quant_levels(self) -> tuple[float, ...]:
-        return LEVELS.levels
-
-    def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
-        from ..quantize.recipe import quant_cfg_entries
-
-        return quant_cfg_entries(LEVELS, fmt, quant_level)
-
-    def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        from ..quantize.recipe import revisions
-
-        return revisions(LEVELS, fmt, quant_level)
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         # StableDiffusion3Pipeline hands the transformer the scheduler's own timestep.
