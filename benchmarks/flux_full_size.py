@@ -101,13 +101,18 @@ def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> di
                                   CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
                                 height=SIZE, width=SIZE, seed=42, cache=cache)
+    return time_one_image(pipeline, settings, runs)
+
+
+def time_one_image(pipeline, settings: SamplingSettings, runs: int) -> dict:
+    """A DiT pipeline's first call, best of `runs` after warm-up, its stages and peak memory."""
     torch.cuda.reset_peak_memory_stats()
     first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
     pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
     seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
     timer = StageTimer(CUDA)
     pipeline(settings, timer, progress=False)
-    stage = report.latency_report([(min(seconds), timer.finish())], 1, STEPS, "transformer")
+    stage = report.latency_report([(min(seconds), timer.finish())], 1, settings.steps, "transformer")
     return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
             "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
             "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}

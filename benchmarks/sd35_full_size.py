@@ -38,7 +38,7 @@ from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.runtime import torch_backend
-from sdquant.runtime.stages import StageTimer
+from flux_full_size import time_one_image
 from torch_backend_full_size import timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -82,16 +82,7 @@ def ours(pipe, quantized: bool, runs: int) -> dict:
                                  CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
                                 height=SIZE, width=SIZE, seed=42)
-    torch.cuda.reset_peak_memory_stats()
-    first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
-    pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
-    seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
-    timer = StageTimer(CUDA)
-    pipeline(settings, timer, progress=False)
-    stage = report.latency_report([(min(seconds), timer.finish())], 1, STEPS, "transformer")
-    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
-            "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
-            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return time_one_image(pipeline, settings, runs)
 
 
 def run_variant(variant: str, args) -> dict:
