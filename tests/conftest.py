@@ -99,3 +99,70 @@ def infer_stages(cfg, device) -> dict:
 
     sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
     return load_stages(cfg, sampling, stage_files(cfg, sampling), device)
+
+
+def refused_in_one_line(run, cfg, capsys) -> str:
+    """Runs a script's flow as its entry point does; returns the one error line it exits with."""
+    from sdquant.cli import exits_cleanly
+    from sdquant.errors import EXIT_USER_ERROR
+
+    with pytest.raises(SystemExit) as exit_info:
+        exits_cleanly(run)(cfg)
+    assert exit_info.value.code == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def save_random_lora(folder: Path, pipe, seed: int, targets: dict[str, list[str]], rank: int = 4) -> Path:
+    """A PEFT LoRA with random, non-zero A and B on copies of `pipe`'s networks (component name ->
+    target modules), saved the way diffusers' training scripts save one; returns the .safetensors file."""
+    import copy
+
+    import torch
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from sdquant import lora
+
+    torch.manual_seed(seed)
+    layers = {}
+    for component, modules in targets.items():
+        network = copy.deepcopy(getattr(pipe, component))
+        network.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=modules))
+        layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(network))
+    type(pipe).save_lora_weights(str(folder), safe_serialization=True, **layers)
+    return folder / lora.DEFAULT_WEIGHT_NAME
+
+
+def quantize_each_recipe(out: Path, overrides: list[str]) -> dict[str, str]:
+    """FP8 levels 3 and 4 and INT8 level 3 checkpoints of one model (`overrides` pick it), by name."""
+    from sdquant.workflow.quantize import run_quantize
+
+    recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
+               "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
+               "int8_l3": ["quantize.quant_level=3"]}
+    return {name: run_quantize(compose_config("sd_xl_quantize", [*overrides, f"out_dir={out}", *recipe]))
+            for name, recipe in recipes.items()}
+
+
+def enabled_quantizers(model: str, checkpoint, group_of) -> "collections.Counter":
+    """Enabled quantizers of a restored checkpoint of `model`: attention's bmm and softmax ones by
+    their kind, the others by group_of(the name of the layer they sit on)."""
+    import collections
+
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from sdquant.load import empty_backbone
+    from sdquant.workflow.settings import restore_quantized_backbone
+
+    model_cfg = compose_config("sd_xl_quantize", [f"model={model}"]).model
+    backbone = empty_backbone(model_cfg)
+    restore_quantized_backbone(model_cfg, "quantized_unet", str(checkpoint), backbone)
+    groups = collections.Counter()
+    for name, module in backbone.named_modules():
+        if isinstance(module, TensorQuantizer) and module.is_enabled:
+            owner, kind = name.rsplit(".", 1)
+            groups[kind if "bmm" in kind or "softmax" in kind else group_of(owner)] += 1
+    return groups

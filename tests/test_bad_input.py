@@ -11,7 +11,7 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config
+from conftest import compose_config, refused_in_one_line
 
 BAD_QUANTIZE = [
     (["quantize.quant_level=2.7"], "quantize.quant_level=2.7 is not a level of sdxl models"),
@@ -74,16 +74,6 @@ def test_script_reports_validation_error_without_traceback(run_script, tmp_path)
     assert not (tmp_path / "q").exists()
 
 
-def _refused(run, cfg, capsys) -> str:
-    """Runs a script's flow as its entry point does; returns the one error line."""
-    with pytest.raises(SystemExit) as exit_info:
-        exits_cleanly(run)(cfg)
-    assert exit_info.value.code == EXIT_USER_ERROR
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
-    return err
-
-
 def _onnx_file(path, input_name: str, truncated: bool = False):
     """A small valid ONNX graph taking `input_name` (or its first bytes only)."""
     from onnx import TensorProto, helper
@@ -100,7 +90,7 @@ def _onnx_file(path, input_name: str, truncated: bool = False):
 def test_steps_past_the_schedulers_training_timesteps_are_refused_before_any_image(tmp_path, capsys, model_cache):
     cfg = compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
                                                  "sampling.steps=1500", f"out_path={tmp_path / 'images'}"])
-    err = _refused(run_infer, cfg, capsys)
+    err = refused_in_one_line(run_infer, cfg, capsys)
     assert "sampling.steps=1500 is more than the scheduler's 1000 training timesteps" in err
     assert not (tmp_path / "images").exists()
 
@@ -108,44 +98,44 @@ def test_steps_past_the_schedulers_training_timesteps_are_refused_before_any_ima
 def test_an_export_size_the_vae_cannot_make_is_refused_before_the_first_graph(tmp_path, capsys, model_cache):
     cfg = compose_config("sd_xl_export", ["model=tiny_sdxl", "device=cpu", "infer.width=60",
                                           f"infer.out_path={tmp_path / 'export'}"])
-    assert "infer.width=60 must be a positive multiple of 8" in _refused(run_export, cfg, capsys)
+    assert "infer.width=60 must be a positive multiple of 8" in refused_in_one_line(run_export, cfg, capsys)
     assert not (tmp_path / "export").exists()
 
 
 def test_corrupt_or_foreign_artifacts_are_named_before_any_work(tmp_path, capsys, model_cache):
     evaluate = ["model=tiny_sdxl", "device=cpu", f"out_path={tmp_path / 'quality'}", 'sampling.prompts=["a cat"]']
     truncated = _onnx_file(tmp_path / "cut.onnx", "x", truncated=True)
-    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.cut={truncated}"]), capsys)
+    err = refused_in_one_line(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.cut={truncated}"]), capsys)
     assert f"variants.cut={truncated} is not a readable ONNX graph" in err
     text_encoder = _onnx_file(tmp_path / "clip.onnx", "input_ids")
-    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.te={text_encoder}"]), capsys)
+    err = refused_in_one_line(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.te={text_encoder}"]), capsys)
     assert "is not a unet_xl graph (its inputs are input_ids" in err
 
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "unet.mto").write_bytes(b"the first bytes of a checkpoint")
     (checkpoint / "unet.json").write_text('{"fingerprint": "0"}')
-    err = _refused(run_export, compose_config("sd_xl_export", [
+    err = refused_in_one_line(run_export, compose_config("sd_xl_export", [
         "model=tiny_sdxl", "device=cpu", f"quantized_unet={checkpoint}", f"infer.out_path={tmp_path / 'export'}"]),
         capsys)
     assert f"quantized_unet={checkpoint}: {checkpoint / 'unet.mto'} is truncated or corrupt" in err
-    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.q={checkpoint}"]), capsys)
+    err = refused_in_one_line(run_evaluate, compose_config("sd_xl_evaluate", [*evaluate, f"+variants.q={checkpoint}"]), capsys)
     assert "is truncated or corrupt" in err
 
     graphs = tmp_path / "graphs"
     (graphs / "onnx" / "clip1").mkdir(parents=True)
     _onnx_file(graphs / "onnx" / "clip1" / "model.onnx", "input_ids", truncated=True)
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={graphs / 'plan' / 'clip1.plan'}",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert err.startswith(f"error: clip1={graphs / 'plan' / 'clip1.plan'}: its ONNX graph "
                           f"{graphs / 'onnx' / 'clip1' / 'model.onnx'} is not a readable ONNX graph")
     # An .onnx file given for an engine key is run itself, and named as given.
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={truncated}",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert err.startswith(f"error: clip1={truncated} is not a readable ONNX graph")
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sdxl", "device=cpu", "backend=onnxruntime", f"clip1={tmp_path / 'elsewhere' / 'clip1.plan'}",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert "backend=onnxruntime runs the ONNX graph export_trt.py writes beside that engine" in err

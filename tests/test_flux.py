@@ -12,18 +12,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant.cli import exits_cleanly
 from sdquant.export import graphs
-from sdquant.errors import EXIT_USER_ERROR
 from sdquant.load import load_pipeline, resolve_device
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config
+from conftest import compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk"]
@@ -50,12 +47,7 @@ def _png(path):
 
 @pytest.fixture(scope="module")
 def checkpoints(model_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("flux_quantized")
-    recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
-               "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
-               "int8_l3": ["quantize.quant_level=3"]}
-    return {name: run_quantize(compose_config("sd_xl_quantize", [*QUICK, f"out_dir={out}", *overrides]))
-            for name, overrides in recipes.items()}
+    return quantize_each_recipe(tmp_path_factory.mktemp("flux_quantized"), QUICK)
 
 
 def test_torch_backend_draws_diffusers_flux_pipelines_image(tmp_path, model_cache):
@@ -69,23 +61,12 @@ def test_torch_backend_draws_diffusers_flux_pipelines_image(tmp_path, model_cach
 
 
 def _enabled(checkpoint) -> collections.Counter:
-    """Enabled quantizers of a restored checkpoint, by the layer group they sit on."""
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
+    """Enabled quantizers of a restored checkpoint, by the layer group they sit on (stream:layer)."""
+    def group(owner: str) -> str:
+        stream, _, rest = owner.partition(".")
+        return f"{stream}:{rest.partition('.')[2]}" if stream.endswith("transformer_blocks") else f"top:{owner}"
 
-    model = compose_config("sd_xl_quantize", ["model=tiny_flux"]).model
-    transformer = empty_backbone(model)
-    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
-    groups = collections.Counter()
-    for name, module in transformer.named_modules():
-        if isinstance(module, TensorQuantizer) and module.is_enabled:
-            owner, kind = name.rsplit(".", 1)
-            if "bmm" in kind or "softmax" in kind:
-                groups[kind] += 1
-                continue
-            stream, _, rest = owner.partition(".")
-            groups[f"{stream}:{rest.partition('.')[2]}" if stream.endswith("transformer_blocks") else f"top:{owner}"] += 1
-    return groups
+    return enabled_quantizers("tiny_flux", checkpoint, group)
 
 
 def test_levels_quantize_their_layer_groups_and_keep_embedders_and_modulation_high(checkpoints):
@@ -168,23 +149,12 @@ def test_fp8_gemms_stay_within_half_a_db_of_fake_quantization(tmp_path, checkpoi
 
 
 def test_lora_fuses_into_the_transformer_and_clip(tmp_path, model_cache):
-    from diffusers import FluxPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    pipe = _pipe()
-    torch.manual_seed(0)
-    layers = {}
-    for component, targets in {"transformer": ["to_q", "to_k", "to_v", "to_out.0"],
-                               "text_encoder": ["q_proj", "v_proj"]}.items():
-        network = getattr(pipe, component)
-        network.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=targets))
-        layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(network))
-    FluxPipeline.save_lora_weights(str(tmp_path / "lora"), safe_serialization=True, **layers)
+    save_random_lora(tmp_path / "lora", _pipe(), 0, {"transformer": ["to_q", "to_k", "to_v", "to_out.0"],
+                                                      "text_encoder": ["q_proj", "v_proj"]})
     adapter = f"model.loras=[{{path:'{tmp_path / 'lora'}',scale:1.0}}]"
     fused = load_pipeline(compose_config("sd_xl_quantize", ["model=tiny_flux", adapter]).model, CPU, torch.float32)
     base = _pipe()
+
     def first(module, suffix):
         return next(p for name, p in module.named_parameters() if name.endswith(suffix))
 
@@ -197,28 +167,19 @@ def test_lora_fuses_into_the_transformer_and_clip(tmp_path, model_cache):
     assert not any("lora" in name for name, _ in fused.transformer.named_modules())
 
 
-def _refused(run, cfg, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        exits_cleanly(run)(cfg)
-    assert exit_info.value.code == EXIT_USER_ERROR
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, model_cache):
-    err = _refused(run_quantize, compose_config("sd_xl_quantize", [*QUICK, "quantize.quant_level=1",
-                                                                    f"out_dir={tmp_path / 'q'}"]), capsys)
+    err = refused_in_one_line(run_quantize, compose_config("sd_xl_quantize", [
+        *QUICK, "quantize.quant_level=1", f"out_dir={tmp_path / 'q'}"]), capsys)
     assert "quantize.quant_level=1 is not a level of flux models" in err
     sdxl_checkpoint = run_quantize(compose_config("sd_xl_quantize", [
         "model=tiny_sdxl", "device=cpu", "quantize.n_steps=2", "quantize.calib_size=2", "quantize.batch_size=2",
         "quantize.quant_level=1", f"out_dir={tmp_path / 'sdxl'}"]))
     capsys.readouterr()
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_flux", "device=cpu", "backend=torch", f"quantized_unet={sdxl_checkpoint}",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert "was made from a sdxl model, not from model=tiny_flux (flux)" in err
-    err = _refused(run_export, compose_config("sd_xl_export", [
+    err = refused_in_one_line(run_export, compose_config("sd_xl_export", [
         "model=tiny_sdxl", "device=cpu", f"quantized_unet={checkpoints['fp8_l3']}",
         f"infer.out_path={tmp_path / 'export'}"]), capsys)
     assert "was made from a flux model, not from model=tiny_sdxl (sdxl)" in err
@@ -227,10 +188,10 @@ def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, mode
                                    [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
                                    [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1])])
     onnx.save(onnx.helper.make_model(graph), str(unet_graph))
-    err = _refused(run_evaluate, compose_config("sd_xl_evaluate", [
+    err = refused_in_one_line(run_evaluate, compose_config("sd_xl_evaluate", [
         "model=tiny_flux", "device=cpu", f"+variants.unet={unet_graph}", f"out_path={tmp_path / 'quality'}"]), capsys)
     assert "is not a transformer graph" in err
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_flux", "device=cpu", "backend=torch", "sampling.width=72", f"out_path={tmp_path / 'images'}"]),
         capsys)
     assert "sampling.width=72 must be a positive multiple of 16, the model's VAE scale factor times its 2x2" in err

@@ -25,28 +25,11 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import quantized_checkpoint_dir, run_quantize
 
-from conftest import compose_config
+from conftest import compose_config, refused_in_one_line, save_random_lora
 from test_export import _rel_err, _session, _torch_unet, _unet_feeds
 from test_infer import _infer_cfg, _psnr, _read_png
 
 RANK = 4
-
-
-def _save_lora(folder, pipe, seed: int, unet_targets, encoders: dict[str, list[str]]):
-    """A PEFT LoRA with random, non-zero A and B on copies of `pipe`'s networks, saved the way
-    diffusers' training scripts save one; returns the .safetensors file."""
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    layers = {}
-    for component, targets in {"unet": unet_targets, **encoders}.items():
-        network = copy.deepcopy(getattr(pipe, component))
-        network.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights=False, target_modules=targets))
-        layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(network))
-    type(pipe).save_lora_weights(str(folder), safe_serialization=True, **layers)
-    return folder / lora.DEFAULT_WEIGHT_NAME
 
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -62,9 +45,9 @@ def lora_files(model_cache, tmp_path_factory):
     sdxl = load_pipeline(compose_config("sd_xl_quantize", ["model=tiny_sdxl"]).model, cpu, torch.float32)
     sd15 = load_pipeline(compose_config("sd_xl_quantize", ["model=tiny_sd15"]).model, cpu, torch.float32)
     return {
-        "a": _save_lora(folder / "a", sdxl, 1, ATTENTION, {"text_encoder": TEXT_ATTENTION}),
-        "b": _save_lora(folder / "b", sdxl, 2, ["ff.net.0.proj", "ff.net.2"], {"text_encoder_2": TEXT_ATTENTION}),
-        "sd15": _save_lora(folder / "sd15", sd15, 3, ATTENTION, {}),
+        "a": save_random_lora(folder / "a", sdxl, 1, {"unet": ATTENTION, "text_encoder": TEXT_ATTENTION}),
+        "b": save_random_lora(folder / "b", sdxl, 2, {"unet": ["ff.net.0.proj", "ff.net.2"], "text_encoder_2": TEXT_ATTENTION}),
+        "sd15": save_random_lora(folder / "sd15", sd15, 3, {"unet": ATTENTION}),
     }
 
 
@@ -338,33 +321,24 @@ def _engine_cfg(out, *overrides):
                                            "trt.max_batch_size=1", "infer.width=64", "infer.height=64", *overrides])
 
 
-def _refused(cfg, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        exits_cleanly(run_export)(cfg)
-    assert exit_info.value.code == EXIT_USER_ERROR
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    return err
-
-
 def test_refittable_build_needs_a_gpu_with_tensorrt_rtx(fp16_graphs, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on a host without a GPU")
     out = _graphs_of(fp16_graphs["a"], tmp_path / "engines")
-    err = _refused(_engine_cfg(out, "trt.refittable=true"), capsys)
+    err = refused_in_one_line(run_export, _engine_cfg(out, "trt.refittable=true"), capsys)
     assert "builds refittable engines only on a machine with a GPU" in err
     assert not list(out.glob("plan/*.plan"))
 
 
 def test_refit_of_engines_built_without_refit_is_refused_untouched(fp16_graphs, lora_files, tmp_path, capsys):
     out = _graphs_of(fp16_graphs["a"], tmp_path / "engines")
-    assert _refused(_engine_cfg(out, "run_refit=true"), capsys).endswith(
+    assert refused_in_one_line(run_export, _engine_cfg(out, "run_refit=true"), capsys).endswith(
         "does not exist: build the engines first (export_trt.py trt.refittable=true)")
     run_export(_engine_cfg(out))
     plans = {plan: plan.read_bytes() for plan in out.glob("plan/*.plan")}
     same = _engine_cfg(out, "run_refit=true", _loras((lora_files["a"], 0.7)))
     assert run_export(same) == []
-    err = _refused(_engine_cfg(out, "run_refit=true", _loras((lora_files["b"], 1.0))), capsys)
+    err = refused_in_one_line(run_export, _engine_cfg(out, "run_refit=true", _loras((lora_files["b"], 1.0))), capsys)
     assert "clip1.plan was built without trt.refittable=true" in err
     assert {plan: plan.read_bytes() for plan in out.glob("plan/*.plan")} == plans
 

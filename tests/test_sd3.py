@@ -13,10 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant.cli import exits_cleanly
-from sdquant.errors import EXIT_USER_ERROR
 from sdquant.export.graphs import onnx_path
 from sdquant.load import load_pipeline
 from sdquant.workflow.evaluate import run_evaluate
@@ -24,7 +21,7 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config
+from conftest import compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora
 
 CPU = torch.device("cpu")
 # The second prompt is longer than the tiny T5's 256 tokens (one a character): T5 cuts it as
@@ -63,12 +60,7 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def checkpoints(model_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sd3_quantized")
-    recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
-               "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
-               "int8_l3": ["quantize.quant_level=3"]}
-    return {name: run_quantize(compose_config("sd_xl_quantize", [*QUICK, f"out_dir={out}", *overrides]))
-            for name, overrides in recipes.items()}
+    return quantize_each_recipe(tmp_path_factory.mktemp("sd3_quantized"), QUICK)
 
 
 @pytest.mark.parametrize("guidance, per_prompt", [(4.5, 1), (0.0, 2)], ids=["guided", "turbo_unguided"])
@@ -88,22 +80,11 @@ def test_torch_backend_draws_diffusers_sd3_pipelines_image(tmp_path, model_cache
 
 def _enabled(checkpoint) -> collections.Counter:
     """Enabled quantizers of a restored checkpoint, by the layer group they sit on (summed over blocks)."""
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
+    def group(owner: str) -> str:
+        stack, _, rest = owner.partition(".")
+        return rest.partition(".")[2] if stack == "transformer_blocks" else f"top:{owner}"
 
-    model = compose_config("sd_xl_quantize", ["model=tiny_sd3"]).model
-    transformer = empty_backbone(model)
-    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
-    groups = collections.Counter()
-    for name, module in transformer.named_modules():
-        if isinstance(module, TensorQuantizer) and module.is_enabled:
-            owner, kind = name.rsplit(".", 1)
-            if "bmm" in kind or "softmax" in kind:
-                groups[kind] += 1
-                continue
-            stack, _, rest = owner.partition(".")
-            groups[rest.partition(".")[2] if stack == "transformer_blocks" else f"top:{owner}"] += 1
-    return groups
+    return enabled_quantizers("tiny_sd3", checkpoint, group)
 
 
 def test_levels_quantize_their_layer_groups_and_keep_embedders_and_modulation_high(checkpoints):
@@ -225,20 +206,9 @@ def test_fp8_attention_images_stay_within_half_a_db_of_fake_quantization(tmp_pat
 
 
 def test_lora_fuses_into_the_transformer_and_both_clips(tmp_path, model_cache):
-    from diffusers import StableDiffusion3Pipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    pipe = _pipe()
-    torch.manual_seed(0)
-    layers = {}
-    for component, targets in {"transformer": ["to_q", "to_k", "to_v", "to_out.0"],
-                               "text_encoder": ["q_proj", "v_proj"], "text_encoder_2": ["q_proj", "v_proj"]}.items():
-        network = getattr(pipe, component)
-        network.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=targets))
-        layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(network))
-    StableDiffusion3Pipeline.save_lora_weights(str(tmp_path / "lora"), safe_serialization=True, **layers)
+    save_random_lora(tmp_path / "lora", _pipe(), 0, {"transformer": ["to_q", "to_k", "to_v", "to_out.0"],
+                                                      "text_encoder": ["q_proj", "v_proj"],
+                                                      "text_encoder_2": ["q_proj", "v_proj"]})
     fused = _pipe(f"model.loras=[{{path:'{tmp_path / 'lora'}',scale:1.0}}]")
     base = _pipe()
 
@@ -259,37 +229,28 @@ def test_lora_fuses_into_the_transformer_and_both_clips(tmp_path, model_cache):
     assert (outputs[0] - outputs[1]).abs().max() > 1e-3
 
 
-def _refused(run, cfg, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        exits_cleanly(run)(cfg)
-    assert exit_info.value.code == EXIT_USER_ERROR
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, model_cache):
-    err = _refused(run_quantize, compose_config("sd_xl_quantize", [*QUICK, "quantize.quant_level=1",
-                                                                    f"out_dir={tmp_path / 'q'}"]), capsys)
+    err = refused_in_one_line(run_quantize, compose_config("sd_xl_quantize", [
+        *QUICK, "quantize.quant_level=1", f"out_dir={tmp_path / 'q'}"]), capsys)
     assert "quantize.quant_level=1 is not a level of sd3 models: choose one of 2, 2.5, 3, 4" in err
     flux_checkpoint = run_quantize(compose_config("sd_xl_quantize", [
         "model=tiny_flux", "device=cpu", "quantize.n_steps=2", "quantize.calib_size=2", "quantize.batch_size=2",
         "quantize.format=fp8", "quantize.quant_level=3", f"out_dir={tmp_path / 'flux'}"]))
     capsys.readouterr()
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sd3", "device=cpu", "backend=torch", f"quantized_unet={flux_checkpoint}",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert err.startswith("error: quantized_unet=") and "was made from a flux model, not from model=tiny_sd3 (sd3)" in err
-    err = _refused(run_export, compose_config("sd_xl_export", [
+    err = refused_in_one_line(run_export, compose_config("sd_xl_export", [
         "model=tiny_flux", "device=cpu", f"quantized_backbone={checkpoints['fp8_l3']}",
         f"infer.out_path={tmp_path / 'export'}"]), capsys)
     assert err.startswith("error: quantized_backbone=") and "was made from a sd3 model, not from model=tiny_flux (flux)" in err
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.width=72", f"out_path={tmp_path / 'images'}"]),
         capsys)
     assert "sampling.width=72 must be a positive multiple of 16, the model's VAE scale factor times its 2x2" in err
     # diffusers 0.42's SD3Transformer2DModel has no cache hooks (CacheMixin): refused before any work.
-    err = _refused(run_infer, compose_config("sd_xl_trt_inference", [
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
         "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.cache.method=first_block",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert "sampling.cache.method=first_block: model=tiny_sd3's transformer takes none" in err
