@@ -244,13 +244,14 @@ class SamplingBlock:
     num_images_per_prompt: int = 1
     # None: the family's (euler for SD and SDXL, flow_euler for Flux).
     scheduler: Optional[str] = None
-    # Prompts past CLIP's 77 tokens: truncate (cut, as diffusers does, saying which words are
-    # dropped) or chunk (encoded in 77-token windows whose embeddings are joined).
+    # Prompts past what the text encoders read (CLIP's 77 tokens; T5's length for Flux and SD3.5):
+    # truncate (cut, as diffusers does, saying which words are dropped), chunk (UNets: encoded in
+    # 77-token windows whose embeddings are joined) or error (refused before any work).
     long_prompts: str = "truncate"
     cache: CacheBlock = field(default_factory=CacheBlock)
 
 
-LONG_PROMPTS = ("truncate", "chunk")
+LONG_PROMPTS = ("truncate", "chunk", "error")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 TORCH_QUANTIZED = ("fake", "fp8", "int8")
 TORCH_ATTENTION = ("auto", "fp8", "fp16")

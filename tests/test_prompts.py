@@ -20,7 +20,7 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config
+from conftest import compose_config, refused_in_one_line
 
 # The tiny models' tokenizer spells every letter and mark as one token: this prompt takes 79, and
 # cutting it to CLIP's window drops its last 4, "sky,".
@@ -102,6 +102,17 @@ def test_a_cut_prompt_is_said_once_with_its_dropped_words(tmp_path, model_cache,
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: prompt")]
     assert len(warnings) == 1, "once, though the prompt runs four times"
     assert f"dropping {DROPPED!r}" in warnings[0] and "sampling.long_prompts=chunk keeps them" in warnings[0]
+
+
+def test_long_prompts_error_refuses_a_cut_prompt_before_any_work(tmp_path, model_cache, capsys):
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sdxl", "backend=torch", "device=cpu", f"out_path={tmp_path / 'images'}",
+        f"sampling.prompts={json.dumps([SHORT, LONG])}", "sampling.long_prompts=error"]), capsys)
+    assert err.startswith("error: sampling.long_prompts=error: prompt 'a watercolor") and f"{DROPPED!r}" in err
+    assert "CLIP's 77 tokens" in err and "sampling.long_prompts=truncate" in err
+    assert not (tmp_path / "images").exists()
+    _infer(tmp_path / "short", f"sampling.prompts={json.dumps([SHORT])}", "sampling.long_prompts=error")
+    assert (tmp_path / "short" / "image_000_00.png").is_file(), "a prompt that fits runs"
 
 
 def test_chunked_prompts_join_the_windows_and_leave_short_prompts_as_they_were(tiny_pipeline, capsys):

@@ -254,6 +254,10 @@ def test_families_are_kept_apart_in_one_line(tmp_path, checkpoints, capsys, mode
         "model=tiny_sd3", "device=cpu", "backend=torch", "sampling.cache.method=first_block",
         f"out_path={tmp_path / 'images'}"]), capsys)
     assert "sampling.cache.method=first_block: model=tiny_sd3's transformer takes none" in err
+    err = refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
+        "model=tiny_sd3", "device=cpu", "backend=torch", f"sampling.prompts={json.dumps(PROMPTS)}",
+        "sampling.long_prompts=error", f"out_path={tmp_path / 'images'}"]), capsys)
+    assert "sampling.long_prompts=error: prompt 'a lighthouse at dusk" in err and "T5's" in err and "out at sea" in err
     assert not any((tmp_path / name).exists() for name in ("q", "images", "export"))
 
 

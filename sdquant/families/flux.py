@@ -23,7 +23,7 @@ from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
-from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated
+from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, t5_dropped_words
 
 # The DiT's levels (every layer is a Linear, so there is no level 1): 2 the feed-forward layers of
 # both streams and the single blocks' MLP input projection; 2.5 + the q/k/v projections of both
@@ -201,6 +201,11 @@ class FluxTextToImage(TextToImage):
     def latent_shape(self, settings: SamplingSettings) -> tuple[int, ...]:
         """Unpacked noise (B, C, h, w), as diffusers draws it before packing."""
         return (len(settings.image_prompts), self.backbone_config.in_channels // 4, *self.latent_size(settings))
+
+    def words_lost(self, text: str) -> tuple[str, str]:
+        # CLIP's cut only shortens the pooled embedding: T5 still reads those words.
+        dropped = t5_dropped_words(self.t5_tokenizer, text, self.text_tokens)
+        return (f"T5's {self.text_tokens} tokens", dropped) if dropped else ("", "")
 
     def encode(self, settings: SamplingSettings, timer) -> tuple[torch.Tensor, torch.Tensor]:
         """T5's hidden states and CLIP's pooled embedding of each prompt, one per image."""

@@ -100,6 +100,13 @@ def dropped_words(tokenizers: list, prompt: str) -> str:
     return ""
 
 
+def t5_dropped_words(tokenizer, text: str, length: int) -> str:
+    """What cutting `text` to T5's `length` tokens (its end token included) drops, as text; empty
+    when it fits."""
+    ids = tokenizer(text, truncation=False).input_ids
+    return tokenizer.decode(ids[length - 1:], skip_special_tokens=True) if len(ids) > length else ""
+
+
 def shortened(prompt: str) -> str:
     """A prompt as a warning shows it: up to 60 characters."""
     return prompt if len(prompt) <= 60 else prompt[:57] + "..."
@@ -144,6 +151,21 @@ class TextToImage:
     def stage_batches(self, settings: SamplingSettings) -> dict[str, int]:
         """Samples per call of each stage, for checking them against the engines' profiles."""
         raise NotImplementedError
+
+    def words_lost(self, text: str) -> tuple[str, str]:
+        """(the limit, the words past it) where the family's text encoders lose words of `text`
+        that no other encoder of the pipeline reads; ("", "") where nothing is lost."""
+        raise NotImplementedError
+
+    def refuse_cut_prompts(self, runs: list[SamplingSettings]) -> None:
+        """sampling.long_prompts=error: refuses, in one line and before any work, the first prompt
+        (or negative prompt) whose words the text encoders would lose."""
+        for settings in runs:
+            for text in dict.fromkeys([settings.negative_prompt, *settings.prompts]):
+                limit, dropped = self.words_lost(text)
+                if dropped:
+                    raise UserError(f"sampling.long_prompts=error: prompt {shortened(text)!r} is longer than {limit} "
+                                    f"and would lose {dropped!r}: shorten it, or set sampling.long_prompts=truncate")
 
     def axis_sizes(self, settings: SamplingSettings) -> dict[str, int]:
         """The size of every dynamic axis but the batch in a run with these settings."""

@@ -18,7 +18,7 @@ from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .deep_cache import DEEP, FULL, SHALLOW, DeepCache, deep_sizes
 from .encoders import ClipGraph, VaeDecoderGraph, clip_network
 from .networks import BATCH, CONTEXT, HEIGHT, LATENT, TOKENS, VAE, WIDTH, Network, Role
-from .pipeline import SamplingSettings, TextToImage, prompt_windows, say_truncated
+from .pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
 
 # Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
 HIGH_PRECISION = ("*time_embedding*", "*time_emb_proj*", "*add_embedding*", "*conv_in*", "*conv_out*",
@@ -165,6 +165,10 @@ class SDTextToImage(TextToImage):
         images = len(settings.image_prompts)
         return {"clip1": len(self.texts(settings)), self.backbone: 2 * images if settings.guided else images,
                 "vae": images}
+
+    def words_lost(self, text: str) -> tuple[str, str]:
+        dropped = dropped_words(self.tokenizers, text)
+        return (f"CLIP's {TOKENS} tokens", dropped) if dropped else ("", "")
 
     def context_windows(self, settings: SamplingSettings) -> int:
         """CLIP windows in the UNet's context: 1, or with long_prompts=chunk as many as the longest

@@ -27,7 +27,7 @@ from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .flux import calculate_shift
 from .networks import BATCH, HEIGHT, LATENT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
-from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, shortened
+from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, shortened, t5_dropped_words
 
 # The MMDiT's levels (every layer of its blocks is a Linear, so there is no level 1): 2 the
 # feed-forward layers of both streams; 2.5 + the q/k/v projections of the joint attention (image
@@ -168,15 +168,19 @@ class SD3TextToImage(TextToImage):
     def latent_shape(self, settings: SamplingSettings) -> tuple[int, ...]:
         return (len(settings.image_prompts), self.backbone_config.in_channels, *self.latent_size(settings))
 
+    def words_lost(self, text: str) -> tuple[str, str]:
+        # CLIP's cut only shortens its part of the context: T5 still reads those words.
+        dropped = t5_dropped_words(self.t5_tokenizer, text, self.text_tokens)
+        return (f"T5's {self.text_tokens} tokens", dropped) if dropped else ("", "")
+
     def say_cut(self, texts: list[str]) -> None:
         """Says once per prompt where CLIP's window, and where T5's length, cuts it."""
         say_truncated(self.clip_tokenizers, texts, self.told,
                       f"T5 still reads up to {self.text_tokens} tokens of it, as in diffusers")
         for text in dict.fromkeys(texts):
-            ids = self.t5_tokenizer(text, truncation=False).input_ids
-            if len(ids) > self.text_tokens and text not in self.told_t5:
+            dropped = t5_dropped_words(self.t5_tokenizer, text, self.text_tokens)
+            if dropped and text not in self.told_t5:
                 self.told_t5.add(text)
-                dropped = self.t5_tokenizer.decode(ids[self.text_tokens - 1:], skip_special_tokens=True)
                 print(f"warning: prompt {shortened(text)!r} is longer than T5's {self.text_tokens} tokens and is cut, "
                       f"dropping {dropped!r}, as diffusers does", file=sys.stderr, flush=True)
 

@@ -76,7 +76,10 @@ def settle_sampling(cfg, runs_on: str = "modules", cuda_graph: bool = False) -> 
     cfg.sampling.scheduler = cfg.sampling.scheduler or family.default_scheduler
     validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
     cache = checked_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cuda_graph)
-    return Sampling(family, parts, cfg.sampling, cache, sampling_runs(cfg.sampling, cfg.model, cache))
+    runs = sampling_runs(cfg.sampling, cfg.model, cache)
+    if cfg.sampling.long_prompts == "error":
+        family.text_to_image({}, parts, None, torch.device("cpu")).refuse_cut_prompts(runs)
+    return Sampling(family, parts, cfg.sampling, cache, runs)
 
 
 def sampling_runs(sampling, model, cache=None) -> list[SamplingSettings]:
