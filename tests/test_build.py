@@ -25,6 +25,28 @@ from conftest import compose_config, sdxl_profile_shapes
 SDXL_UNET_DIMS = {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048], "y": [None, 2816]}
 
 
+
+def test_a_graph_name_two_families_share_is_sized_by_each_familys_own_network():
+    """Flux and SD3.5 both call their backbone graph `transformer`, with other inputs and axes (packed
+    tokens against a latent image, T5's tokens against CLIP + T5's): each engine profile comes from
+    the family's own network, never from a lookup of the name across families."""
+    from sdquant.families.flux import FLUX
+    from sdquant.families.sd3 import SD3
+
+    infer, trt = InferBlock(batch_size=1, height=64, width=64), TrtBlock()
+    record = {"vae_scale_factor": 8, "text_tokens": 32}
+    dims = {FLUX: {"hidden_states": [None, None, 64], "encoder_hidden_states": [None, None, 4096]},
+            SD3: {"hidden_states": [None, 16, None, None], "encoder_hidden_states": [None, None, 4096]}}
+    shapes = {family: engines.profile_shapes(infer, trt, family.network("transformer"), dims[family],
+                                             family.profile_axis_sizes("transformer", 64, 64, record, trt))
+              for family in (FLUX, SD3)}
+    # Flux: a 64x64 image is 16 packed 2x2 latent tokens, and T5's 32 tokens are the text.
+    assert [shape[1:] for shape in shapes[FLUX]["hidden_states"]] == [(16, 64)] * 3
+    assert [shape[1:] for shape in shapes[FLUX]["encoder_hidden_states"]] == [(32, 4096)] * 3
+    # SD3.5: the 8x8 latent itself, and CLIP's 77 tokens before T5's 32.
+    assert [shape[1:] for shape in shapes[SD3]["hidden_states"]] == [(16, 8, 8)] * 3
+    assert [shape[1:] for shape in shapes[SD3]["encoder_hidden_states"]] == [(109, 4096)] * 3
+
 def _within(shape, profile) -> bool:
     low, _, high = profile
     return all(lo <= d <= hi for d, lo, hi in zip(shape, low, high))
