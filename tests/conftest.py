@@ -166,3 +166,29 @@ def enabled_quantizers(model: str, checkpoint, group_of) -> "collections.Counter
             owner, kind = name.rsplit(".", 1)
             groups[kind if "bmm" in kind or "softmax" in kind else group_of(owner)] += 1
     return groups
+
+
+def assert_int8_graph_runs_as_fake_quantization(out: Path, model: str, checkpoint: str, prompts: list[str],
+                                                steps: int, *overrides: str) -> None:
+    """Exports `checkpoint`'s INT8 backbone graph and has evaluate.py run it beside the checkpoint's
+    fake quantization: their per-step errors agree."""
+    import json
+
+    import numpy as np
+
+    from sdquant.export.graphs import onnx_path
+    from sdquant.workflow.evaluate import run_evaluate
+    from sdquant.workflow.export_trt import run_export
+
+    run_export(compose_config("sd_xl_export", [f"model={model}", "device=cpu", f"infer.out_path={out / 'int8'}",
+                                               "onnx.precision=fp32", "run_trt_export=false",
+                                               f"quantized_unet={checkpoint}"]))
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        f"model={model}", "device=cpu", f"out_path={out / 'quality'}", f"sampling.prompts={json.dumps(prompts)}",
+        f"sampling.steps={steps}", *overrides, f"+variants.fake={checkpoint}",
+        f"+variants.onnx={onnx_path(out / 'int8', 'transformer')}"]))
+    fake, graph_run = report["variants"]["fake"], report["variants"]["onnx"]
+    assert all(np.isfinite(row["psnr"]) for row in fake["per_prompt"])
+    # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
+    steps_error = np.array(fake["step_error"]), np.array(graph_run["step_error"])
+    assert np.abs(steps_error[0] - steps_error[1]).max() < 0.02 and steps_error[0].min() > 0

@@ -16,12 +16,12 @@ import torch
 
 from sdquant.export.graphs import onnx_path
 from sdquant.load import load_pipeline
-from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora
+from conftest import (assert_int8_graph_runs_as_fake_quantization, compose_config, enabled_quantizers,
+                      quantize_each_recipe, refused_in_one_line, save_random_lora)
 
 CPU = torch.device("cpu")
 # The second prompt is longer than the tiny T5's 256 tokens (one a character): T5 cuts it as
@@ -129,19 +129,8 @@ def test_onnx_graphs_run_as_torch_at_the_traced_size_and_another(tmp_path, model
 
 
 def test_int8_graph_runs_as_fake_quantization_in_evaluate(tmp_path, checkpoints):
-    int8 = tmp_path / "int8"
-    run_export(compose_config("sd_xl_export", ["model=tiny_sd3", "device=cpu", f"infer.out_path={int8}",
-                                               "onnx.precision=fp32", "run_trt_export=false",
-                                               f"quantized_unet={checkpoints['int8_l3']}"]))
-    report = run_evaluate(compose_config("sd_xl_evaluate", [
-        "model=tiny_sd3", "device=cpu", f"out_path={tmp_path / 'quality'}", f"sampling.prompts={json.dumps(PROMPTS)}",
-        f"sampling.steps={STEPS}", "sampling.guidance_scale=4.5", f"+variants.fake={checkpoints['int8_l3']}",
-        f"+variants.onnx={onnx_path(int8, 'transformer')}"]))
-    fake, graph_run = report["variants"]["fake"], report["variants"]["onnx"]
-    assert all(np.isfinite(row["psnr"]) for row in fake["per_prompt"])
-    # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
-    steps = np.array(fake["step_error"]), np.array(graph_run["step_error"])
-    assert np.abs(steps[0] - steps[1]).max() < 0.02 and steps[0].min() > 0
+    assert_int8_graph_runs_as_fake_quantization(tmp_path, "tiny_sd3", checkpoints["int8_l3"], PROMPTS, STEPS,
+                                                "sampling.guidance_scale=4.5")
 
 
 @pytest.mark.parametrize("recipe", ["int8_l3", "fp8_l4"])
