@@ -178,11 +178,13 @@ class SD3TextToImage(TextToImage):
         say_truncated(self.clip_tokenizers, texts, self.told,
                       f"T5 still reads up to {self.text_tokens} tokens of it, as in diffusers")
         for text in dict.fromkeys(texts):
-            dropped = t5_dropped_words(self.t5_tokenizer, text, self.text_tokens)
-            if dropped and text not in self.told_t5:
+            if text in self.told_t5:
+                continue
+            limit, dropped = self.words_lost(text)
+            if dropped:
                 self.told_t5.add(text)
-                print(f"warning: prompt {shortened(text)!r} is longer than T5's {self.text_tokens} tokens and is cut, "
-                      f"dropping {dropped!r}, as diffusers does", file=sys.stderr, flush=True)
+                print(f"warning: prompt {shortened(text)!r} is longer than {limit} and is cut, dropping {dropped!r}, "
+                      "as diffusers does", file=sys.stderr, flush=True)
 
     def encode(self, settings: SamplingSettings, timer) -> tuple[torch.Tensor, torch.Tensor]:
         """The joint text states (both CLIP encoders' penultimate hidden states side by side, padded
@@ -381,9 +383,10 @@ class SD3Family(ModelFamily):
         processor (0.42) skips SD3.5's q/k RMS norms and needs text tokens, which SD3.5-medium's
         image-only attn2 has none of."""
         for attn in backbone.modules():
-            if self.fp8_attention_processor(attn) is not None:
+            processor = self.fp8_attention_processor(attn)
+            if processor is not None:
                 attn.fuse_projections(fuse=True)
-                attn.set_processor(SD3Fp8AttnProcessor())
+                attn.set_processor(processor)
 
     def fp8_attention_processor(self, attn):
         """The processor for the attention layers diffusers runs with its own JointAttnProcessor2_0."""

@@ -84,8 +84,9 @@ def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
     """Why the checkpoint in `backbone` (its calibrated `sites`) cannot run on its format's kernels:
     one reason per kind of quantizer they have none for; empty when it can."""
     reasons = []
-    if unsupported_quantizers(backbone):
-        reasons.append(f"quantizers on {', '.join(unsupported_quantizers(backbone)[:3])}")
+    unsupported = unsupported_quantizers(backbone)
+    if unsupported:
+        reasons.append(f"quantizers on {', '.join(unsupported[:3])}")
     if not sites:
         reasons.append("no calibrated layer")
     return reasons

@@ -39,7 +39,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sca
     (amax / 448), fp32 scores times `softmax_scale`, softmax, its output rounded to FP8 at range 1,
     times v, and the result rounded to FP8 with `out_inverse_scale` (448 / the next layer's input
     amax)."""
-    probability_inverse, probability_scale = (s.to(q.device) for s in fp8_scales(torch.tensor(SOFTMAX_AMAX)))
+    probability_inverse, probability_scale = _softmax_scales(q.device)
     scores = (q.float() * q_scale) @ (k.float() * k_scale).transpose(-2, -1) * softmax_scale
     probabilities = fake_fp8(scores.softmax(dim=-1), probability_inverse, probability_scale)
     out = _output(q, v)
