@@ -153,7 +153,7 @@ class FluxFp8AttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = attend(attn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)).transpose(1, 2).flatten(2)
+        out = attend(attn, query, key, value)
         if encoder_hidden_states is None:
             fp8 = getattr(attn, FP8_ATTENTION, None)
             return out if fp8 is None else fp8.dequantize(out, hidden_states.dtype)

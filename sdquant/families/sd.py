@@ -287,8 +287,7 @@ class UNetFp8AttnProcessor:
             query, (key, value) = attn.to_q(hidden_states), project(attn, context, KV)
         else:
             query, key, value = project(attn, hidden_states, QKV)
-        query, key, value = (x.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for x in (query, key, value))
-        out = attend(attn, query, key, value).transpose(1, 2).flatten(2)
+        out = attend(attn, *(x.unflatten(-1, (attn.heads, -1)) for x in (query, key, value)))
         return attn.to_out[1](attn.to_out[0](out))
 
 

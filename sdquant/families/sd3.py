@@ -116,7 +116,7 @@ class SD3Fp8AttnProcessor:
             text = _per_head(attn, project(attn, encoder_hidden_states, ADDED_QKV), attn.norm_added_q,
                              attn.norm_added_k)
             query, key, value = (torch.cat(pair, dim=1) for pair in zip((query, key, value), text))
-        out = attend(attn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)).transpose(1, 2).flatten(2)
+        out = attend(attn, query, key, value)
         image_tokens = hidden_states.shape[1]
         image = attn.to_out[1](attn.to_out[0](out[:, :image_tokens].contiguous()))
         if encoder_hidden_states is None:

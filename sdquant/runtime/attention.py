@@ -65,10 +65,13 @@ def project(attn, x: torch.Tensor, group: tuple[tuple[str, ...], str]) -> tuple[
 
 
 def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, tokens, head_dim) attention: FP8 where the layer has its ranges, else in the
-    model's precision, as diffusers runs it."""
+    """Attention of (batch, tokens, heads, head_dim) q, k and v, as the processors split their
+    projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
+    the model's precision, as diffusers runs it."""
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     fp8 = getattr(attn, FP8_ATTENTION, None)
-    return F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value)
+    out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value)
+    return out.transpose(1, 2).flatten(2)
 
 
 def no_mask(attention_mask) -> None:
