@@ -145,20 +145,15 @@ def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
     return result
 
 
-def unet_profile(pipeline: TextToImage, batch: int, top: int = 12) -> list[dict]:
-    """GPU time per kernel over one UNet call (after warm-up), the largest first."""
+def kernel_profile(stage, inputs: dict, top: int = 12) -> list[dict]:
+    """GPU time per kernel over one call of `stage` on `inputs` (after warm-up), the largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    unet = pipeline.stages["unet_xl"]
-    inputs = {"x": torch.randn(2 * batch, 4, 128, 128, device="cuda", dtype=torch.float16),
-              "timesteps": torch.full((2 * batch,), 500.0, device="cuda"),
-              "context": torch.randn(2 * batch, 77, 2048, device="cuda", dtype=torch.float16),
-              "y": torch.randn(2 * batch, 2816, device="cuda", dtype=torch.float16)}
     for _ in range(3):
-        unet(**inputs)
+        stage(**inputs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        unet(**inputs)
+        stage(**inputs)
         torch.cuda.synchronize()
     rows = sorted(((e.key, e.device_time_total / 1000, e.count) for e in trace.key_averages()
                    if e.device_time_total > 0), key=lambda row: -row[1])
@@ -167,13 +162,25 @@ def unet_profile(pipeline: TextToImage, batch: int, top: int = 12) -> list[dict]
         [{"kernel": "total", "ms": total, "calls": sum(c for _, _, c in rows)}]
 
 
+def stage_profiles(pipeline: TextToImage, batch: int) -> dict[str, list[dict]]:
+    """The kernel profiles of one UNet call (CFG: 2 * batch samples) and one VAE decode of the batch."""
+    latent = SIZE // 8
+    unet_inputs = {"x": torch.randn(2 * batch, 4, latent, latent, device="cuda", dtype=torch.float16),
+                   "timesteps": torch.full((2 * batch,), 500.0, device="cuda"),
+                   "context": torch.randn(2 * batch, 77, 2048, device="cuda", dtype=torch.float16),
+                   "y": torch.randn(2 * batch, 2816, device="cuda", dtype=torch.float16)}
+    vae_inputs = {"latent": torch.randn(batch, 4, latent, latent, device="cuda", dtype=torch.float16)}
+    return {"unet_profile": kernel_profile(pipeline.stages["unet_xl"], unet_inputs),
+            "vae_profile": kernel_profile(pipeline.stages["vae"], vae_inputs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="peer,eager,compiled,fp8", help="also: int8")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", default="20,30")
     parser.add_argument("--runs", type=int, default=4)
-    parser.add_argument("--profile", action="store_true", help="kernel time of one UNet call per torch variant")
+    parser.add_argument("--profile", action="store_true", help="kernel time of one UNet call and one VAE decode per torch variant")
     parser.add_argument("--cache-interval", type=int, default=0,
                         help="our variants with DeepCache, the whole UNet every N steps (0: no cache)")
     parser.add_argument("--cache-branch", type=int, default=0, help="DeepCache's live branch")
@@ -206,7 +213,7 @@ def main() -> None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
             if args.profile:
-                row["unet_profile"] = unet_profile(pipeline, args.batch)
+                row.update(stage_profiles(pipeline, args.batch))
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["wall_s"] = time.perf_counter() - start
         results["variants"][variant] = row

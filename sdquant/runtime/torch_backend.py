@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiled_forms import use_compiled_forms
 from .cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear, Fp8RoundedConv2d
@@ -196,13 +197,16 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
     # stages that run every step or on every image.
     replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
     if block.compile:
-        # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v.
+        # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
+        # layer forms that compile to faster kernels (sdquant.runtime.compiled_forms).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
+            use_compiled_forms(module)
             if not quantized:
                 family.fuse_projections(module)
         pipe.vae.to(memory_format=torch.channels_last)
+        use_compiled_forms(pipe.vae)
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
             if hasattr(stages[name], "allow_recompiles"):

@@ -125,18 +125,21 @@ class _CudnnGraph:
         graph.check_support()
         graph.build_plans()
         self.graph = graph
-        self.workspace_bytes = graph.get_workspace_size()
+        # Made once: executions of one graph follow each other on the stream, and allocating per call
+        # costs host time on the paths that run without CUDA graphs (the step caches' hooks). cuDNN
+        # writes the output's range too; nothing reads it.
+        device = q.device
+        workspace_bytes = graph.get_workspace_size()
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+        self.unread_amax = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
 
     def execute(self, handle, tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
                 out: torch.Tensor) -> None:
-        device = out.device
         pack = {self.inputs[name]: tensors[name] for name in self.inputs}
         pack.update({self.scales[name]: scales[name] for name in self.scales})
-        # cuDNN writes the output's range too; nothing reads it.
-        pack[self.amax_o] = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+        pack[self.amax_o] = self.unread_amax
         pack[self.out] = out
-        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device) if self.workspace_bytes else None
-        self.graph.execute(pack, workspace, handle=handle)
+        self.graph.execute(pack, self.workspace, handle=handle)
 
 
 def _graph(handle, q, k, v, out, softmax_scale: float) -> _CudnnGraph:

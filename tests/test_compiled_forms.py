@@ -1,0 +1,59 @@
+"""The layer forms the torch backend compiles (sdquant.runtime.compiled_forms) compute what
+diffusers' layers compute: GroupNorm with per-channel statistics, and wide-headed attention on
+diffusers' GEMM processor; the forms are given to the layers they are for and no others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKL
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+
+from sdquant.runtime.compiled_forms import ChannelStatisticsGroupNorm, use_compiled_forms
+
+
+@pytest.mark.parametrize("shape, groups", [((2, 64, 12, 10), 32), ((2, 96, 7, 7), 8), ((3, 48, 40), 4)])
+def test_group_norm_with_channel_statistics_gives_group_norm_in_float64(shape, groups):
+    generator = torch.Generator().manual_seed(0)
+    norm = torch.nn.GroupNorm(groups, shape[1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(generator=generator)
+        norm.bias.normal_(generator=generator)
+    # An offset far larger than the spread: the variance must come from centred values, not from
+    # the mean of squares (torch's own channels-last GroupNorm on a CPU is 2e-2 off here).
+    x = torch.randn(shape, generator=generator, dtype=torch.float64).mul(0.5).add(40).float()
+    if x.dim() == 4:
+        x = x.to(memory_format=torch.channels_last)
+    exact = torch.nn.functional.group_norm(x.double(), groups, norm.weight.double(), norm.bias.double(), norm.eps)
+    norm.__class__ = ChannelStatisticsGroupNorm
+    got = norm(x)
+    assert got.dtype == x.dtype and got.stride() == x.stride()
+    assert (got.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+
+
+def test_wide_headed_attention_on_the_gemm_processor_gives_sdpas_output():
+    torch.manual_seed(0)
+    attn = Attention(query_dim=320, heads=1, dim_head=320, norm_num_groups=8, residual_connection=True,
+                     rescale_output_factor=1.0, bias=True, upcast_softmax=True, _from_deprecated_attn_block=True)
+    attn.eval()
+    x = torch.randn(2, 320, 6, 5)
+    with torch.no_grad():
+        want = attn(x)
+        use_compiled_forms(attn)
+        assert type(attn.processor) is AttnProcessor
+        got = attn(x)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_forms_go_to_group_norms_and_wide_heads_only():
+    vae = AutoencoderKL(block_out_channels=(32, 288), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8, latent_channels=4)
+    narrow = Attention(query_dim=64, heads=2, dim_head=32)
+    use_compiled_forms(vae)
+    use_compiled_forms(narrow)
+    norms = [m for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(type(m) is ChannelStatisticsGroupNorm for m in norms)
+    # The VAE's mid-block attention has one head of 288 channels, wider than fused kernels take.
+    wide = [m for m in vae.modules() if isinstance(m, Attention)]
+    assert wide and all(type(m.processor) is AttnProcessor for m in wide)
+    assert type(narrow.processor) is AttnProcessor2_0
