@@ -1,14 +1,18 @@
 """The layer forms the torch backend compiles (sdquant.runtime.compiled_forms) compute what
 diffusers' layers compute: GroupNorm with per-channel statistics, and wide-headed attention on
-diffusers' GEMM processor; the forms are given to the layers they are for and no others."""
+diffusers' sliced GEMM processor; the forms are given to the layers they are for and no others,
+and torch_backend.compile gives them to the decoder, not to the backbone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers import AutoencoderKL
-from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0, SlicedAttnProcessor
 
+from sdquant.config import TorchBackendBlock
+from sdquant.families.sdxl import SDXL
+from sdquant.runtime import torch_backend
 from sdquant.runtime.compiled_forms import ChannelStatisticsGroupNorm, use_compiled_forms
 
 
@@ -40,7 +44,7 @@ def test_wide_headed_attention_on_the_gemm_processor_gives_sdpas_output():
     with torch.no_grad():
         want = attn(x)
         use_compiled_forms(attn)
-        assert type(attn.processor) is AttnProcessor
+        assert type(attn.processor) is SlicedAttnProcessor
         got = attn(x)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
@@ -55,5 +59,13 @@ def test_forms_go_to_group_norms_and_wide_heads_only():
     assert norms and all(type(m) is ChannelStatisticsGroupNorm for m in norms)
     # The VAE's mid-block attention has one head of 288 channels, wider than fused kernels take.
     wide = [m for m in vae.modules() if isinstance(m, Attention)]
-    assert wide and all(type(m.processor) is AttnProcessor for m in wide)
+    assert wide and all(type(m.processor) is SlicedAttnProcessor for m in wide)
     assert type(narrow.processor) is AttnProcessor2_0
+
+
+def test_compiling_gives_the_forms_to_the_decoder_and_not_the_backbone():
+    pipe = SDXL.build_pipeline(SDXL.sizes["tiny"])
+    torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
+                           cuda_graph=False, quantized=False)
+    assert {type(m) for m in pipe.vae.modules() if isinstance(m, torch.nn.GroupNorm)} == {ChannelStatisticsGroupNorm}
+    assert {type(m) for m in pipe.unet.modules() if isinstance(m, torch.nn.GroupNorm)} == {torch.nn.GroupNorm}
