@@ -1,5 +1,6 @@
 """Forms of diffusers' layers that torch.compile turns into faster GPU kernels, computing the same
-numbers up to fp32 rounding; the torch backend gives them to the modules it compiles.
+numbers up to fp32 rounding; the torch backend gives them to the VAE it compiles
+(torch_backend.speed_up says why not to the UNet).
 
 GroupNorm on channels-last activations: the compiler reduces each group over its pixels and its
 channels together, and in channels-last memory a group's few channels sit between other groups'
@@ -30,18 +31,18 @@ class ChannelStatisticsGroupNorm(torch.nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels = x.shape[:2]
         pixels = tuple(range(2, x.dim()))
-        spread = (slice(None), slice(None)) + (None,) * len(pixels)
+        over_pixels = (slice(None), slice(None)) + (None,) * len(pixels)
         variance, mean = torch.var_mean(x.float(), dim=pixels, correction=0)
         variance = variance.view(batch, self.num_groups, -1)
         mean = mean.view(batch, self.num_groups, -1)
         group_mean = mean.mean(-1, keepdim=True)
         group_variance = variance.mean(-1, keepdim=True) + (mean - group_mean).square().mean(-1, keepdim=True)
-        per_channel = channels // self.num_groups
-        center = group_mean.expand(-1, -1, per_channel).reshape(batch, channels)
-        inverse_std = torch.rsqrt(group_variance + self.eps).expand(-1, -1, per_channel).reshape(batch, channels)
-        y = (x.float() - center[spread]) * inverse_std[spread]
+        channels_per_group = channels // self.num_groups
+        center = group_mean.expand(-1, -1, channels_per_group).reshape(batch, channels)
+        inverse_std = torch.rsqrt(group_variance + self.eps).expand(-1, -1, channels_per_group).reshape(batch, channels)
+        y = (x.float() - center[over_pixels]) * inverse_std[over_pixels]
         if self.affine:
-            y = y * self.weight.float()[(None,) + spread[1:]] + self.bias.float()[(None,) + spread[1:]]
+            y = y * self.weight.float()[(None,) + over_pixels[1:]] + self.bias.float()[(None,) + over_pixels[1:]]
         return y.to(x.dtype)
 
 
