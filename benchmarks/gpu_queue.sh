@@ -15,10 +15,14 @@ shift
 case "$action" in
 install)
     # The copy in /tmp/w, installed once per machine (train_scene_model_gpu.sh runs from it too).
+    # Later calls copy the tree over it again: the install is editable, so a queue started after
+    # a code change runs the changed code, not the first call's.
     if [ ! -f /tmp/w/.installed ]; then
         rm -rf /tmp/w && mkdir -p /tmp/w && cp -r . /tmp/w
         (cd /tmp/w && bash benchmarks/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
         touch /tmp/w/.installed
+    else
+        cp -r . /tmp/w
     fi
     ;;
 start)
