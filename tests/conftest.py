@@ -192,3 +192,16 @@ def assert_int8_graph_runs_as_fake_quantization(out: Path, model: str, checkpoin
     # ModelOpt rounds x*(127/amax), ONNX x/(amax/127): a handful of values round apart.
     steps_error = np.array(fake["step_error"]), np.array(graph_run["step_error"])
     assert np.abs(steps_error[0] - steps_error[1]).max() < 0.02 and steps_error[0].min() > 0
+
+
+def assert_fp8_kernels_draw_as_fake_quantization(infer, out: Path, checkpoint: str) -> None:
+    """The images `infer(folder, *overrides)` draws from `checkpoint` on the torch backend's FP8
+    kernels are as far from the unquantized images as its fake quantization's, within half a dB
+    (or within 45 dB of the fake quantization's own)."""
+    from skimage.metrics import peak_signal_noise_ratio as psnr
+
+    fake = infer(out / "fake", "backend=torch", f"quantized_unet={checkpoint}")
+    kernels = infer(out / "kernels", "backend=torch", f"quantized_unet={checkpoint}", "torch_backend.quantized=fp8")
+    reference = infer(out / "ref", "backend=torch")
+    for ref, a, b in zip(reference, fake, kernels):
+        assert abs(psnr(ref, a) - psnr(ref, b)) < 0.5 or psnr(a, b) > 45

@@ -20,8 +20,8 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import (assert_int8_graph_runs_as_fake_quantization, compose_config, enabled_quantizers,
-                      quantize_each_recipe, refused_in_one_line, save_random_lora)
+from conftest import (assert_fp8_kernels_draw_as_fake_quantization, assert_int8_graph_runs_as_fake_quantization,
+                      compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora)
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk"]
@@ -127,14 +127,7 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
 
 
 def test_fp8_gemms_stay_within_half_a_db_of_fake_quantization(tmp_path, checkpoints):
-    fake = _infer(tmp_path / "fake", "backend=torch", f"quantized_unet={checkpoints['fp8_l3']}")
-    gemms = _infer(tmp_path / "gemm", "backend=torch", f"quantized_unet={checkpoints['fp8_l3']}",
-                   "torch_backend.quantized=fp8")
-    reference = _infer(tmp_path / "ref", "backend=torch")
-    from skimage.metrics import peak_signal_noise_ratio as psnr
-
-    for ref, a, b in zip(reference, fake, gemms):
-        assert abs(psnr(ref, a) - psnr(ref, b)) < 0.5 or psnr(a, b) > 45
+    assert_fp8_kernels_draw_as_fake_quantization(_infer, tmp_path, checkpoints["fp8_l3"])
 
 
 def test_lora_fuses_into_the_transformer_and_clip(tmp_path, model_cache):

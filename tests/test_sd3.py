@@ -20,8 +20,8 @@ from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import (assert_int8_graph_runs_as_fake_quantization, compose_config, enabled_quantizers,
-                      quantize_each_recipe, refused_in_one_line, save_random_lora)
+from conftest import (assert_fp8_kernels_draw_as_fake_quantization, assert_int8_graph_runs_as_fake_quantization,
+                      compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora)
 
 CPU = torch.device("cpu")
 # The second prompt is longer than the tiny T5's 256 tokens (one a character): T5 cuts it as
@@ -186,12 +186,7 @@ def test_fp8_kernels_compute_what_fake_quantization_does(checkpoints, recipe, le
 
 
 def test_fp8_attention_images_stay_within_half_a_db_of_fake_quantization(tmp_path, checkpoints):
-    fake = _infer(tmp_path / "fake", "backend=torch", f"quantized_unet={checkpoints['fp8_l4']}")
-    kernels = _infer(tmp_path / "kernels", "backend=torch", f"quantized_unet={checkpoints['fp8_l4']}",
-                     "torch_backend.quantized=fp8")
-    reference = _infer(tmp_path / "ref", "backend=torch")
-    for ref, a, b in zip(reference, fake, kernels):
-        assert abs(_psnr(ref, a) - _psnr(ref, b)) < 0.5 or _psnr(a, b) > 45
+    assert_fp8_kernels_draw_as_fake_quantization(_infer, tmp_path, checkpoints["fp8_l4"])
 
 
 def test_lora_fuses_into_the_transformer_and_both_clips(tmp_path, model_cache):
