@@ -77,12 +77,28 @@ def peer(pipe, runs: int, torchao: bool = False) -> dict:
 FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 
 
-def fp8_transformer(pipe, level: float) -> torch_backend.Conversion:
+def fp8_transformer(pipe, family, level: float) -> torch_backend.Conversion:
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
-    quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_quantized(pipe.transformer, FLUX, f"the benchmark's FP8 level-{level:g} transformer",
-                                           "fp8")
+    quantize_backbone(pipe, family, [PROMPT], block, seed=0, cuda_graph=False)
+    return torch_backend.convert_quantized(pipe.transformer, family, f"the benchmark's FP8 level-{level:g} transformer",
+                                           "fp8", quant_level=level)
+
+
+def build_variant(family, variant: str) -> tuple[object, dict]:
+    """`family`'s full-size pipeline on the GPU, its transformer turned FP8 for an FP8 variant, and
+    the set-up's figures for the results row: FP8 layers, build time, and the set-up's peak memory
+    (building, calibrating, converting), apart from what inference holds."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    pipe = family.full_size_on_gpu()
+    build_s = time.perf_counter() - start
+    fp8 = fp8_transformer(pipe, family, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
+    setup = {"fp8_layers": fp8.layers if fp8 else 0, "fp8_attention_layers": fp8.attention if fp8 else 0,
+             "build_s": build_s, "setup_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    torch.cuda.empty_cache()
+    return pipe, setup
 
 
 def hook_cache(setting: str) -> HookCache | None:
@@ -132,28 +148,19 @@ def main() -> None:
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
     cache = hook_cache(args.cache)
     for variant in args.variants.split(","):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        pipe = FLUX.full_size_on_gpu()
-        build_s = time.perf_counter() - start
-        fp8 = fp8_transformer(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
-        # Set-up (building, calibrating, converting) peaks apart from what inference holds.
-        setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.empty_cache()
+        pipe, setup = build_variant(FLUX, variant)
         if variant in ("peer", "torchao"):
             row = peer(pipe, args.runs, torchao=variant == "torchao")
         else:
-            row = ours(pipe, fp8 is not None, args.runs, cache)
+            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache)
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"
-        row.update(fp8_layers=fp8.layers if fp8 else 0, fp8_attention_layers=fp8.attention if fp8 else 0,
-                   build_s=build_s, setup_peak_gib=setup_peak_gib,
-                   wall_s=time.perf_counter() - start)
+        row.update(setup, wall_s=time.perf_counter() - start)
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
-              f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {setup_peak_gib:.1f}), transformer "
+              f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
               f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

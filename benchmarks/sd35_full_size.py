@@ -32,20 +32,15 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.config import TorchBackendBlock
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
-from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.runtime import torch_backend
-from flux_full_size import time_one_image
+from flux_full_size import FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, time_one_image
 from torch_backend_full_size import timed
 
-PROMPT = "a photo of an astronaut riding a horse on mars"
-SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
 CUDA = torch.device("cuda")
-# Our FP8 variants: the quant level each calibrates at.
-FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 VARIANTS = ("peer", "compiled", *FP8_LEVELS)
 
 
@@ -67,14 +62,6 @@ def peer(pipe, runs: int, mode: str) -> dict:
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def fp8_transformer(pipe, level: float) -> torch_backend.Conversion:
-    block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
-                          width=SIZE, guidance_scale=GUIDANCE)
-    quantize_backbone(pipe, SD3, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_quantized(pipe.transformer, SD3, f"the benchmark's FP8 level-{level:g} transformer",
-                                           "fp8", quant_level=level)
-
-
 def ours(pipe, quantized: bool, runs: int) -> dict:
     stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16), TorchBackendBlock(compile=True),
                                     cuda_graph=True, quantized=quantized)
@@ -86,21 +73,14 @@ def ours(pipe, quantized: bool, runs: int) -> dict:
 
 
 def run_variant(variant: str, args) -> dict:
-    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    pipe = SD3.full_size_on_gpu()
-    build_s = time.perf_counter() - start
-    fp8 = fp8_transformer(pipe, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
-    # Set-up (building, calibrating, converting) peaks apart from what inference holds.
-    setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.empty_cache()
-    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, fp8 is not None, args.runs)
-    row.update(fp8_layers=fp8.layers if fp8 else 0, fp8_attention_layers=fp8.attention if fp8 else 0,
-               build_s=build_s, setup_peak_gib=setup_peak_gib, wall_s=time.perf_counter() - start)
+    pipe, setup = build_variant(SD3, variant)
+    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs)
+    row.update(setup, wall_s=time.perf_counter() - start)
     if variant == "peer":
         row["compile_mode"] = args.peer_mode
     print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
-          f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {setup_peak_gib:.1f}), transformer "
+          f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
           f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
     return row
 
