@@ -32,7 +32,8 @@ class ChannelStatisticsGroupNorm(torch.nn.GroupNorm):
         batch, channels = x.shape[:2]
         pixels = tuple(range(2, x.dim()))
         over_pixels = (slice(None), slice(None)) + (None,) * len(pixels)
-        variance, mean = torch.var_mean(x.float(), dim=pixels, correction=0)
+        values = x.float()
+        variance, mean = torch.var_mean(values, dim=pixels, correction=0)
         variance = variance.view(batch, self.num_groups, -1)
         mean = mean.view(batch, self.num_groups, -1)
         group_mean = mean.mean(-1, keepdim=True)
@@ -40,7 +41,7 @@ class ChannelStatisticsGroupNorm(torch.nn.GroupNorm):
         channels_per_group = channels // self.num_groups
         center = group_mean.expand(-1, -1, channels_per_group).reshape(batch, channels)
         inverse_std = torch.rsqrt(group_variance + self.eps).expand(-1, -1, channels_per_group).reshape(batch, channels)
-        y = (x.float() - center[over_pixels]) * inverse_std[over_pixels]
+        y = (values - center[over_pixels]) * inverse_std[over_pixels]
         if self.affine:
             y = y * self.weight.float()[(None,) + over_pixels[1:]] + self.bias.float()[(None,) + over_pixels[1:]]
         return y.to(x.dtype)
