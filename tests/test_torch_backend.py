@@ -1,5 +1,5 @@
-"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs
-(INT8 GEMMs: test_int8_gemm.py)."""
+"""backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs and
+convolutions (INT8 GEMMs: test_int8_gemm.py; the convolution kernels: test_fp8_conv.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from modelopt.torch.quantization.nn import QuantModule
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
-from sdquant.runtime.kernels.fp8_layers import Fp8Linear
+from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, Fp8Linear
 from sdquant.load import empty_backbone
 from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.quantize.shared_ranges import projection_groups
@@ -90,13 +90,17 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
         UNetGraph(fake)(*_unet_inputs())
     converted = torch_backend.convert_quantized(real, SDXL, str(fp8_l3), "fp8")
     assert converted.layers == len(fake_weights) > 100 and converted.attention == 0
+    assert any(isinstance(module, Fp8Conv2d) for module in real.modules())
     for (layer, role), site in sites.items():
         module = _converted_layer(real, layer)
         if role == "input":
             assert float(module.input_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
-        elif isinstance(module, Fp8Linear):
+        elif isinstance(module, (Fp8Linear, Fp8Conv2d)):
             assert float(module.weight_scale) == pytest.approx(float(site.amax) / 448, rel=1e-6)
-            assert torch.equal(module.weight_fp8.float() * module.weight_scale, fake_weights[layer])
+            weight = module.weight_fp8.float() * module.weight_scale
+            if isinstance(module, Fp8Conv2d):
+                weight = weight.permute(0, 3, 1, 2)
+            assert torch.equal(weight, fake_weights[layer])
         else:
             assert torch.equal(module.weight, fake_weights[layer])
     assert not any(isinstance(m, QuantModule) for m in real.modules())

@@ -1,6 +1,7 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
 CUDA graph per input shape, and a quantize.py checkpoint converted to 8-bit kernels in its own
-format: its Linear layers as FP8 tensor-core GEMMs (sdquant.runtime.kernels.fp8_layers) or INT8 integer GEMMs
+format: its Linear layers and convolutions as FP8 tensor-core GEMMs and implicit-GEMM convolutions
+(sdquant.runtime.kernels.fp8_layers) or its Linear layers as INT8 integer GEMMs
 (sdquant.runtime.kernels.int8), its FP8 q/k/v projections that read one input as one GEMM and, at
 quant_level=4, its attention as FP8 attention (sdquant.runtime.attention).
 
@@ -9,8 +10,8 @@ FP8 here follows ModelOpt's fake quantization number for number: a tensor is mul
 goes into the GEMM (``torch._scaled_mm``) instead of a dequantize. Activation scales are the
 checkpoint's calibrated ranges (static), so quantizing an activation is one pointwise op that the
 compiler fuses into the kernel producing it where that is a pointwise or norm kernel; after FP8
-attention there is none, its kernel writing the FP8 output itself. Convolutions have no FP8 kernel
-in torch: they run in fp16 on FP8-rounded weights and inputs, which is what ModelOpt's fake
+attention there is none, its kernel writing the FP8 output itself. INT8 convolutions have no
+kernel here: they run in fp16 on INT8-rounded weights and inputs, which is what ModelOpt's fake
 quantization computes.
 """
 
@@ -23,7 +24,8 @@ import torch
 from .compiled_forms import use_compiled_forms
 from .cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
-from .kernels.fp8_layers import Fp8Linear, Fp8RoundedConv2d
+from .kernels.fp8_conv import takes
+from .kernels.fp8_layers import Fp8Conv2d, Fp8Linear, Fp8RoundedConv2d, fp8_kernels_missing
 from .kernels.fp8 import fake_fp8, fp8_scales
 from .kernels.int8 import Int8Linear, Int8RoundedConv2d, fake_int8, int8_scales
 from ..quantize.quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
@@ -55,6 +57,8 @@ def _rounded_conv(layer: torch.nn.Module, kind: type, weight: torch.Tensor,
 def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
     if isinstance(layer, torch.nn.Linear):
         return Fp8Linear.from_linear(layer, amax["weight"], amax["input"])
+    if takes(layer):
+        return Fp8Conv2d(layer, amax["weight"], amax["input"])
     weight_inverse, weight_scale = (scale.to(layer.weight.device) for scale in fp8_scales(amax["weight"]))
     return _rounded_conv(layer, Fp8RoundedConv2d, fake_fp8(layer.weight.detach(), weight_inverse, weight_scale),
                          dict(zip(("input_inverse_scale", "input_scale"), fp8_scales(amax["input"]))))
@@ -116,6 +120,14 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
     return ranges
 
 
+def _check_fp8_kernels(backbone: torch.nn.Module, named: str) -> None:
+    device = next(backbone.parameters()).device
+    missing = fp8_kernels_missing(device) if device.type == "cuda" else None
+    if missing:
+        raise UserError(f"torch_backend.quantized=fp8 runs {named} on FP8 kernels, but {missing}: set "
+                        "torch_backend.quantized=fake to run it in fake quantization")
+
+
 @dataclass
 class Conversion:
     layers: int      # calibrated Linear and Conv2d layers running on 8-bit values
@@ -140,6 +152,8 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
     if reasons:
         raise UserError(f"{named} holds {'; '.join(reasons)}, which torch_backend.quantized={quantized} cannot run: "
                         "it would run them in fake quantization; set torch_backend.quantized=fake for that")
+    if quantized == "fp8":
+        _check_fp8_kernels(backbone, named)
     attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in sites:

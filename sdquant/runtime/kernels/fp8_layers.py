@@ -1,7 +1,8 @@
 """The FP8 layers a converted checkpoint runs (torch_backend.quantized=fp8): a calibrated Linear as
-one FP8 GEMM (torch._scaled_mm) with the checkpoint's scales, and a calibrated convolution on
-FP8-rounded weights and inputs, both keeping their exact FP8 weights and fp32 scales whatever dtype
-the model is cast to."""
+one FP8 GEMM (torch._scaled_mm) and a calibrated convolution as one FP8 implicit-GEMM kernel
+(torch.ops.sdquant.fp8_conv2d), with the checkpoint's scales; a convolution that kernel does not
+take (grouped, dilated, unequal strides) on FP8-rounded weights and inputs. All keep their exact
+FP8 weights and fp32 scales whatever dtype the model is cast to."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from .exact import KeepsExactTensors
 from .fp8 import fake_fp8, fp8_scales, to_fp8
+from .fp8_conv import fp8_conv2d
 
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16
@@ -78,6 +80,46 @@ class Fp8Linear(KeepsExactTensors, torch.nn.Module):
         one), so a CPU runs this twin, which the GPU tests hold the tensor-core GEMM against."""
         return F.linear((rows.float() * self.input_scale).to(self.out_dtype),
                         (self.weight_fp8.float() * self.weight_scale).to(self.out_dtype), self.bias)
+
+
+def fp8_kernels_missing(device: torch.device) -> str | None:
+    """Why the FP8 GEMM and convolution kernels cannot run on CUDA `device`, in words; None when
+    they can."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"FP8 tensor cores need an Ada or Hopper GPU (sm89+), and {torch.cuda.get_device_name(device)} "
+                f"is sm{major}{minor}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"the FP8 convolution kernel needs Triton (import triton: {error})"
+    return None
+
+
+class Fp8Conv2d(KeepsExactTensors, torch.nn.Module):
+    """A calibrated convolution as one FP8 kernel, the bias and both scales in its epilogue."""
+
+    exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
+
+    def __init__(self, conv: torch.nn.Conv2d, weight_amax: torch.Tensor, input_amax: torch.Tensor):
+        super().__init__()
+        weight = conv.weight.detach()
+        weight_inverse, weight_scale = (s.to(weight.device) for s in fp8_scales(weight_amax))
+        input_inverse, input_scale = (s.to(weight.device) for s in fp8_scales(input_amax))
+        self.register_buffer("weight_fp8", to_fp8(weight.permute(0, 2, 3, 1).contiguous(), weight_inverse))
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_inverse_scale", input_inverse)
+        self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().clone())
+        self.stride, self.padding = conv.stride[0], conv.padding[0]
+        self.out_dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Channels-last FP8, as the kernel reads its input fastest: GroupNorm hands over NCHW memory
+        # on CUDA, and under torch.compile the rounding, the layout change and the norm are one kernel.
+        x = to_fp8(x, self.input_inverse_scale).contiguous(memory_format=torch.channels_last)
+        return fp8_conv2d(x, self.weight_fp8, self.input_scale, self.weight_scale, self.bias, self.stride, self.padding,
+                          self.out_dtype)
 
 
 class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):

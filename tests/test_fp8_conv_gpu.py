@@ -1,0 +1,150 @@
+"""The FP8 convolution's Triton kernels (torch.ops.sdquant.fp8_conv2d on CUDA) against the op's twin
+(sdquant.runtime.kernels.fp8_conv.reference_conv2d, run on the same GPU tensors): at SDXL's channel
+counts, through both kernels, and on every converted convolution of the SDXL scene model on its own
+input. Skipped without a CUDA GPU with FP8 tensor cores (sm89+).
+
+    python -m pytest -m gpu tests/test_fp8_conv_gpu.py -n 0 -s
+
+The kernel multiplies exact FP8 products and applies both scales once to the fp32 sum; the twin
+dequantizes each FP8 value to fp16 first (a rounding of up to 2**-11 of it) and convolves in fp16
+with fp32 sums. On random data the two differ by 1-3e-3 of the output's norm (H100); a wrong tap,
+border, channel strip or scale is off by the size of the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdquant.runtime import torch_backend
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.runtime.kernels.fp8_conv import reference_conv2d
+from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, fp8_kernels_missing
+
+from conftest import FAST_QUANTIZE, compose_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
+
+CUDA = torch.device("cuda")
+TWIN_BOUND = 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fp8_kernels():
+    missing = fp8_kernels_missing(CUDA)
+    if missing and "sm89" in missing:
+        pytest.skip(missing)
+    assert missing is None, missing
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _compare(x, weight, x_scale, weight_scale, bias, stride, padding, what: str) -> float:
+    got = torch.ops.sdquant.fp8_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, torch.float16)
+    twin = reference_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, torch.float16)
+    assert got.shape == twin.shape and got.stride() == twin.stride(), what
+    error = _relative(got, twin)
+    print(f"{what}: kernel against twin {error:.1e}")
+    assert error < TWIN_BOUND, what
+    return error
+
+
+# (samples, in, out channels, height, width, kernel, stride, padding, channels-last): SDXL's UNet
+# layers at a small image, a row wider than the largest tile (the VAE's), a 1x1 filter, stride 2
+# and channels-first memory (the gathered kernel).
+SHAPES = [(4, 320, 320, 32, 32, 3, 1, 1, True), (2, 640, 1280, 16, 16, 3, 1, 1, True),
+          (2, 960, 320, 32, 32, 3, 1, 1, True), (1, 256, 128, 8, 300, 3, 1, 1, True),
+          (2, 640, 320, 16, 16, 1, 1, 0, True), (2, 320, 320, 32, 32, 3, 2, 1, True),
+          (2, 320, 640, 24, 20, 3, 1, 1, False)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(shape) for shape in SHAPES])
+def test_kernel_matches_its_twin(shape):
+    samples, cin, cout, height, width, kernel, stride, padding, channels_last = shape
+    generator = torch.Generator(CUDA).manual_seed(0)
+    x = torch.randn(samples, cin, height, width, device=CUDA, generator=generator, dtype=torch.float16)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(cout, kernel, kernel, cin, device=CUDA, generator=generator, dtype=torch.float16) * 0.05
+    (x_inverse, x_scale), (w_inverse, w_scale) = (tuple(s.to(CUDA) for s in fp8_scales(t.abs().amax()))
+                                                  for t in (x, weight))
+    bias = torch.randn(cout, device=CUDA, generator=generator, dtype=torch.float16)
+    _compare(to_fp8(x, x_inverse), to_fp8(weight, w_inverse), x_scale, w_scale, bias, stride, padding, str(shape))
+
+
+def _every_tile():
+    from sdquant.runtime.kernels import fp8_conv_triton as kernels
+
+    return [("tiled", tile) for tile in kernels.TILED_TILES] + [("gathered", tile) for tile in kernels.GATHERED_TILES]
+
+
+@pytest.mark.parametrize("kernel,tile", _every_tile(), ids=[f"{k}{t}" for k, t in _every_tile()])
+def test_every_tile_of_each_kernel_matches_the_twin(kernel, tile):
+    """The autotuner picks a tile per shape by speed alone: each must be right on every shape, those
+    whose tiles span several image rows (32 and 64 pixels wide) and one row (128) included."""
+    from sdquant.runtime.kernels import fp8_conv_triton as kernels
+
+    autotuner = getattr(kernels, kernel)
+    configs, cache = autotuner.configs, autotuner.cache
+    autotuner.configs = kernels._configs((tile,), kernels._set_blocks if kernel == "tiled" else None)
+    autotuner.cache = {}
+    try:
+        for width in (32, 64, 128):
+            generator = torch.Generator(CUDA).manual_seed(width)
+            x = torch.randn(2, 256, 16, width, device=CUDA, generator=generator, dtype=torch.float16)
+            x = x.contiguous(memory_format=torch.channels_last)
+            weight = torch.randn(256, 3, 3, 256, device=CUDA, generator=generator, dtype=torch.float16) * 0.05
+            (x_inverse, x_scale), (w_inverse, w_scale) = (tuple(s.to(CUDA) for s in fp8_scales(t.abs().amax()))
+                                                          for t in (x, weight))
+            stride = 1 if kernel == "tiled" else 2
+            _compare(to_fp8(x, x_inverse), to_fp8(weight, w_inverse), x_scale, w_scale, None, stride, 1,
+                     f"{kernel} {tile} width {width}")
+    finally:
+        autotuner.configs, autotuner.cache = configs, cache
+
+
+@pytest.fixture(scope="module")
+def level3(tmp_path_factory):
+    from sdquant.workflow.quantize import run_quantize
+
+    return run_quantize(compose_config("sd_xl_quantize", [
+        "model=scenes_sdxl", f"out_dir={tmp_path_factory.mktemp('quantized')}", "device=cpu", *FAST_QUANTIZE,
+        "quantize.format=fp8", "quantize.quant_level=3"]))
+
+
+def test_every_converted_scene_convolution_matches_its_twin_on_its_own_input(level3):
+    from sdquant.families.sdxl import SDXL
+    from sdquant.load import empty_backbone
+    from sdquant.workflow.settings import restore_quantized_backbone
+
+    config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
+    unet = empty_backbone(config)
+    restore_quantized_backbone(config, "quantized_unet", str(level3), unet)
+    unet.to(device=CUDA, dtype=torch.float16).eval().to(memory_format=torch.channels_last)
+    torch_backend.convert_quantized(unet, SDXL, str(level3), "fp8")
+    layers = {name: module for name, module in unet.named_modules() if isinstance(module, Fp8Conv2d)}
+    assert len(layers) > 10
+    seen = {}
+
+    def keep(name: str):
+        def hook(module, args, _out):
+            seen.setdefault(name, (module, args[0]))
+        return hook
+
+    hooks = [module.register_forward_hook(keep(name)) for name, module in layers.items()]
+    generator = torch.Generator(CUDA).manual_seed(0)
+    with torch.no_grad():
+        SDXL.backbone_stage(unet, torch.float16)(
+            x=torch.randn(2, 4, 16, 16, device=CUDA, generator=generator).half(),
+            timesteps=torch.full((2,), 700.0, device=CUDA),
+            context=torch.randn(2, 77, 192, device=CUDA, generator=generator).half(),
+            y=torch.randn(2, 176, device=CUDA, generator=generator).half())
+        for hook in hooks:
+            hook.remove()
+        assert seen.keys() == layers.keys()
+        for name, (module, x) in seen.items():
+            _compare(to_fp8(x, module.input_inverse_scale), module.weight_fp8, module.input_scale, module.weight_scale,
+                     module.bias, module.stride, module.padding, f"{name} {tuple(x.shape)}")
