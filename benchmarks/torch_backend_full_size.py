@@ -42,6 +42,7 @@ from sdquant.families.sdxl import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
+from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
 from sdquant.runtime.stages import StageTimer
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -209,6 +210,7 @@ def main() -> None:
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
             row["quantized_layers"] = conversion.layers if conversion else 0
             row["fp8_attention_layers"] = conversion.attention if conversion else 0
+            row["fp8_conv_layers"] = sum(isinstance(module, Fp8Conv2d) for module in pipe.unet.modules())
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
