@@ -62,7 +62,8 @@ def test_each_triton_kernel_computes_the_dequantized_convolution(interpreted, na
         x = x.contiguous(memory_format=torch.channels_last)
     bias_values = bias_values if bias else None
     assert interpreted._tiled_fits(x, stride) == tiled
-    got = interpreted.triton_conv2d(x, weight, x_scale, w_scale, bias_values, stride, padding, torch.float32)
+    got = interpreted.triton_conv2d(x, weight, x_scale, w_scale, bias_values, stride, padding,
+                                    fp8_conv.conv_output(x, weight, stride, padding, torch.float32))
     expected = fp8_conv.reference_conv2d(x, weight, x_scale, w_scale, bias_values, stride, padding, torch.float32)
     assert got.shape == expected.shape and got.stride() == expected.stride()
     # Both sum the same exact products in fp32, in another order: a wrong tap, border or channel

@@ -70,4 +70,5 @@ def _(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype):
     # Imported here: Triton is only needed where the op runs on a GPU.
     from .fp8_conv_triton import triton_conv2d
 
-    return triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype)
+    return triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding,
+                         conv_output(x, weight, stride, padding, out_dtype))

@@ -18,8 +18,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fp8_conv import conv_output
-
 # Autotuned tiles: (output pixels, output channels, input channels per step, warps, pipeline stages).
 # Measured on an H100 at SDXL's UNet and VAE shapes (benchmarks/fp8_conv_speed.py): the large tiles
 # win at 640 channels and more, the 64-channel steps at 320 and 960. Not here: 128 pixels by 128 or
@@ -75,6 +73,7 @@ def _grouped(program, row_tiles, col_tiles, GROUP_M: tl.constexpr):
     group_rows = min(row_tiles - first_row_tile, GROUP_M)
     return first_row_tile + (program % per_group) % group_rows, (program % per_group) // group_rows
 
+
 @triton.jit
 def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out_channels, HAS_BIAS: tl.constexpr):
     col_valid = cols < out_channels
@@ -84,6 +83,7 @@ def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out
     # The output is channels-last: row = pixel, column = channel.
     targets = out + rows.to(tl.int64)[:, None] * out_channels + cols[None, :]
     tl.store(targets, result.to(out.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
 
 @triton.autotune(configs=_configs(TILED_TILES, _set_blocks), key=_KEY, prune_configs_by={"early_config_prune": _fitting})
 @triton.jit
@@ -156,9 +156,9 @@ def _tiled_fits(x: torch.Tensor, stride: int) -> bool:
             and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9))
 
 
-def triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype):
-    """The op on `x`'s device (a CPU under TRITON_INTERPRET=1, as the CPU tests run it)."""
-    out = conv_output(x, weight, stride, padding, out_dtype)
+def triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out):
+    """The op into `out` (channels-last), on `x`'s device (a CPU under TRITON_INTERPRET=1, as the CPU
+    tests run it)."""
     batch, in_channels, height, width = x.shape
     out_channels, kernel_h, kernel_w, _ = weight.shape
     _, _, out_h, out_w = out.shape
