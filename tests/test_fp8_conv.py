@@ -29,6 +29,8 @@ def interpreted():
     kernels.gathered.configs = kernels._configs(((32, 32, 32, 4, 2),))
     yield kernels
     mp.undo()
+    # Compiled kernels again for whatever runs next in this process (a GPU's tests).
+    importlib.reload(fp8_conv_triton)
 
 
 def _case(batch, in_channels, out_channels, height, width, kernel, seed=0):
@@ -41,13 +43,17 @@ def _case(batch, in_channels, out_channels, height, width, kernel, seed=0):
 
 # (batch, in, out channels, height, width, kernel, stride, padding, channels-last, bias), and the kernel
 # that takes it: tiles that overhang the image (widths 7 and 40 are no multiple of the tile), a 1x1
-# filter, out channels no multiple of the tile; stride 2, a 96-channel input (no whole 64-strip)
-# and a channels-first input take the gathered kernel.
+# filter, out channels no multiple of the tile, outputs smaller or larger than the input (no or
+# extra padding), a one-pixel input (contiguous in both layouts); stride 2, a 96-channel input (no
+# whole 64-strip) and a channels-first input take the gathered kernel.
 CASES = {
     "3x3, rows narrower than a tile": ((2, 64, 48, 8, 16, 3, 1, 1, True, True), True),
     "3x3, odd width and height": ((1, 64, 40, 5, 7, 3, 1, 1, True, False), True),
     "3x3, a row wider than a tile": ((1, 64, 16, 3, 40, 3, 1, 1, True, True), True),
     "1x1": ((2, 64, 32, 4, 8, 1, 1, 0, True, True), True),
+    "3x3 without padding": ((1, 64, 32, 6, 7, 3, 1, 0, True, True), True),
+    "1x1 with padding": ((2, 64, 32, 4, 8, 1, 1, 1, True, False), True),
+    "one pixel": ((2, 64, 32, 1, 1, 3, 1, 1, True, True), True),
     "3x3 stride 2": ((1, 32, 40, 8, 8, 3, 2, 1, True, True), False),
     "96 channels": ((2, 96, 48, 6, 6, 3, 1, 1, True, True), False),
     "channels-first memory": ((2, 64, 48, 6, 10, 3, 1, 1, False, False), False),

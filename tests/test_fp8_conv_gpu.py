@@ -81,27 +81,40 @@ def _every_tile():
     return [("tiled", tile) for tile in kernels.TILED_TILES] + [("gathered", tile) for tile in kernels.GATHERED_TILES]
 
 
+# A tile against the twin in fp32, where only the kernel's fp16 output (3e-4) and its fast FP8
+# accumulation (under 1e-3 at these 2304-long sums, measured at 2880 on an H100) part them; the wrong
+# tiles the kernel module no longer offers were 6e-3 and 0.1-0.2 off.
+TILE_BOUND = 3e-3
+
+
 @pytest.mark.parametrize("kernel,tile", _every_tile(), ids=[f"{k}{t}" for k, t in _every_tile()])
 def test_every_tile_of_each_kernel_matches_the_twin(kernel, tile):
-    """The autotuner picks a tile per shape by speed alone: each must be right on every shape, those
-    whose tiles span several image rows (32 and 64 pixels wide) and one row (128) included."""
+    """The autotuner picks a tile per shape by speed alone: each must be right on every shape, on
+    tiles spanning several image rows (narrow images) or part of one (wide ones), overhanging the
+    image's right and bottom edges."""
     from sdquant.runtime.kernels import fp8_conv_triton as kernels
 
+    if kernel == "tiled" and torch.cuda.get_device_capability(CUDA)[0] < 9:
+        pytest.skip("the tiled kernel reads TMA boxes: Hopper or newer")
     autotuner = getattr(kernels, kernel)
     configs, cache = autotuner.configs, autotuner.cache
     autotuner.configs = kernels._configs((tile,), kernels._set_blocks if kernel == "tiled" else None)
     autotuner.cache = {}
+    stride = 1 if kernel == "tiled" else 2
     try:
-        for width in (32, 64, 128):
+        for width in (8, 20, 40, 64, 128, 200):
             generator = torch.Generator(CUDA).manual_seed(width)
-            x = torch.randn(2, 256, 16, width, device=CUDA, generator=generator, dtype=torch.float16)
+            x = torch.randn(2, 256, 12, width, device=CUDA, generator=generator, dtype=torch.float16)
             x = x.contiguous(memory_format=torch.channels_last)
             weight = torch.randn(256, 3, 3, 256, device=CUDA, generator=generator, dtype=torch.float16) * 0.05
             (x_inverse, x_scale), (w_inverse, w_scale) = (tuple(s.to(CUDA) for s in fp8_scales(t.abs().amax()))
                                                           for t in (x, weight))
-            stride = 1 if kernel == "tiled" else 2
-            _compare(to_fp8(x, x_inverse), to_fp8(weight, w_inverse), x_scale, w_scale, None, stride, 1,
-                     f"{kernel} {tile} width {width}")
+            args = (to_fp8(x, x_inverse), to_fp8(weight, w_inverse), x_scale, w_scale, None, stride, 1)
+            assert kernels._tiled_fits(args[0], stride) == (kernel == "tiled")
+            got = torch.ops.sdquant.fp8_conv2d(*args, torch.float16)
+            error = _relative(got, reference_conv2d(*args, torch.float32))
+            print(f"{kernel} {tile} width {width}: against the fp32 twin {error:.1e}")
+            assert error < TILE_BOUND, f"{kernel} {tile} width {width}"
     finally:
         autotuner.configs, autotuner.cache = configs, cache
 

@@ -40,7 +40,9 @@ def reference_conv2d(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tenso
     filters = (weight.float() * weight_scale).to(out_dtype).permute(0, 3, 1, 2).contiguous()
     out = F.conv2d((x.float() * x_scale).to(out_dtype), filters, None if bias is None else bias.to(out_dtype), stride,
                    padding)
-    return out.contiguous(memory_format=torch.channels_last)
+    # Into the op's own output, whose strides the fake implementation promises even where a
+    # size-1 dimension makes both layouts contiguous.
+    return conv_output(x, weight, stride, padding, out_dtype).copy_(out)
 
 
 @torch.library.custom_op("sdquant::fp8_conv2d", mutates_args=(), device_types="cpu")

@@ -53,7 +53,7 @@ def _set_blocks(args: dict) -> None:
     args["weight"].block_shape = [args["BLOCK_N"], args["BLOCK_K"]]
 
 
-_KEY = ["batch", "height", "width", "out_channels", "IN_CHANNELS", "KERNEL_H", "KERNEL_W", "STRIDE"]
+_SHAPE_KEY = ["out_channels", "IN_CHANNELS", "KERNEL_H", "KERNEL_W", "PADDING"]
 
 
 # The kernels use no function of Triton's standard library (tl.cdiv, tl.zeros): those are jit
@@ -85,16 +85,17 @@ def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out
     tl.store(targets, result.to(out.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
-@triton.autotune(configs=_configs(TILED_TILES, _set_blocks), key=_KEY, prune_configs_by={"early_config_prune": _fitting})
+@triton.autotune(configs=_configs(TILED_TILES, _set_blocks), key=["batch", "out_h", "out_w", *_SHAPE_KEY],
+                 prune_configs_by={"early_config_prune": _fitting})
 @triton.jit
-def tiled(x, weight, bias, out, x_scale, weight_scale, batch, height, width, out_channels,
+def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_channels,
           IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr, KERNEL_W: tl.constexpr, STRIDE: tl.constexpr,
           PADDING: tl.constexpr, HAS_BIAS: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     TILE_W: tl.constexpr = BLOCK_M if WIDTH_P2 >= BLOCK_M else WIDTH_P2
     TILE_H: tl.constexpr = BLOCK_M // TILE_W
-    tiles_y = _ceil_div(height, TILE_H)
-    tiles_x = _ceil_div(width, TILE_W)
+    tiles_y = _ceil_div(out_h, TILE_H)
+    tiles_x = _ceil_div(out_w, TILE_W)
     row_tile, col_tile = _grouped(tl.program_id(0), batch * tiles_y * tiles_x, _ceil_div(out_channels, BLOCK_N),
                                   GROUP_M)
     sample = row_tile // (tiles_y * tiles_x)
@@ -109,12 +110,13 @@ def tiled(x, weight, bias, out, x_scale, weight_scale, batch, height, width, out
     pixel = tl.arange(0, BLOCK_M)
     out_y = y0 + pixel // TILE_W
     out_x = x0 + pixel % TILE_W
-    rows = (sample * height + out_y) * width + out_x
-    _epilogue(sums, x_scale, weight_scale, bias, out, rows, (out_y < height) & (out_x < width),
+    rows = (sample * out_h + out_y) * out_w + out_x
+    _epilogue(sums, x_scale, weight_scale, bias, out, rows, (out_y < out_h) & (out_x < out_w),
               col0 + tl.arange(0, BLOCK_N), out_channels, HAS_BIAS)
 
 
-@triton.autotune(configs=_configs(GATHERED_TILES), key=_KEY, prune_configs_by={"early_config_prune": _fitting})
+@triton.autotune(configs=_configs(GATHERED_TILES), key=["batch", "height", "width", "STRIDE", *_SHAPE_KEY],
+                 prune_configs_by={"early_config_prune": _fitting})
 @triton.jit
 def gathered(x, weight, bias, out, x_scale, weight_scale, batch, height, width, out_h, out_w, out_channels,
              x_stride_n, x_stride_c, x_stride_h, x_stride_w, IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr,
@@ -165,20 +167,25 @@ def triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out):
     common = dict(IN_CHANNELS=in_channels, KERNEL_H=kernel_h, KERNEL_W=kernel_w, STRIDE=stride, PADDING=padding,
                   HAS_BIAS=bias is not None)
     bias = bias if bias is not None else x_scale
+    # Both kernels read each filter as one contiguous row.
+    weight = weight.contiguous()
     if _tiled_fits(x, stride):
-        width_p2 = triton.next_power_of_2(width)
+        width_p2 = triton.next_power_of_2(out_w)
         nhwc = x.permute(0, 2, 3, 1)
         filters = weight.reshape(out_channels, -1)
-        # Boxes are set per configuration (_set_blocks).
-        x_box = TensorDescriptor(nhwc, list(nhwc.shape), list(nhwc.stride()), [1, 1, 1, 16])
+        # The canonical channels-last strides: a tensor of one pixel counts as contiguous in either
+        # layout and may carry channels-first ones, which TMA refuses. Boxes are set per
+        # configuration (_set_blocks).
+        x_box = TensorDescriptor(nhwc, list(nhwc.shape), [height * width * in_channels, width * in_channels,
+                                                          in_channels, 1], [1, 1, 1, 16])
         weight_box = TensorDescriptor(filters, list(filters.shape), list(filters.stride()), [16, 16])
 
         def grid(meta):
             tile_w = _tile_width(meta["BLOCK_M"], width_p2)
-            tiles = triton.cdiv(height, meta["BLOCK_M"] // tile_w) * triton.cdiv(width, tile_w)
+            tiles = triton.cdiv(out_h, meta["BLOCK_M"] // tile_w) * triton.cdiv(out_w, tile_w)
             return (batch * tiles * triton.cdiv(out_channels, meta["BLOCK_N"]),)
 
-        tiled[grid](x_box, weight_box, bias, out, x_scale, weight_scale, batch, height, width, out_channels,
+        tiled[grid](x_box, weight_box, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_channels,
                     WIDTH_P2=width_p2, **common)
     else:
         def grid(meta):
