@@ -1,5 +1,6 @@
 """torch_backend.quantized=int8: an INT8 checkpoint's Linear layers as integer GEMMs and its
-convolutions on INT8-rounded values (sdquant.runtime.kernels.int8), against ModelOpt's fake quantization."""
+convolutions as integer convolution kernels (sdquant.runtime.kernels.int8; on the CPU their twins),
+against ModelOpt's fake quantization."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from modelopt.torch.quantization.nn import QuantModule, TensorQuantizer
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
-from sdquant.runtime.kernels.int8 import Int8Linear, Int8RoundedConv2d, int8_scales
+from sdquant.runtime.kernels.int8 import Int8Conv2d, Int8Linear, int8_scales
 from sdquant.load import empty_backbone
 from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.workflow.settings import restore_quantized_backbone
@@ -87,6 +88,8 @@ def test_int8_layers_round_as_modelopt_and_give_their_fake_quant_twins_output(in
     assert not any(isinstance(module, QuantModule) for module in real.modules())
     linear = [layer for layer in layers if isinstance(real.get_submodule(layer), Int8Linear)]
     assert linear and all(smoothing[layer] is not None for layer in linear)
+    # Every calibrated convolution of the tiny UNet has input channels in the kernel's strips.
+    assert all(isinstance(real.get_submodule(layer), Int8Conv2d) for layer in layers if layer not in linear)
     with torch.no_grad():
         for layer in layers:
             module = real.get_submodule(layer)
@@ -96,8 +99,9 @@ def test_int8_layers_round_as_modelopt_and_give_their_fake_quant_twins_output(in
                 assert torch.equal(module.weight_int8.float() / weight_divisor, fake_weights[layer]), layer
                 assert torch.equal(module.pre_quant_scale, smoothing[layer]), layer
             else:
-                assert isinstance(module, Int8RoundedConv2d)
-                assert torch.equal(module.weight, fake_weights[layer]), layer
+                # The kernel's (out, rows, columns, in) filters, one divisor per output channel.
+                filters = module.weight_int8.permute(0, 3, 1, 2).float()
+                assert torch.equal(filters / module.weight_divisor.reshape(-1, 1, 1, 1), fake_weights[layer]), layer
             assert torch.equal(module.input_scale, int8_scales(sites[layer, "input"].amax)[0]), layer
             # On its fake-quant twin's own input: the same rounded values, so the same result but for
             # the float sum's order (the integer sum is exact).

@@ -1,5 +1,5 @@
 """backend=torch at speed: torch.compile, and a quantize.py checkpoint's FP8 layers as FP8 GEMMs and
-convolutions (INT8 GEMMs: test_int8_gemm.py; the convolution kernels: test_fp8_conv.py)."""
+convolutions (INT8 GEMMs and convolutions: test_int8_gemm.py; the convolution kernels: test_conv8.py)."""
 
 from __future__ import annotations
 

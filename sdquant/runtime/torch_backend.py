@@ -1,7 +1,7 @@
 """The torch backend at speed: the diffusers modules compiled with torch.compile, replayed as one
 CUDA graph per input shape, and a quantize.py checkpoint converted to 8-bit kernels in its own
 format: its Linear layers and convolutions as FP8 tensor-core GEMMs and implicit-GEMM convolutions
-(sdquant.runtime.kernels.fp8_layers) or its Linear layers as INT8 integer GEMMs
+(sdquant.runtime.kernels.fp8_layers) or as INT8 integer GEMMs and implicit-GEMM convolutions
 (sdquant.runtime.kernels.int8), its FP8 q/k/v projections that read one input as one GEMM and, at
 quant_level=4, its attention as FP8 attention (sdquant.runtime.attention).
 
@@ -10,9 +10,9 @@ FP8 here follows ModelOpt's fake quantization number for number: a tensor is mul
 goes into the GEMM (``torch._scaled_mm``) instead of a dequantize. Activation scales are the
 checkpoint's calibrated ranges (static), so quantizing an activation is one pointwise op that the
 compiler fuses into the kernel producing it where that is a pointwise or norm kernel; after FP8
-attention there is none, its kernel writing the FP8 output itself. INT8 convolutions have no
-kernel here: they run in fp16 on INT8-rounded weights and inputs, which is what ModelOpt's fake
-quantization computes.
+attention there is none, its kernel writing the FP8 output itself. A convolution the 8-bit
+kernels do not take (grouped, dilated; INT8 on a GPU older than Ampere) runs in 16 bits on
+8-bit-rounded weights and inputs, which is what ModelOpt's fake quantization computes.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from .compiled_forms import use_compiled_forms
 from .cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
-from .kernels.fp8_conv import takes
+from .kernels.conv8 import takes
 from .kernels.fp8_layers import Fp8Conv2d, Fp8Linear, Fp8RoundedConv2d, fp8_kernels_missing
 from .kernels.fp8 import fake_fp8, fp8_scales
-from .kernels.int8 import Int8Linear, Int8RoundedConv2d, fake_int8, int8_scales
+from .kernels.int8 import Int8Conv2d, Int8Linear, Int8RoundedConv2d, fake_int8, int8_conv_runs, int8_scales
 from ..quantize.quantizers import quantized_attention, quantized_inputs, unsupported_quantizers
 
 def _plain(layer: torch.nn.Module, kind: type = None) -> torch.nn.Module:
@@ -67,6 +67,8 @@ def _fp8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.n
 def _int8_layer(layer: torch.nn.Module, amax: dict[str, torch.Tensor]) -> torch.nn.Module:
     if isinstance(layer, torch.nn.Linear):
         return Int8Linear(layer, amax["weight"], amax["input"], layer.input_quantizer.pre_quant_scale)
+    if int8_conv_runs(layer):
+        return Int8Conv2d(layer, amax["weight"], amax["input"])
     weight_scale, weight_divisor = (scale.to(layer.weight.device) for scale in int8_scales(amax["weight"]))
     return _rounded_conv(layer, Int8RoundedConv2d, fake_int8(layer.weight.detach(), weight_scale, weight_divisor),
                          dict(zip(("input_scale", "input_divisor"), int8_scales(amax["input"]))))

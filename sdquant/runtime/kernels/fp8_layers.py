@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .exact import KeepsExactTensors
 from .fp8 import fake_fp8, fp8_scales, to_fp8
-from .fp8_conv import fp8_conv2d
+from .conv8 import KernelConv2d, fp8_conv2d, triton_missing
 
 # torch._scaled_mm wants every matrix dimension divisible by 16.
 GEMM_ALIGNMENT = 16
@@ -89,20 +89,17 @@ def fp8_kernels_missing(device: torch.device) -> str | None:
     if (major, minor) < (8, 9):
         return (f"FP8 tensor cores need an Ada or Hopper GPU (sm89+), and {torch.cuda.get_device_name(device)} "
                 f"is sm{major}{minor}")
-    try:
-        import triton  # noqa: F401
-    except ImportError as error:
-        return f"the FP8 convolution kernel needs Triton (import triton: {error})"
-    return None
+    return triton_missing()
 
 
-class Fp8Conv2d(KeepsExactTensors, torch.nn.Module):
+class Fp8Conv2d(KernelConv2d):
     """A calibrated convolution as one FP8 kernel, the bias and both scales in its epilogue."""
 
     exact = ("weight_fp8", "weight_scale", "input_scale", "input_inverse_scale")
+    kernel = fp8_conv2d
 
     def __init__(self, conv: torch.nn.Conv2d, weight_amax: torch.Tensor, input_amax: torch.Tensor):
-        super().__init__()
+        super().__init__(conv)
         weight = conv.weight.detach()
         weight_inverse, weight_scale = (s.to(weight.device) for s in fp8_scales(weight_amax))
         input_inverse, input_scale = (s.to(weight.device) for s in fp8_scales(input_amax))
@@ -110,16 +107,12 @@ class Fp8Conv2d(KeepsExactTensors, torch.nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("input_scale", input_scale)
         self.register_buffer("input_inverse_scale", input_inverse)
-        self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().clone())
-        self.stride, self.padding = conv.stride[0], conv.padding[0]
-        self.out_dtype = weight.dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Channels-last FP8, as the kernel reads its input fastest: GroupNorm hands over NCHW memory
         # on CUDA, and under torch.compile the rounding, the layout change and the norm are one kernel.
         x = to_fp8(x, self.input_inverse_scale).contiguous(memory_format=torch.channels_last)
-        return fp8_conv2d(x, self.weight_fp8, self.input_scale, self.weight_scale, self.bias, self.stride, self.padding,
-                          self.out_dtype)
+        return x, self.weight_fp8, self.input_scale, self.weight_scale
 
 
 class Fp8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):

@@ -1,6 +1,7 @@
 """A format=int8 checkpoint's calibrated layers for the torch backend: Linear layers as integer
-GEMMs (int8 x int8 -> int32, ``torch._int_mm``), convolutions in the model's precision on
-INT8-rounded weights and inputs (torch has no INT8 convolution kernel on GPUs).
+GEMMs (int8 x int8 -> int32, ``torch._int_mm``), convolutions as integer implicit-GEMM kernels
+(``torch.ops.sdquant.int8_conv2d``, sdquant.runtime.kernels.conv8) where a layer and the GPU suit
+them, else in the model's precision on INT8-rounded weights and inputs.
 
 Every rounding is ModelOpt's INT8 fake quantization, number for number: in fp32, a tensor times
 127 / amax (weights one amax per output channel, activations one per tensor), rounded half to even
@@ -8,7 +9,8 @@ and clamped to [-128, 127]; a range under 2**-24 rounds everything to 0. SmoothQ
 scale (ModelOpt's pre_quant_scale on the input quantizer) multiplies the input first, in the input's
 precision as ModelOpt does; its inverse is already folded into the checkpoint's weights. The GEMM
 sums exactly in int32, and one pointwise epilogue applies both scales and the bias, which
-torch.compile fuses with the GEMM's output as it fuses the input's rounding into its producer.
+torch.compile fuses with the GEMM's output as it fuses the input's rounding into its producer; the
+convolution kernel applies them in its own epilogue.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .conv8 import KernelConv2d, int8_conv2d, takes, triton_missing
 from .exact import KeepsExactTensors
 
 INT8_MAX = 127.0
@@ -25,6 +28,8 @@ ZERO_RANGE = 1.0 / (1 << 24)
 # torch._int_mm on CUDA takes only more than 16 rows (and widths that are multiples of 8, as every
 # SDXL and Flux layer's are).
 MIN_GEMM_ROWS = 17
+# The first GPUs whose integer tensor cores Triton's dot runs on: Ampere.
+MIN_CONV_CAPABILITY = (8, 0)
 
 
 def int8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,3 +97,43 @@ class Int8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(fake_int8(x, self.input_scale, self.input_divisor))
+
+
+def int8_conv_runs(conv: torch.nn.Conv2d) -> bool:
+    """Whether `conv` runs as one integer kernel where its weights lie: a shape the kernel takes, on
+    the CPU (its twin) or on an Ampere or newer GPU with Triton. Elsewhere (Turing, no Triton) it
+    stays a convolution on INT8-rounded values, which computes the same numbers in 16 bits."""
+    device = conv.weight.device
+    if not takes(conv):
+        return False
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= MIN_CONV_CAPABILITY and triton_missing() is None
+
+
+class Int8Conv2d(KernelConv2d):
+    """A calibrated convolution as one integer implicit-GEMM kernel: exact int32 sums, the input's and
+    each output channel's divisor and the bias in its epilogue."""
+
+    exact = ("weight_int8", "weight_divisor", "input_scale", "input_divisor")
+    kernel = int8_conv2d
+
+    def __init__(self, conv: torch.nn.Conv2d, weight_amax: torch.Tensor, input_amax: torch.Tensor):
+        super().__init__(conv)
+        weight = conv.weight.detach()
+        device = weight.device
+        # One range per output channel (ModelOpt's axis 0 keeps them as (out, 1, 1, 1)).
+        weight_scale, weight_divisor = (t.to(device) for t in int8_scales(weight_amax.reshape(-1, 1, 1, 1)))
+        input_scale, input_divisor = (t.to(device) for t in int8_scales(input_amax.reshape(())))
+        # (out channels, kernel rows, kernel columns, in channels), as the kernel reads filters.
+        self.register_buffer("weight_int8", to_int8(weight, weight_scale).permute(0, 2, 3, 1).contiguous())
+        # One divisor per output channel for the kernel's epilogue, a per-tensor range repeated.
+        self.register_buffer("weight_divisor", weight_divisor.reshape(-1).expand(weight.shape[0]).contiguous())
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_divisor", input_divisor)
+
+    def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Channels-last, as the kernel reads its input fastest; under torch.compile the rounding and
+        # the layout change fuse into the kernel that produces the input (GroupNorm + SiLU).
+        x = to_int8(x, self.input_scale).contiguous(memory_format=torch.channels_last)
+        return x, self.weight_int8, self.input_divisor, self.weight_divisor

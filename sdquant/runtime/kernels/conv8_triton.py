@@ -1,14 +1,15 @@
-"""The Triton kernels of torch.ops.sdquant.fp8_conv2d (sdquant.runtime.kernels.fp8_conv): implicit-GEMM
-FP8 convolutions on tensor cores, fp32 sums, both scales and the bias applied once at the end.
+"""The Triton kernels of torch.ops.sdquant.fp8_conv2d and int8_conv2d (sdquant.runtime.kernels.conv8):
+implicit-GEMM 8-bit convolutions on tensor cores, FP8 products summed in fp32 and INT8 products in
+int32 (exactly), the scales and the bias applied once at the end.
 
 tiled: stride 1 on Hopper. Each program computes a rectangle of output pixels of one sample by a
 strip of output channels; for each filter tap it reads the rectangle of input pixels shifted by
 the tap as one TMA box, which fills what lies outside the image with zeros, so the padding costs
-nothing. gathered: any stride and memory layout, and Ada GPUs (FP8, no TMA): each program gathers
-its output pixels' input pixels per tap through pointers, masked at the borders.
+nothing. gathered: any stride and memory layout, and GPUs without TMA (Ada's FP8, Ampere's INT8):
+each program gathers its output pixels' input pixels per tap through pointers, masked at the borders.
 
 Weights are (out channels, kernel rows, kernel columns, in channels): an output channel's filter is
-one GEMM row read along the reduction, as Hopper's FP8 tensor cores take it.
+one GEMM row read along the reduction, as Hopper's 8-bit tensor cores take it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Autotuned tiles: (output pixels, output channels, input channels per step, warps, pipeline stages).
-# Measured on an H100 at SDXL's UNet and VAE shapes (benchmarks/fp8_conv_speed.py): the large tiles
+# Measured for FP8 on an H100 at SDXL's UNet and VAE shapes (benchmarks/conv8_speed.py): the large tiles
 # win at 640 channels and more, the 64-channel steps at 320 and 960. Not here: 128 pixels by 128 or
 # 256 channels with 128-channel steps, 8 warps and 3 stages, which computed wrong sums (19% off for
 # 256 channels, 0.6% for 128) wherever a tile spans several image rows (images narrower than 128
 # pixels), with Triton 3.6 on an H100, while every other tile agreed with the twin to 2e-3;
-# tests/test_fp8_conv_gpu.py runs every tile listed here against the twin.
+# tests/test_conv8_gpu.py runs every tile listed here against the twin, in both formats.
 TILED_TILES = ((256, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4))
 GATHERED_TILES = ((128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
                   (128, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 32, 4, 5))
@@ -53,7 +54,7 @@ def _set_blocks(args: dict) -> None:
     args["weight"].block_shape = [args["BLOCK_N"], args["BLOCK_K"]]
 
 
-_SHAPE_KEY = ["out_channels", "IN_CHANNELS", "KERNEL_H", "KERNEL_W", "PADDING"]
+_SHAPE_KEY = ["out_channels", "IN_CHANNELS", "KERNEL_H", "KERNEL_W", "PADDING", "INTEGER"]
 
 
 # The kernels use no function of Triton's standard library (tl.cdiv, tl.zeros): those are jit
@@ -75,9 +76,16 @@ def _grouped(program, row_tiles, col_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out_channels, HAS_BIAS: tl.constexpr):
+def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out_channels, HAS_BIAS: tl.constexpr,
+              INTEGER: tl.constexpr):
     col_valid = cols < out_channels
-    result = sums * (tl.load(x_scale) * tl.load(weight_scale))
+    if INTEGER:
+        # INT8: what one unit of the sum is worth, from the input's divisor and each output
+        # channel's own, as sdquant.runtime.kernels.int8.Int8Linear's epilogue computes it.
+        unit = 1 / (tl.load(x_scale) * tl.load(weight_scale + cols, mask=col_valid, other=1.0))
+        result = sums.to(tl.float32) * unit[None, :]
+    else:
+        result = sums * (tl.load(x_scale) * tl.load(weight_scale))
     if HAS_BIAS:
         result += tl.load(bias + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     # The output is channels-last: row = pixel, column = channel.
@@ -90,8 +98,8 @@ def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out
 @triton.jit
 def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_channels,
           IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr, KERNEL_W: tl.constexpr, STRIDE: tl.constexpr,
-          PADDING: tl.constexpr, HAS_BIAS: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+          PADDING: tl.constexpr, HAS_BIAS: tl.constexpr, INTEGER: tl.constexpr, WIDTH_P2: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     TILE_W: tl.constexpr = BLOCK_M if WIDTH_P2 >= BLOCK_M else WIDTH_P2
     TILE_H: tl.constexpr = BLOCK_M // TILE_W
     tiles_y = _ceil_div(out_h, TILE_H)
@@ -102,17 +110,17 @@ def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_
     y0 = (row_tile // tiles_x) % tiles_y * TILE_H
     x0 = row_tile % tiles_x * TILE_W
     col0 = col_tile * BLOCK_N
-    sums = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    sums = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32 if INTEGER else tl.float32)
     for k in range(0, KERNEL_H * KERNEL_W * IN_CHANNELS, BLOCK_K):
         tap = k // IN_CHANNELS
         box = x.load([sample, y0 - PADDING + tap // KERNEL_W, x0 - PADDING + tap % KERNEL_W, k % IN_CHANNELS])
-        sums = tl.dot(box.reshape(BLOCK_M, BLOCK_K), weight.load([col0, k]).T, sums)
+        sums = tl.dot(box.reshape(BLOCK_M, BLOCK_K), weight.load([col0, k]).T, sums, out_dtype=sums.dtype)
     pixel = tl.arange(0, BLOCK_M)
     out_y = y0 + pixel // TILE_W
     out_x = x0 + pixel % TILE_W
     rows = (sample * out_h + out_y) * out_w + out_x
     _epilogue(sums, x_scale, weight_scale, bias, out, rows, (out_y < out_h) & (out_x < out_w),
-              col0 + tl.arange(0, BLOCK_N), out_channels, HAS_BIAS)
+              col0 + tl.arange(0, BLOCK_N), out_channels, HAS_BIAS, INTEGER)
 
 
 @triton.autotune(configs=_configs(GATHERED_TILES), key=["batch", "height", "width", "STRIDE", *_SHAPE_KEY],
@@ -121,7 +129,8 @@ def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_
 def gathered(x, weight, bias, out, x_scale, weight_scale, batch, height, width, out_h, out_w, out_channels,
              x_stride_n, x_stride_c, x_stride_h, x_stride_w, IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr,
              KERNEL_W: tl.constexpr, STRIDE: tl.constexpr, PADDING: tl.constexpr, HAS_BIAS: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+             INTEGER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GROUP_M: tl.constexpr):
     pixels = batch * out_h * out_w
     row_tile, col_tile = _grouped(tl.program_id(0), _ceil_div(pixels, BLOCK_M), _ceil_div(out_channels, BLOCK_N),
                                   GROUP_M)
@@ -134,7 +143,7 @@ def gathered(x, weight, bias, out, x_scale, weight_scale, batch, height, width, 
     x_rows = x + (rows // (out_h * out_w)).to(tl.int64) * x_stride_n
     filters = weight + cols.to(tl.int64) * (KERNEL_H * KERNEL_W * IN_CHANNELS)
     col_valid = cols < out_channels
-    sums = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    sums = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32 if INTEGER else tl.float32)
     for k in range(0, KERNEL_H * KERNEL_W * IN_CHANNELS, BLOCK_K):
         tap = k // IN_CHANNELS
         # Without the hint the compiler cannot prove a strip starts 16-byte aligned and loads it
@@ -146,8 +155,8 @@ def gathered(x, weight, bias, out, x_scale, weight_scale, batch, height, width, 
         pixel = x_rows + in_y.to(tl.int64) * x_stride_h + in_x.to(tl.int64) * x_stride_w
         a = tl.load(pixel[:, None] + (channel + strip)[None, :] * x_stride_c, mask=inside[:, None], other=0.0)
         b = tl.load(filters[None, :] + (k + strip)[:, None], mask=col_valid[None, :], other=0.0)
-        sums = tl.dot(a, b, sums)
-    _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out_channels, HAS_BIAS)
+        sums = tl.dot(a, b, sums, out_dtype=sums.dtype)
+    _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out_channels, HAS_BIAS, INTEGER)
 
 
 def _tiled_fits(x: torch.Tensor, stride: int) -> bool:
@@ -159,13 +168,14 @@ def _tiled_fits(x: torch.Tensor, stride: int) -> bool:
 
 
 def triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out):
-    """The op into `out` (channels-last), on `x`'s device (a CPU under TRITON_INTERPRET=1, as the CPU
-    tests run it)."""
+    """Either op into `out` (channels-last), on `x`'s device (a CPU under TRITON_INTERPRET=1, as the
+    CPU tests run it): FP8 `x` and `weight` with their scales, or INT8 ones with their divisors (the
+    weight's one per output channel)."""
     batch, in_channels, height, width = x.shape
     out_channels, kernel_h, kernel_w, _ = weight.shape
     _, _, out_h, out_w = out.shape
     common = dict(IN_CHANNELS=in_channels, KERNEL_H=kernel_h, KERNEL_W=kernel_w, STRIDE=stride, PADDING=padding,
-                  HAS_BIAS=bias is not None)
+                  HAS_BIAS=bias is not None, INTEGER=x.dtype == torch.int8)
     bias = bias if bias is not None else x_scale
     # Both kernels read each filter as one contiguous row.
     weight = weight.contiguous()
@@ -194,5 +204,3 @@ def triton_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out):
         gathered[grid](x, weight, bias, out, x_scale, weight_scale, batch, height, width, out_h, out_w, out_channels,
                        *x.stride(), **common)
     return out
-
-
