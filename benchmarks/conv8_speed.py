@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.runtime.kernels.conv8 import fp8_conv2d, int8_conv2d, reference_conv2d, reference_int8_conv2d
+from sdquant.runtime.kernels.conv8 import fp8_conv2d, int8_conv2d, reference_fp8_conv2d, reference_int8_conv2d
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
 from sdquant.runtime.kernels.int8 import Int8Conv2d
 
@@ -69,7 +69,7 @@ def network_shapes(batch: int) -> dict[str, Counter]:
 
 # format -> the converted layer, its op and the op's twin; the weight's ranges as each recipe takes
 # them (FP8 one per tensor, INT8 one per output channel).
-FORMATS = {"fp8": (Fp8Conv2d, fp8_conv2d, reference_conv2d, lambda weight: weight.abs().amax()),
+FORMATS = {"fp8": (Fp8Conv2d, fp8_conv2d, reference_fp8_conv2d, lambda weight: weight.abs().amax()),
            "int8": (Int8Conv2d, int8_conv2d, reference_int8_conv2d,
                     lambda weight: weight.abs().amax(dim=(1, 2, 3), keepdim=True))}
 

@@ -55,7 +55,7 @@ def _case(fmt, batch, in_channels, out_channels, height, width, kernel, seed=0):
     return *_quantized(fmt, x, weight), torch.randn(out_channels, generator=generator)
 
 
-TWINS = {"fp8": conv8.reference_conv2d, "int8": conv8.reference_int8_conv2d}
+TWINS = {"fp8": conv8.reference_fp8_conv2d, "int8": conv8.reference_int8_conv2d}
 
 
 # (batch, in, out channels, height, width, kernel, stride, padding, channels-last, bias), and the kernel

@@ -1,9 +1,9 @@
 """8-bit convolutions as torch ops: ``torch.ops.sdquant.fp8_conv2d`` and ``torch.ops.sdquant.int8_conv2d``
-take an 8-bit input and 8-bit weights with their scales and return the convolution in the model's
-16-bit precision; KernelConv2d is the layer that calls one.
+take an 8-bit input and 8-bit weights with their scales (INT8: divisors) and return the convolution
+in the model's 16-bit precision; KernelConv2d is the layer that calls one.
 
-torch has no 8-bit convolution on GPUs, and cuDNN's FP8 one runs at 0.4x of its fp16 one on Hopper
-(../shared/ENVIRONMENT.md), so on a CUDA GPU both ops run implicit-GEMM Triton kernels
+torch's own convolutions take no 8-bit tensors on GPUs, and cuDNN's FP8 convolution runs at 0.4x of
+its fp16 one on Hopper (../shared/ENVIRONMENT.md), so on a CUDA GPU both ops run implicit-GEMM Triton kernels
 (sdquant.runtime.kernels.conv8_triton) that read the input where it lies, without an unfolded copy:
 exact products summed in fp32 (FP8) or int32 (INT8). On the CPU each runs its twin, the dequantized
 convolution in the output precision, which is what ModelOpt's fake quantization computes and what
@@ -48,17 +48,25 @@ def _dequantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.empty_like(out, memory_format=torch.channels_last).copy_(out)
 
 
-def reference_conv2d(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+def reference_fp8_conv2d(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None, stride: int, padding: int, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_conv2d's twin in plain torch, on any device: input and weights dequantized with their
     scales (amax / 448)."""
     return _dequantized_conv2d(x.float() * x_scale, weight.float() * weight_scale, bias, stride, padding, out_dtype)
 
 
+def _check_divisors(weight: torch.Tensor, weight_divisor: torch.Tensor) -> None:
+    # The kernel reads one divisor per output channel; a per-tensor one would read past its end.
+    if weight_divisor.shape != weight.shape[:1]:
+        raise ValueError(f"int8_conv2d takes one weight divisor per output channel ({weight.shape[0]}), "
+                         f"not {tuple(weight_divisor.shape)}")
+
+
 def reference_int8_conv2d(x: torch.Tensor, weight: torch.Tensor, x_divisor: torch.Tensor, weight_divisor: torch.Tensor,
                           bias: torch.Tensor | None, stride: int, padding: int, out_dtype: torch.dtype) -> torch.Tensor:
     """int8_conv2d's twin in plain torch, on any device: the input divided by its divisor and each
     output channel's filter by its own, as ModelOpt dequantizes INT8 (sdquant.runtime.kernels.int8)."""
+    _check_divisors(weight, weight_divisor)
     return _dequantized_conv2d(x.float() / x_divisor, weight.float() / weight_divisor.reshape(-1, 1, 1, 1), bias,
                                stride, padding, out_dtype)
 
@@ -69,7 +77,7 @@ def fp8_conv2d(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, wei
     """The convolution of FP8 `x` (batch, channels, height, width) with FP8 `weight` (out channels,
     kernel rows, kernel columns, in channels), each with its scale (amax / 448), plus `bias`, in
     `out_dtype`, channels-last."""
-    return reference_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype)
+    return reference_fp8_conv2d(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype)
 
 
 @torch.library.custom_op("sdquant::int8_conv2d", mutates_args=(), device_types="cpu")
@@ -121,6 +129,7 @@ def _(x, weight, x_scale, weight_scale, bias, stride, padding, out_dtype):
 def _(x, weight, x_divisor, weight_divisor, bias, stride, padding, out_dtype):
     from .conv8_triton import triton_conv2d
 
+    _check_divisors(weight, weight_divisor)
     return triton_conv2d(x, weight, x_divisor, weight_divisor, bias, stride, padding,
                          conv_output(x, weight, stride, padding, out_dtype))
 
@@ -130,7 +139,7 @@ class KernelConv2d(KeepsExactTensors, torch.nn.Module):
     scales in the op's epilogue. A subclass keeps its 8-bit weights and scales and rounds the input
     (`operands`); this keeps `conv`'s geometry and bias."""
 
-    kernel = None
+    kernel = None  # the op a subclass calls: this class is never used itself
 
     def __init__(self, conv: torch.nn.Conv2d):
         super().__init__()
@@ -140,7 +149,7 @@ class KernelConv2d(KeepsExactTensors, torch.nn.Module):
 
     def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The op's first four arguments: `x` rounded to 8 bits in channels-last memory, the 8-bit
-        weights and their scales."""
+        weights, and the scales (FP8) or divisors (INT8) of both."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

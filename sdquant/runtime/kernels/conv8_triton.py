@@ -80,8 +80,8 @@ def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out
               INTEGER: tl.constexpr):
     col_valid = cols < out_channels
     if INTEGER:
-        # INT8: what one unit of the sum is worth, from the input's divisor and each output
-        # channel's own, as sdquant.runtime.kernels.int8.Int8Linear's epilogue computes it.
+        # INT8: the scale arguments hold divisors (127 / amax), the weight's one per output
+        # channel, so one unit of the exact sum is worth 1 / (both divisors).
         unit = 1 / (tl.load(x_scale) * tl.load(weight_scale + cols, mask=col_valid, other=1.0))
         result = sums.to(tl.float32) * unit[None, :]
     else:

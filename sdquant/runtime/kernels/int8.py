@@ -100,22 +100,24 @@ class Int8RoundedConv2d(KeepsExactTensors, torch.nn.Conv2d):
 
 
 def int8_conv_runs(conv: torch.nn.Conv2d) -> bool:
-    """Whether `conv` runs as one integer kernel where its weights lie: a shape the kernel takes, on
-    the CPU (its twin) or on an Ampere or newer GPU with Triton. Elsewhere (Turing, no Triton) it
-    stays a convolution on INT8-rounded values, which computes the same numbers in 16 bits."""
+    """Whether `conv` runs as one integer kernel where its weights lie: a shape the kernel takes
+    (sdquant.runtime.kernels.conv8.takes), on the CPU (its twin) or on an Ampere or newer GPU with
+    Triton. Otherwise (grouped or dilated; Turing; no Triton) it stays a 16-bit convolution on the
+    same INT8-rounded values, whose sums differ from the kernel's exact ones only by fp16 rounding."""
     device = conv.weight.device
     if not takes(conv):
         return False
-    if device.type != "cuda":
+    if device.type == "cpu":
         return True
-    return torch.cuda.get_device_capability(device) >= MIN_CONV_CAPABILITY and triton_missing() is None
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CONV_CAPABILITY
+            and triton_missing() is None)
 
 
 class Int8Conv2d(KernelConv2d):
     """A calibrated convolution as one integer implicit-GEMM kernel: exact int32 sums, the input's and
     each output channel's divisor and the bias in its epilogue."""
 
-    exact = ("weight_int8", "weight_divisor", "input_scale", "input_divisor")
+    exact = ("weight_divisor", "input_scale", "input_divisor")
     kernel = int8_conv2d
 
     def __init__(self, conv: torch.nn.Conv2d, weight_amax: torch.Tensor, input_amax: torch.Tensor):
