@@ -3,9 +3,9 @@ take an 8-bit input and 8-bit weights with their scales (INT8: divisors) and ret
 in the model's 16-bit precision; KernelConv2d is the layer that calls one.
 
 torch's own convolutions take no 8-bit tensors on GPUs, and cuDNN's FP8 convolution runs at 0.4x of
-its fp16 one on Hopper (../shared/ENVIRONMENT.md), so on a CUDA GPU both ops run implicit-GEMM Triton kernels
-(sdquant.runtime.kernels.conv8_triton) that read the input where it lies, without an unfolded copy:
-exact products summed in fp32 (FP8) or int32 (INT8). On the CPU each runs its twin, the dequantized
+its fp16 one on Hopper (../shared/ENVIRONMENT.md), so on a CUDA GPU both ops run implicit-GEMM
+Triton kernels (sdquant.runtime.kernels.conv8_triton) that read the input where it lies, without
+an unfolded copy: exact products summed in fp32 (FP8) or int32 (INT8). On the CPU each runs its twin, the dequantized
 convolution in the output precision, which is what ModelOpt's fake quantization computes and what
 the GPU tests hold the kernels against.
 
@@ -49,7 +49,7 @@ def _dequantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def reference_fp8_conv2d(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None, stride: int, padding: int, out_dtype: torch.dtype) -> torch.Tensor:
+                         bias: torch.Tensor | None, stride: int, padding: int, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_conv2d's twin in plain torch, on any device: input and weights dequantized with their
     scales (amax / 448)."""
     return _dequantized_conv2d(x.float() * x_scale, weight.float() * weight_scale, bias, stride, padding, out_dtype)
