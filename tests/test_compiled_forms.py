@@ -1,9 +1,13 @@
 """The layer forms the torch backend compiles (sdquant.runtime.compiled_forms) compute what
 diffusers' layers compute: GroupNorm with per-channel statistics, and wide-headed attention on
 diffusers' sliced GEMM processor; the forms are given to the layers they are for and no others,
-and torch_backend.compile gives them to the decoder, not to the backbone."""
+and torch_backend.compile gives them to the decoder and the backbone. A backbone's block outputs
+pinned channels-last change no value, eager or compiled, and leave the compiler no channels-first
+activation to lay out."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.runtime.compiled_forms import ChannelStatisticsGroupNorm, use_compiled_forms
+from sdquant.runtime.compiled_forms import ChannelStatisticsGroupNorm, pin_channels_last_outputs, use_compiled_forms
 
 
 @pytest.mark.parametrize("shape, groups", [((2, 64, 12, 10), 32), ((2, 96, 7, 7), 8), ((3, 48, 40), 4)])
@@ -63,9 +67,43 @@ def test_forms_go_to_group_norms_and_wide_heads_only():
     assert type(narrow.processor) is AttnProcessor2_0
 
 
-def test_compiling_gives_the_forms_to_the_decoder_and_not_the_backbone():
+def test_compiling_gives_the_forms_to_the_decoder_and_the_backbone():
     pipe = SDXL.build_pipeline(SDXL.sizes["tiny"])
     torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
                            cuda_graph=False, quantized=False)
-    assert {type(m) for m in pipe.vae.modules() if isinstance(m, torch.nn.GroupNorm)} == {ChannelStatisticsGroupNorm}
-    assert {type(m) for m in pipe.unet.modules() if isinstance(m, torch.nn.GroupNorm)} == {torch.nn.GroupNorm}
+    for module in (pipe.vae, pipe.unet):
+        assert {type(m) for m in module.modules() if isinstance(m, torch.nn.GroupNorm)} == {ChannelStatisticsGroupNorm}
+
+
+def _four_d_buffers(code: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(shape, strides) of every 4-D buffer the compiled code allocates."""
+    numbers = r"\((\d+), (\d+), (\d+), (\d+)\)"
+    return [(tuple(map(int, m.groups()[:4])), tuple(map(int, m.groups()[4:])))
+            for m in re.finditer(rf"empty_strided_\w+\({numbers}, {numbers}", code)]
+
+
+def test_pinned_block_outputs_leave_the_compiled_unet_no_channels_first_activation():
+    """Unpinned, the compiler lays the tiny UNet's concatenated skip connection (128 channels at
+    16x16) out channels-first (seen in its code); pinned, every activation it allocates is
+    channels-last (a GroupNorm's statistics, one value a row, are not activations), and the
+    outputs, eager and compiled, are the unpinned UNet's."""
+    from torch._inductor.utils import run_and_get_code
+
+    pipe = SDXL.build_pipeline(SDXL.sizes["tiny"])
+    unet = pipe.unet.eval().to(memory_format=torch.channels_last)
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(sample=torch.randn(2, unet.config.in_channels, 32, 32, generator=generator),
+                  timestep=torch.tensor([500.0, 500.0]),
+                  encoder_hidden_states=torch.randn(2, 77, unet.config.cross_attention_dim, generator=generator),
+                  added_cond_kwargs={"text_embeds": torch.randn(2, pipe.text_encoder_2.config.projection_dim,
+                                                                generator=generator),
+                                     "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)})
+    with torch.no_grad():
+        want = unet(**inputs).sample
+        pin_channels_last_outputs(unet)
+        assert torch.equal(unet(**inputs).sample, want)
+        got, (code, *_) = run_and_get_code(torch.compile(unet), **inputs)
+    assert (got.sample - want).abs().max() < 1e-4 * want.abs().max()
+    activations = [(shape, strides) for shape, strides in _four_d_buffers(code) if shape[1] > 1 and shape[3] > 1]
+    assert activations, "the compiled code allocates activations"
+    assert [(shape, strides) for shape, strides in activations if strides[1] != 1] == []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled_forms import use_compiled_forms
+from .compiled_forms import pin_channels_last_outputs, use_compiled_forms
 from .cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
 from .kernels.conv8 import takes
@@ -130,6 +130,16 @@ def _check_fp8_kernels(backbone: torch.nn.Module, named: str) -> None:
                         "torch_backend.quantized=fake to run it in fake quantization")
 
 
+def _note_int8_on_fp8_gpus(backbone: torch.nn.Module, named: str) -> None:
+    # On Hopper torch._int_mm runs CUTLASS's Ampere kernels (mma.sync, not wgmma): the INT8 SDXL
+    # UNet measured slower than fp16 on an H100 (benchmarks/results/sdxl_pinned_h100_b8.json).
+    device = next(backbone.parameters()).device
+    if device.type == "cuda" and fp8_kernels_missing(device) is None:
+        print(f"note: {named} runs on INT8 kernels, made for GPUs without FP8; on "
+              f"{torch.cuda.get_device_name(device)} an FP8 checkpoint (quantize.format=fp8) runs faster: "
+              "SDXL at 8 images on an H100 took 3.71 s in FP8, 4.97 s in fp16 and 5.39 s in INT8")
+
+
 @dataclass
 class Conversion:
     layers: int      # calibrated Linear and Conv2d layers running on 8-bit values
@@ -156,6 +166,8 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
                         "it would run them in fake quantization; set torch_backend.quantized=fake for that")
     if quantized == "fp8":
         _check_fp8_kernels(backbone, named)
+    else:
+        _note_int8_on_fp8_gpus(backbone, named)
     attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in sites:
@@ -214,12 +226,16 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
     replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
     if block.compile:
         # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
-        # decoder's layers in forms that compile to faster kernels (sdquant.runtime.compiled_forms).
-        # Not the UNet's: its GroupNorms have 10-40 channels a group, which the compiler reads well
-        # enough, and the FP8 UNet measured slower with the form (208 against 188 ms a step, H100).
+        # layers in forms that compile to faster kernels, with the backbone's block outputs pinned
+        # channels-last (sdquant.runtime.compiled_forms). Unpinned, the compiler laid SDXL's
+        # concatenated skip connections out channels-first, and the GroupNorm form then made the
+        # FP8 UNet slower (208 against 188 ms a step); pinned, it runs 185 -> 175 -> 169 ms a call at
+        # 16 samples (benchmarks/results/group_norm_kernels_h100.json, H100).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
+            pin_channels_last_outputs(module)
+            use_compiled_forms(module)
             if not quantized:
                 family.fuse_projections(module)
         pipe.vae.to(memory_format=torch.channels_last)
