@@ -45,6 +45,17 @@ def _in_one_and_two_processes(script: str, settings: list[str], tmp_path) -> sub
     return result
 
 
+def _check_prompt_file_rate(latency: dict) -> None:
+    """Over the prompts, each part counts its batches after its first (which compiles or sets up):
+    of five batches of two images, parts of three and two batches count four and two images, made
+    side by side in the slower part's time."""
+    parts = [part["prompt_file"] for part in latency["parts"]]
+    assert sorted(part["images"] for part in parts) == [2, 4]
+    merged = latency["prompt_file"]
+    assert merged["images"] == 6 and merged["seconds"] == max(part["seconds"] for part in parts)
+    assert merged["images_per_second"] == 6 / merged["seconds"]
+
+
 def test_two_torchrun_ranks_make_the_one_process_images_and_one_report(tmp_path):
     two = _in_one_and_two_processes("infer_trt.py", SETTINGS, tmp_path)
     single, split = _pixels(tmp_path / "one"), _pixels(tmp_path / "two")
@@ -54,6 +65,7 @@ def test_two_torchrun_ranks_make_the_one_process_images_and_one_report(tmp_path)
     latency = json.loads((tmp_path / "two" / "latency.json").read_text())
     assert len(latency["parts"]) == 2 and latency["images_written"] == 10
     assert latency["images_per_second"] == sum(part["images_per_second"] for part in latency["parts"])
+    _check_prompt_file_rate(latency)
     assert two.stdout.count("inference finished in") == 1, "one summary, from rank 0"
 
 
@@ -68,6 +80,7 @@ def test_shard_jobs_make_the_one_process_images_and_the_last_merges_the_report(t
     assert single.keys() == jobs.keys() and all(np.array_equal(single[name], jobs[name]) for name in single)
     latency = json.loads(merged.read_text())
     assert latency["shards"] == 2 and latency["images_written"] == 10 and len(latency["parts"]) == 2
+    _check_prompt_file_rate(latency)
 
 
 EVALUATE = ["model=scenes_sdxl", "device=cpu", f"sampling.prompts={json.dumps(PROMPTS)}", "sampling.steps=6",
