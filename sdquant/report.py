@@ -155,9 +155,9 @@ def print_latency(report: dict) -> None:
     for key, label in labels.items():
         print(f"  {label:<18} {report['ms'][key]:10.2f} ms")
     print(f"  {'images per second':<18} {report['images_per_second']:10.3f}")
-    rate = report.get("prompt_file", {}).get("images_per_second")
+    rate = (report.get("after_first_batch") or {}).get("images_per_second")
     if rate:
-        print(f"  {'over the prompts':<18} {rate:10.3f} images/s after each process's first batch, saving included")
+        print(f"  {'after batch one':<18} {rate:10.3f} images/s over the later prompt batches, saving included")
     if "first_call_seconds" in report:
         setup = report["setup_seconds"]
         told = (f"compiling and setting up: {setup:.1f} s once per shape" if setup >= SETUP_SHOWN
@@ -165,10 +165,14 @@ def print_latency(report: dict) -> None:
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
 
 
-def prompt_file_throughput(batches: list[tuple[int, float]]) -> dict:
-    """Images per second over a process's prompt batches after its first (which compiles or sets
-    up), saving included: what a long prompt file runs at. None where it had no other batch."""
-    images, seconds = sum(n for n, _ in batches), sum(s for _, s in batches)
+def after_first_batch(batches: list[tuple[int, float]]) -> dict:
+    """The images and seconds (saving included) of a process's prompt batches after its first,
+    which compiles or sets up: the rate a long prompt list runs at, its images_per_second None
+    where the process had no other batch."""
+    return _rate(sum(n for n, _ in batches), sum(s for _, s in batches))
+
+
+def _rate(images: int, seconds: float) -> dict:
     return {"images": images, "seconds": seconds, "images_per_second": images / seconds if images else None}
 
 
@@ -200,16 +204,22 @@ def merged_latency(parts: list[dict]) -> dict:
     merged["ms"] = {key: statistics.mean(part["ms"][key] for part in parts) for key in parts[0]["ms"]}
     merged["images_per_second"] = sum(part["images_per_second"] for part in parts)
     merged["images_written"] = sum(part["images_written"] for part in parts)
-    # The parts ran side by side: together they made their images in the slowest one's time.
-    images = sum(part["prompt_file"]["images"] for part in parts)
-    seconds = max(part["prompt_file"]["seconds"] for part in parts)
-    merged["prompt_file"] = {"images": images, "seconds": seconds,
-                             "images_per_second": images / seconds if images else None}
+    merged["after_first_batch"] = _after_first_batch_together(parts)
     merged["first_call_seconds"] = max(part["first_call_seconds"] for part in parts)
     merged["setup_seconds"] = max(part["setup_seconds"] for part in parts)
     merged["parts"] = [{key: value for key, value in part.items() if key not in ("settings", "versions")}
                        for part in parts]
     return merged
+
+
+def _after_first_batch_together(parts: list[dict]) -> dict | None:
+    """The parts' later batches as if they started together (torchrun's ranks, shard jobs started at
+    once): their images in the slowest part's time. None where a part's report predates the figure
+    (a shard job of an older version)."""
+    if any("after_first_batch" not in part for part in parts):
+        return None
+    return _rate(sum(part["after_first_batch"]["images"] for part in parts),
+                 max(part["after_first_batch"]["seconds"] for part in parts))
 
 
 def merge_shard_reports(out: Path, count: int) -> dict | None:

@@ -1,9 +1,9 @@
 """The layer forms the torch backend compiles (sdquant.runtime.compiled_forms) compute what
 diffusers' layers compute: GroupNorm with per-channel statistics, and wide-headed attention on
 diffusers' sliced GEMM processor; the forms are given to the layers they are for and no others,
-and torch_backend.compile gives them to the decoder and the backbone. A backbone's block outputs
-pinned channels-last change no value, eager or compiled, and leave the compiler no channels-first
-activation to lay out."""
+and torch_backend.compile gives them to the decoder, and to a backbone that runs in 8 bits, whose
+block outputs it also pins channels-last: that changes no value, eager or compiled, and leaves the
+compiler no channels-first activation to lay out."""
 
 from __future__ import annotations
 
@@ -67,12 +67,15 @@ def test_forms_go_to_group_norms_and_wide_heads_only():
     assert type(narrow.processor) is AttnProcessor2_0
 
 
-def test_compiling_gives_the_forms_to_the_decoder_and_the_backbone():
+@pytest.mark.parametrize("quantized", [False, True])
+def test_compiling_gives_the_forms_to_the_decoder_and_to_an_8_bit_backbone(quantized):
     pipe = SDXL.build_pipeline(SDXL.sizes["tiny"])
     torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
-                           cuda_graph=False, quantized=False)
-    for module in (pipe.vae, pipe.unet):
-        assert {type(m) for m in module.modules() if isinstance(m, torch.nn.GroupNorm)} == {ChannelStatisticsGroupNorm}
+                           cuda_graph=False, quantized=quantized)
+    assert {type(m) for m in pipe.vae.modules() if isinstance(m, torch.nn.GroupNorm)} == {ChannelStatisticsGroupNorm}
+    backbone_norm = ChannelStatisticsGroupNorm if quantized else torch.nn.GroupNorm
+    assert {type(m) for m in pipe.unet.modules() if isinstance(m, torch.nn.GroupNorm)} == {backbone_norm}
+    assert bool(pipe.unet.down_blocks[0].resnets[0]._forward_hooks) == quantized, "block outputs pinned"
 
 
 def _four_d_buffers(code: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -45,13 +45,13 @@ def _in_one_and_two_processes(script: str, settings: list[str], tmp_path) -> sub
     return result
 
 
-def _check_prompt_file_rate(latency: dict) -> None:
-    """Over the prompts, each part counts its batches after its first (which compiles or sets up):
+def _check_rate_after_first_batch(latency: dict) -> None:
+    """After its first batch (which compiles or sets up), each part counts its later batches:
     of five batches of two images, parts of three and two batches count four and two images, made
     side by side in the slower part's time."""
-    parts = [part["prompt_file"] for part in latency["parts"]]
+    parts = [part["after_first_batch"] for part in latency["parts"]]
     assert sorted(part["images"] for part in parts) == [2, 4]
-    merged = latency["prompt_file"]
+    merged = latency["after_first_batch"]
     assert merged["images"] == 6 and merged["seconds"] == max(part["seconds"] for part in parts)
     assert merged["images_per_second"] == 6 / merged["seconds"]
 
@@ -65,7 +65,7 @@ def test_two_torchrun_ranks_make_the_one_process_images_and_one_report(tmp_path)
     latency = json.loads((tmp_path / "two" / "latency.json").read_text())
     assert len(latency["parts"]) == 2 and latency["images_written"] == 10
     assert latency["images_per_second"] == sum(part["images_per_second"] for part in latency["parts"])
-    _check_prompt_file_rate(latency)
+    _check_rate_after_first_batch(latency)
     assert two.stdout.count("inference finished in") == 1, "one summary, from rank 0"
 
 
@@ -80,7 +80,7 @@ def test_shard_jobs_make_the_one_process_images_and_the_last_merges_the_report(t
     assert single.keys() == jobs.keys() and all(np.array_equal(single[name], jobs[name]) for name in single)
     latency = json.loads(merged.read_text())
     assert latency["shards"] == 2 and latency["images_written"] == 10 and len(latency["parts"]) == 2
-    _check_prompt_file_rate(latency)
+    _check_rate_after_first_batch(latency)
 
 
 EVALUATE = ["model=scenes_sdxl", "device=cpu", f"sampling.prompts={json.dumps(PROMPTS)}", "sampling.steps=6",

@@ -75,7 +75,7 @@ def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):
     assert latency["backend"] == "onnxruntime"
     assert saved["setup_seconds"] >= 0
     # One prompt batch: it compiled or set up, so no batch after it gives a rate over the prompts.
-    assert saved["prompt_file"] == {"images": 0, "seconds": 0, "images_per_second": None}
+    assert saved["after_first_batch"] == {"images": 0, "seconds": 0, "images_per_second": None}
     # The settings name the files of the model's own graphs, not Flux's.
     assert set(saved["settings"]["stage_files"]) == {"clip1", "clip2", "unet_xl", "vae"}
     info = Image.open(tmp_path / "image_000_00.png").text

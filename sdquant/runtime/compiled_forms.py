@@ -1,5 +1,6 @@
 """Forms of diffusers' layers that torch.compile turns into faster GPU kernels, computing the same
-numbers up to fp32 rounding; the torch backend gives them to the backbone and the VAE it compiles.
+numbers up to fp32 rounding; the torch backend gives them to the VAE it compiles and to an 8-bit
+backbone (torch_backend.speed_up says why not to a 16-bit one).
 
 GroupNorm on channels-last activations: the compiler reduces each group over its pixels and its
 channels together, and in channels-last memory a group's few channels sit between other groups'
@@ -20,7 +21,7 @@ reader asks, and where none asks (a `torch.cat` of a skip connection, a residual
 channels-first, whatever memory format the code asked for (its `clone` ignores it). The
 convolutions after it read channels-last, so a GroupNorm+SiLU kernel then read channels-first and
 wrote channels-last, a byte or two per 32-byte sector: three such kernels of SDXL's last up block
-took 19 ms of a 184 ms FP8 UNet call at 16 samples (H100, docs/speed.md). Pinning each block's
+took 19 ms of a 185 ms FP8 UNet call at 16 samples (H100, benchmarks/results/group_norm_kernels_h100.json). Pinning each block's
 output to channels-last, as a layout the compiler must give that buffer when it first makes it,
 sets the cat's layout too: SDXL's FP8 UNet call then launched 33 more kernels (1942), in 11 ms less
 GPU time.
@@ -59,7 +60,7 @@ class ChannelStatisticsGroupNorm(torch.nn.GroupNorm):
 def _channels_last(value):
     """`value` with each 4-D tensor in it pinned to channels-last memory (nested tuples followed)."""
     if isinstance(value, torch.Tensor) and value.dim() == 4:
-        batch, channels, height, width = value.shape
+        _, channels, height, width = value.shape
         strides = (channels * height * width, 1, width * channels, channels)
         return torch.ops.prims.inductor_force_stride_order(value, strides)
     if type(value) is tuple:
@@ -69,7 +70,9 @@ def _channels_last(value):
 
 def _pin_output(module, args, output):
     # Only the compiler needs telling: eager kernels already leave these outputs channels-last.
-    return _channels_last(output) if torch.compiler.is_compiling() else None
+    # The stride-order op has no gradient, and the torch backend compiles for inference only.
+    pin = torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    return _channels_last(output) if pin else None
 
 
 def pin_channels_last_outputs(module: torch.nn.Module) -> None:

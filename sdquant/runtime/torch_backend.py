@@ -130,11 +130,15 @@ def _check_fp8_kernels(backbone: torch.nn.Module, named: str) -> None:
                         "torch_backend.quantized=fake to run it in fake quantization")
 
 
-def _note_int8_on_fp8_gpus(backbone: torch.nn.Module, named: str) -> None:
-    # On Hopper torch._int_mm runs CUTLASS's Ampere kernels (mma.sync, not wgmma): the INT8 SDXL
-    # UNet measured slower than fp16 on an H100 (benchmarks/results/sdxl_pinned_h100_b8.json).
+# Hopper: where torch._int_mm runs CUTLASS's Ampere kernels (mma.sync, not Hopper's wgmma).
+HOPPER = (9, 0)
+
+
+def _note_int8_on_hopper(backbone: torch.nn.Module, named: str) -> None:
+    # The INT8 SDXL UNet measured slower than fp16 on an H100 (benchmarks/results/sdxl_pinned_h100_b8.json);
+    # Ada, the other GPU with FP8, was not measured.
     device = next(backbone.parameters()).device
-    if device.type == "cuda" and fp8_kernels_missing(device) is None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= HOPPER:
         print(f"note: {named} runs on INT8 kernels, made for GPUs without FP8; on "
               f"{torch.cuda.get_device_name(device)} an FP8 checkpoint (quantize.format=fp8) runs faster: "
               "SDXL at 8 images on an H100 took 3.71 s in FP8, 4.97 s in fp16 and 5.39 s in INT8")
@@ -167,7 +171,7 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
     if quantized == "fp8":
         _check_fp8_kernels(backbone, named)
     else:
-        _note_int8_on_fp8_gpus(backbone, named)
+        _note_int8_on_hopper(backbone, named)
     attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in sites:
@@ -226,17 +230,20 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
     replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
     if block.compile:
         # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
-        # layers in forms that compile to faster kernels, with the backbone's block outputs pinned
-        # channels-last (sdquant.runtime.compiled_forms). Unpinned, the compiler laid SDXL's
-        # concatenated skip connections out channels-first, and the GroupNorm form then made the
-        # FP8 UNet slower (208 against 188 ms a step); pinned, it runs 185 -> 175 -> 169 ms a call at
-        # 16 samples (benchmarks/results/group_norm_kernels_h100.json, H100).
+        # decoder's layers in forms that compile to faster kernels (sdquant.runtime.compiled_forms).
+        # An 8-bit backbone's block outputs are pinned channels-last and its GroupNorms take the
+        # form too: the FP8 SDXL UNet ran 185 -> 175 -> 169 ms a call at 16 samples (H100,
+        # benchmarks/results/group_norm_kernels_h100.json, group_norm_statistics_h100.json); the
+        # form alone, unpinned, had made it slower (208 against 188 ms a step). A 16-bit backbone
+        # keeps the compiler's layouts: pinned, fp16 SDXL ran 0.988x the peer's time against 0.963x
+        # unpinned (two runs), and the form was not timed on it.
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
-            pin_channels_last_outputs(module)
-            use_compiled_forms(module)
-            if not quantized:
+            if quantized:
+                pin_channels_last_outputs(module)
+                use_compiled_forms(module)
+            else:
                 family.fuse_projections(module)
         pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)

@@ -28,6 +28,15 @@ NEMO_ENGINE_KEYS = ("unet_xl", "clip1", "clip2", "vae")
 
 
 @dataclass(frozen=True)
+class BatchTime:
+    """One prompt batch of a process: its images, the pipeline call's seconds and the saving's."""
+
+    images: int
+    call_seconds: float
+    save_seconds: float
+
+
+@dataclass(frozen=True)
 class StageFile:
     """The file a stage runs from, and the config key that named it (for messages)."""
 
@@ -59,14 +68,15 @@ def run_infer(cfg) -> dict:
         # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
         # would synchronize extra on the legacy default stream.
         with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
-            written, timings, images_per_run, batch_seconds = _images_and_timings(
+            written, timings, images_per_run, batches = _images_and_timings(
                 cfg, sampling, files, device, parallel.share_of(world, cfg.shard))
         latency = report.latency_report(timings, images_per_run, cfg.sampling.steps, sampling.family.backbone.graph)
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
         # over a timed run is what a user waits once per process and shape.
-        first_call_seconds = batch_seconds[0][1]
+        first_call_seconds = batches[0].call_seconds
         latency["first_call_seconds"] = first_call_seconds
-        latency["prompt_file"] = report.prompt_file_throughput(batch_seconds[1:])
+        latency["after_first_batch"] = report.after_first_batch(
+            [(batch.images, batch.call_seconds + batch.save_seconds) for batch in batches[1:]])
         latency["setup_seconds"] = report.setup_seconds(first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device),
                         "images_written": sum(path.suffix == ".png" for path in written)})
@@ -122,9 +132,9 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
 
 
 def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device,
-                        part: parallel.World) -> tuple[list[Path], list, int, list[tuple[int, float]]]:
+                        part: parallel.World) -> tuple[list[Path], list, int, list[BatchTime]]:
     """The images of this part's prompt batches, then the warm-up and timed runs of its first
-    batch; also each batch's images and seconds, saving included."""
+    batch; also what each batch made and took."""
     mine = parallel.shard(sampling.runs, part, "prompt batches (prompts / sampling.batch_size)")
     with stage(f"loading the {cfg.backend} stages"):
         pipeline = sampling.pipeline(load_stages(cfg, sampling, files, device), device)
@@ -132,14 +142,15 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
     engines = {name: str(file.path) for name, file in files.items()}
     written = []
-    batch_seconds = []
+    batches = []
     for index, settings in mine:
         with stage(f"prompt batch {index + 1} of {len(sampling.runs)}"):
             call_start = time.perf_counter()
             images = pipeline(settings, StageTimer(device))
+            save_start = time.perf_counter()
             written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings, engines,
                                           cfg.backend)
-            batch_seconds.append((len(images), time.perf_counter() - call_start))
+            batches.append(BatchTime(len(images), save_start - call_start, time.perf_counter() - save_start))
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
         for _ in range(cfg.num_warmup_runs):
@@ -151,7 +162,7 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
             pipeline(first, timer, progress=False)
             stage_seconds = timer.finish()
             timings.append((time.perf_counter() - run_start, stage_seconds))
-    return written, timings, len(first.image_prompts), batch_seconds
+    return written, timings, len(first.image_prompts), batches
 
 
 def _onnx_file(file: StageFile) -> Path:
