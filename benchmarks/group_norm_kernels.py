@@ -1,12 +1,15 @@
-"""Where SDXL's FP8 UNet spent 19 ms a call in three GroupNorm+SiLU kernels (docs/speed.md): the
-full-size UNet (random fp16 weights, FP8 level 3 as torch_backend_full_size.py makes it) compiled
-at 16 samples, 1024x1024, as the torch backend compiled it before (`as_is`) and with its block
-outputs pinned channels-last (`pinned`, sdquant.runtime.compiled_forms, what it does now), and
-pinned with the VAE's GroupNorm form, statistics per channel first (`pinned_statistics`), each in
-an inductor cache of its own: milliseconds per call, the kernel profile, and the generated code of
-each (a gzipped file, for the GroupNorm kernels' sources and their buffers' layouts). Needs a CUDA GPU.
+"""SDXL's FP8 UNet compiled under each layout the torch backend has used, one call timed with its
+kernel profile and generated code, which show where three GroupNorm+SiLU kernels spent 19 ms a
+call (docs/speed.md). The full-size UNet (random fp16 weights, FP8 level 3 as
+torch_backend_full_size.py makes it), 16 samples at 1024x1024, each layout in an inductor cache of
+its own: as the torch backend compiled it before (`as_is`), its block outputs pinned channels-last
+(`pinned`, sdquant.runtime.compiled_forms), and pinned with the per-channel GroupNorm form
+(`pinned_statistics`, what the torch backend does now for an 8-bit backbone). Writes milliseconds
+per call, the kernel profile, and the generated code with the GroupNorm kernels (a gzipped file a
+layout, beside the results file). Needs a CUDA GPU.
 
-    python benchmarks/group_norm_kernels.py [--layouts pinned,pinned_statistics] --out benchmarks/results/group_norm_kernels_h100.json
+    python benchmarks/group_norm_kernels.py [--layouts pinned,pinned_statistics] \
+        --out benchmarks/results/group_norm_kernels_h100.json
 """
 
 from __future__ import annotations
@@ -79,9 +82,14 @@ def compiled_run(name: str, unet, inputs: dict, out_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="in this order: " + ", ".join(LAYOUTS))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="some of, in this order: " + ", ".join(LAYOUTS))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
+    # Pins and forms cannot be taken off a module again: a layout listed after a later one would
+    # run with the later one's changes under its own name.
+    if not set(layouts) <= set(LAYOUTS) or layouts != sorted(layouts, key=LAYOUTS.index):
+        parser.error(f"--layouts {args.layouts}: give some of {', '.join(LAYOUTS)}, in that order")
     quiet_libraries()
     pipe = SDXL.full_size_on_gpu()
     quantized_unet(pipe, "fp8")
@@ -93,7 +101,7 @@ def main() -> None:
     result = {"benchmark": "group_norm_kernels", "device": torch.cuda.get_device_name(),
               "versions": report.library_versions(), "samples": args.samples, "runs": {}}
     pinned = False
-    for layout in args.layouts.split(","):
+    for layout in layouts:
         if layout.startswith("pinned") and not pinned:
             pin_channels_last_outputs(unet)
             pinned = True

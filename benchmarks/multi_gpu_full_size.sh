@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Generation spread over the GPUs of one host against one GPU: infer_trt.py backend=torch on the
 # full-size SDXL architecture (random fp16 weights) with an FP8 level-3 UNet, compiled, CUDA graphs,
-# 1024x1024, 20 steps, 64 prompts in batches of 8, run three ways: one process on GPU 0, torchrun
+# 1024x1024, 20 steps, 32 prompts a GPU in batches of 8, run three ways: one process on one GPU, torchrun
 # over N GPUs (NCCL), and N shard jobs side by side (shard.index/count, as Slurm array tasks run).
-# Target (issue): at least 1.9x one GPU's images/s on 2 GPUs, 3.7x on 4. The N-GPU runs must draw
+# Target: at least 1.9x one GPU's images/s on 2 GPUs, 3.7x on 4. The N-GPU runs must draw
 # the images of the one-GPU run: the report gives each file's pixel difference, and asserts nothing.
 #   bash benchmarks/multi_gpu_full_size.sh OUT.json [GPUS] [--deepcache]   (GPUS: all visible)
 # --deepcache (or DEEPCACHE=1) runs the three again with DeepCache every 2 steps. Run it after
-# benchmarks/gpu_install.sh; it takes longer than one device call, so start it with gpu_queue.sh.
+# benchmarks/gpu_install.sh; on 2 GPUs it took 10 minutes (three compiles of the full UNet).
 # Test mode, small, for a CPU: SIZE=tiny DEVICE=cpu GPUS=2 PROMPTS=16 runs the same steps on the
 # tiny SDXL at 64x64, 2 steps, without compile or CUDA graphs (torchrun over gloo, the shard jobs
 # as CPU processes side by side). WORK=<folder> keeps the models, images and logs there.
@@ -19,18 +19,19 @@ for arg in "$@"; do
 done
 out=$(realpath -m "${args[0]:?usage: multi_gpu_full_size.sh OUT.json [GPUS] [--deepcache]}")
 cd "$(dirname "$0")/.."
-gpus=${args[1]:-${GPUS:-}}
-if [ -z "$gpus" ]; then
-    if command -v nvidia-smi > /dev/null; then gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
-    else gpus=$(python3 -c "import torch; print(torch.cuda.device_count())"); fi
-fi
+# The GPUs this may use: CUDA_VISIBLE_DEVICES where set (each job below picks one of them by it).
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+elif command -v nvidia-smi > /dev/null; then mapfile -t visible < <(nvidia-smi --query-gpu=index --format=csv,noheader)
+else visible=(0 1 2 3 4 5 6 7); fi
+gpus=${args[1]:-${GPUS:-${#visible[@]}}}
 if [ "$gpus" -lt 2 ]; then
     echo "multi_gpu_full_size: $gpus GPU(s) visible; it compares one GPU with several: give GPUS=2 or more" >&2
     exit 1
 fi
 size=${SIZE:-full}
 device=${DEVICE:-cuda}
-prompts=${PROMPTS:-64}
+# Four batches of 8 a process: the rate after each one's first batch then counts three.
+prompts=${PROMPTS:-$((32 * gpus))}
 if [ "$size" = tiny ]; then pixels=64 steps=2; else pixels=1024 steps=20; fi
 # torch.compile and CUDA graphs are what a GPU user runs; on a CPU they would only cost time.
 if [ "$device" = cpu ]; then fast=false; else fast=true; fi
@@ -78,15 +79,16 @@ done | sed -n "1,${prompts}p" > "$work/prompts.txt"  # sed reads to the end: hea
 infer=("${model[@]}" backend=torch quantized_unet="$checkpoint" torch_backend.quantized=fp8
        torch_backend.compile=$fast cuda_graph=$fast sampling.prompts_file="$work/prompts.txt"
        sampling.batch_size=8 sampling.steps=$steps sampling.width=$pixels sampling.height=$pixels num_timed_runs=2)
-# NVLink multicast (NVLS) stays off on these machines; the ranks exchange only their reports anyway.
-export NCCL_NVLS_ENABLE=0
+# NVLink multicast stays off: on shared hosts it can take every GPU of the host out of service, and
+# the ranks exchange only their reports.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
 run_three() {  # run_three NAME_SUFFIX [override ...]
     local suffix=$1 name start pids=() failed=0
     shift
     name=one$suffix
     start=$(date +%s.%N)
-    CUDA_VISIBLE_DEVICES=0 python3 infer_trt.py "${infer[@]}" "$@" out_path="$work/out/$name" \
+    CUDA_VISIBLE_DEVICES=${visible[0]} python3 infer_trt.py "${infer[@]}" "$@" out_path="$work/out/$name" \
         hydra.run.dir="$work/hydra/$name"
     echo "$start $(date +%s.%N)" > "$work/wall/$name"
 
@@ -99,7 +101,7 @@ run_three() {  # run_three NAME_SUFFIX [override ...]
     name=shards$suffix
     start=$(date +%s.%N)
     for ((i = 0; i < gpus; i++)); do
-        CUDA_VISIBLE_DEVICES=$i python3 infer_trt.py "${infer[@]}" "$@" shard.index=$i shard.count="$gpus" \
+        CUDA_VISIBLE_DEVICES=${visible[$i]} python3 infer_trt.py "${infer[@]}" "$@" shard.index=$i shard.count="$gpus" \
             out_path="$work/out/$name" hydra.run.dir="$work/hydra/$name/$i" > "$work/logs/$name.$i.log" 2>&1 &
         pids+=($!)
     done
@@ -136,12 +138,12 @@ TARGETS = {2: 1.9, 4: 3.7}
 def run(name):
     latency = json.loads((work / "out" / name / "latency.json").read_text())
     start, end = map(float, (work / "wall" / name).read_text().split())
-    # images_per_second: each process's timed runs of its first batch, summed; prompt_file: the
+    # images_per_second: each process's timed runs of its first batch, summed; after_first_batch: the
     # batches after each process's first, saving included, in the slowest process's time.
     parts = latency.get("parts", [latency])
     pngs = len(list((work / "out" / name).glob("*.png")))
     return {"images_per_second": latency["images_per_second"],
-            "prompt_file_images_per_second": latency["prompt_file"]["images_per_second"],
+            "after_first_batch_images_per_second": latency["after_first_batch"]["images_per_second"],
             "first_call_seconds": latency["first_call_seconds"], "setup_seconds": latency["setup_seconds"],
             "wall_seconds": end - start, "images_written": latency["images_written"], "pngs_on_disk": pngs,
             "parts": len(parts), "shards": latency.get("shards"), "device": latency["device"],
@@ -184,8 +186,8 @@ for group in groups:
     report[f"cache_{group}"] = {
         "runs": runs, "scaling": scaling,
         # None where a process had only one batch (its first, which compiles, is not counted).
-        "prompt_file_scaling": {way: ratio(runs[way]["prompt_file_images_per_second"],
-                                           runs["one"]["prompt_file_images_per_second"]) for way in ("torchrun", "shards")},
+        "after_first_batch_scaling": {way: ratio(runs[way]["after_first_batch_images_per_second"],
+                                           runs["one"]["after_first_batch_images_per_second"]) for way in ("torchrun", "shards")},
         "meets_target": {way: value >= TARGETS[gpus] for way, value in scaling.items()} if gpus in TARGETS else None,
         "same_images_as_one": {way: same_images("one" + suffix, way + suffix) for way in ("torchrun", "shards")},
         "least_pixel_std_of_one": least_pixel_spread("one" + suffix)}
