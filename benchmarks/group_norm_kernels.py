@@ -5,8 +5,8 @@ torch_backend_full_size.py makes it), 16 samples at 1024x1024, each layout in an
 its own: as the torch backend compiled it before (`as_is`), its block outputs pinned channels-last
 (`pinned`, sdquant.runtime.compiled_forms), and pinned with the per-channel GroupNorm form
 (`pinned_statistics`, what the torch backend does now for an 8-bit backbone). Writes milliseconds
-per call, the kernel profile, and the generated code with the GroupNorm kernels (a gzipped file a
-layout, beside the results file). Needs a CUDA GPU.
+per call, the kernel profile, and the generated code (a gzipped file a layout, beside the results
+file). Needs a CUDA GPU.
 
     python benchmarks/group_norm_kernels.py [--layouts pinned,pinned_statistics] \
         --out benchmarks/results/group_norm_kernels_h100.json
@@ -53,12 +53,13 @@ def ms_per_call(fn, calls: int = 20) -> float:
     return start.elapsed_time(end) / calls
 
 
-def group_norm_sources(cache_dir: Path) -> str:
-    """Every generated output-code module under `cache_dir` that normalises a group, concatenated."""
+def compiled_sources(cache_dir: Path) -> str:
+    """Every generated output-code module under `cache_dir` (the compiled graphs, kernels inlined),
+    concatenated."""
     parts = []
     for path in sorted(cache_dir.rglob("*.py")):
         text = path.read_text(errors="replace")
-        if "group_norm" in text and "def call(" in text:
+        if "def call(" in text:
             parts.append(f"# ===== {path.relative_to(cache_dir)}\n{text}")
     return "\n".join(parts)
 
@@ -74,7 +75,7 @@ def compiled_run(name: str, unet, inputs: dict, out_dir: Path) -> dict:
         ms = ms_per_call(lambda: compiled(**inputs))
         profile = kernel_profile(compiled, inputs, top=16)
     source = out_dir / f"{name}.py.gz"
-    source.write_bytes(gzip.compress(group_norm_sources(cache_dir).encode()))
+    source.write_bytes(gzip.compress(compiled_sources(cache_dir).encode()))
     print(f"{name}: {ms:.2f} ms a call", flush=True)
     return {"ms_per_call": ms, "kernel_profile": profile, "source": source.name}
 

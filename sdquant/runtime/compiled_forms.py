@@ -21,10 +21,10 @@ reader asks, and where none asks (a `torch.cat` of a skip connection, a residual
 channels-first, whatever memory format the code asked for (its `clone` ignores it). The
 convolutions after it read channels-last, so a GroupNorm+SiLU kernel then read channels-first and
 wrote channels-last, a byte or two per 32-byte sector: three such kernels of SDXL's last up block
-took 19 ms of a 185 ms FP8 UNet call at 16 samples (H100, benchmarks/results/group_norm_kernels_h100.json). Pinning each block's
-output to channels-last, as a layout the compiler must give that buffer when it first makes it,
-sets the cat's layout too: SDXL's FP8 UNet call then launched 33 more kernels (1942), in 11 ms less
-GPU time.
+took 19 ms of a 185 ms FP8 UNet call at 16 samples (H100,
+benchmarks/results/group_norm_kernels_h100.json). Pinning each block's output to channels-last, as
+a layout the compiler must give that buffer when it first makes it, sets the cat's layout too:
+SDXL's FP8 UNet call then launched 33 more kernels (1942), in 11 ms less GPU time.
 """
 
 from __future__ import annotations
