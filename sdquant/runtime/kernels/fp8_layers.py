@@ -109,8 +109,10 @@ class Fp8Conv2d(KernelConv2d):
         self.register_buffer("input_inverse_scale", input_inverse)
 
     def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Channels-last FP8, as the kernel reads its input fastest: GroupNorm hands over NCHW memory
-        # on CUDA, and under torch.compile the rounding, the layout change and the norm are one kernel.
+        # Channels-last FP8, as the kernel reads its input fastest: eager GroupNorm hands over NCHW
+        # memory on CUDA. Under torch.compile the custom op takes its input in the strides it was
+        # traced with, so the compiler writes this layout in the norm's kernel (its own clone
+        # ignores memory formats).
         x = to_fp8(x, self.input_inverse_scale).contiguous(memory_format=torch.channels_last)
         return x, self.weight_fp8, self.input_scale, self.weight_scale
 

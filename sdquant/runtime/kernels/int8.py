@@ -135,7 +135,7 @@ class Int8Conv2d(KernelConv2d):
         self.register_buffer("input_divisor", input_divisor)
 
     def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Channels-last, as the kernel reads its input fastest; under torch.compile the rounding and
-        # the layout change fuse into the kernel that produces the input (GroupNorm + SiLU).
+        # Channels-last, as the kernel reads its input fastest; under torch.compile the custom op takes
+        # its input in the strides it was traced with, written by the input's producer, rounding fused.
         x = to_int8(x, self.input_scale).contiguous(memory_format=torch.channels_last)
         return x, self.weight_int8, self.input_divisor, self.weight_divisor
