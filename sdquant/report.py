@@ -92,28 +92,59 @@ def cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def save_images(images, out: Path, batch_index: int, settings, engines: dict, backend: str) -> list[Path]:
-    """PNG files with the prompt, the image's own seed, steps and engines in their metadata."""
-    import numpy as np
+class ImageWriter:
+    """Writes each prompt batch's PNGs (the prompt, the image's own seed, steps and engines in their
+    metadata) on worker threads while the next batch runs, since encoding a batch takes a good part
+    of a fast GPU's call (1.4 s of 4.9 s for 8 SDXL images). Only the main thread reads the
+    images from the device, which also waits for the call that made them. Leaving the block, also on
+    an error or Ctrl-C, waits for the queued PNGs (a fraction of a second for the last batch), each
+    renamed into place whole, so that every image made is kept."""
+
+    def __init__(self, out: Path, engines: dict, backend: str, workers: int = 4):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out, self.backend = Path(out), backend
+        self.engines = ", ".join(f"{k}={v}" for k, v in engines.items())
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="png")
+        self.pending = []
+
+    def __enter__(self) -> "ImageWriter":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.pool.shutdown(wait=True)
+
+    def submit(self, images, batch_index: int, settings) -> None:
+        """Queues the batch's images (N x 3 x H x W in [0, 1]) as image_<batch>_<k>.png."""
+        import torch
+
+        pixels = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
+            text = {"prompt": prompt, "negative_prompt": settings.negative_prompt, "seed": seed,
+                    "steps": settings.steps, "guidance_scale": settings.guidance_scale, "backend": self.backend,
+                    "engines": self.engines}
+            path = self.out / f"image_{batch_index:03d}_{offset:02d}.png"
+            self.pending.append(self.pool.submit(_write_png, array, path, text))
+
+    def finish(self) -> list[Path]:
+        """Waits for every queued PNG; the paths in the order queued. A failed write raises here."""
+        written = [future.result() for future in self.pending]
+        self.pending = []
+        return written
+
+
+def _write_png(array, path: Path, text: dict) -> Path:
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
     from .artifacts import atomic_path
 
-    written = []
-    pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-    for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
-        info = PngInfo()
-        for key, value in (("prompt", prompt), ("negative_prompt", settings.negative_prompt),
-                           ("seed", seed), ("steps", settings.steps),
-                           ("guidance_scale", settings.guidance_scale), ("backend", backend),
-                           ("engines", ", ".join(f"{k}={v}" for k, v in engines.items()))):
-            info.add_text(key, str(value))
-        path = Path(out) / f"image_{batch_index:03d}_{offset:02d}.png"
-        with atomic_path(path) as temp:
-            Image.fromarray(array).save(temp, format="PNG", pnginfo=info)
-        written.append(path)
-    return written
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_text(key, str(value))
+    with atomic_path(path) as temp:
+        Image.fromarray(array).save(temp, format="PNG", pnginfo=info)
+    return path
 
 
 def latency_report(timings: list, images_per_run: int, steps: int, backbone: str) -> dict:
@@ -165,11 +196,11 @@ def print_latency(report: dict) -> None:
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
 
 
-def after_first_batch(batches: list[tuple[int, float]]) -> dict:
-    """The images and seconds (saving included) of a process's prompt batches after its first,
-    which compiles or sets up: the rate a long prompt list runs at, its images_per_second None
-    where the process had no other batch."""
-    return _rate(sum(n for n, _ in batches), sum(s for _, s in batches))
+def after_first_batch(images: int, seconds: float) -> dict:
+    """The images of a process's prompt batches after its first (which compiles or sets up) and the
+    seconds from the end of its first call until the last PNG was written: the rate a long prompt
+    list runs at, saving included; images_per_second None where the process had no other batch."""
+    return _rate(images, seconds)
 
 
 def _rate(images: int, seconds: float) -> dict:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from sdquant import report
 from sdquant.errors import UserError
 from sdquant.families.pipeline import warn_if_not_finite
 from sdquant.workflow.export_trt import run_export
@@ -61,6 +63,35 @@ def test_onnxruntime_image_matches_diffusers_pipeline(fp32_graphs, tmp_path, tin
     # implementation of the same pipeline stays far above 40 dB; a wrong scheduler step,
     # embedding or guidance order falls far below it.
     assert _psnr(ours, np.round(reference * 255) / 255) >= 40
+
+
+IMAGE_SETTINGS = SimpleNamespace(image_prompts=["a cat", "a dog"], seeds=[7, 8], negative_prompt="",
+                                 steps=4, guidance_scale=5.0)
+
+
+def test_image_writer_keeps_a_batch_queued_before_the_next_one_failed(tmp_path):
+    images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="the next batch failed"):
+        with report.ImageWriter(tmp_path, {"unet_xl": "unet.plan"}, "torch") as writer:
+            writer.submit(images, 3, IMAGE_SETTINGS)
+            raise RuntimeError("the next batch failed")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["image_003_00.png", "image_003_01.png"]
+    for offset, image in enumerate(images):
+        png = Image.open(tmp_path / f"image_003_{offset:02d}.png")
+        expected = (image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        assert np.array_equal(np.asarray(png), expected)
+        assert png.text["prompt"] == IMAGE_SETTINGS.image_prompts[offset] and png.text["seed"] == str(7 + offset)
+        assert png.text["engines"] == "unet_xl=unet.plan"
+
+
+def test_image_writer_raises_a_failed_write_when_asked_for_the_paths(tmp_path):
+    not_a_folder = tmp_path / "taken"
+    not_a_folder.write_text("")
+    with report.ImageWriter(not_a_folder, {}, "torch") as writer:
+        writer.submit(torch.zeros(2, 3, 8, 8), 0, IMAGE_SETTINGS)
+        with pytest.raises(OSError):
+            writer.finish()
+    assert [path.name for path in tmp_path.iterdir()] == ["taken"]
 
 
 def test_report_holds_every_stage_and_png_metadata(fp32_graphs, tmp_path):

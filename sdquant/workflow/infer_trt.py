@@ -28,12 +28,15 @@ NEMO_ENGINE_KEYS = ("unet_xl", "clip1", "clip2", "vae")
 
 
 @dataclass(frozen=True)
-class BatchTime:
-    """One prompt batch of a process: its images, the pipeline call's seconds and the saving's."""
+class Batches:
+    """What a process's prompt batches wrote and took: its first call (which compiles or sets up),
+    and its later batches' images in the seconds from the end of that call until their last PNG
+    was written (0 without a later batch)."""
 
-    images: int
-    call_seconds: float
-    save_seconds: float
+    written: list[Path]
+    first_call_seconds: float
+    later_images: int
+    later_seconds: float
 
 
 @dataclass(frozen=True)
@@ -68,19 +71,17 @@ def run_infer(cfg) -> dict:
         # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
         # would synchronize extra on the legacy default stream.
         with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
-            written, timings, images_per_run, batches = _images_and_timings(
+            batches, timings, images_per_run = _images_and_timings(
                 cfg, sampling, files, device, parallel.share_of(world, cfg.shard))
         latency = report.latency_report(timings, images_per_run, cfg.sampling.steps, sampling.family.backbone.graph)
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
         # over a timed run is what a user waits once per process and shape.
-        first_call_seconds = batches[0].call_seconds
-        latency["first_call_seconds"] = first_call_seconds
-        latency["after_first_batch"] = report.after_first_batch(
-            [(batch.images, batch.call_seconds + batch.save_seconds) for batch in batches[1:]])
-        latency["setup_seconds"] = report.setup_seconds(first_call_seconds, latency["ms"]["end_to_end"])
+        latency["first_call_seconds"] = batches.first_call_seconds
+        latency["after_first_batch"] = report.after_first_batch(batches.later_images, batches.later_seconds)
+        latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device),
-                        "images_written": sum(path.suffix == ".png" for path in written)})
-        latencies, written = parallel.gather(latency, world), sum(parallel.gather(written, world), [])
+                        "images_written": sum(path.suffix == ".png" for path in batches.written)})
+        latencies, written = parallel.gather(latency, world), sum(parallel.gather(batches.written, world), [])
         if not world.is_main:
             return latency
         merged = latencies[0] if len(latencies) == 1 else report.merged_latency(latencies)
@@ -132,25 +133,31 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
 
 
 def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device,
-                        part: parallel.World) -> tuple[list[Path], list, int, list[BatchTime]]:
+                        part: parallel.World) -> tuple[Batches, list, int]:
     """The images of this part's prompt batches, then the warm-up and timed runs of its first
-    batch; also what each batch made and took."""
+    batch once every PNG is written (so that no encoding competes with them)."""
     mine = parallel.shard(sampling.runs, part, "prompt batches (prompts / sampling.batch_size)")
     with stage(f"loading the {cfg.backend} stages"):
         pipeline = sampling.pipeline(load_stages(cfg, sampling, files, device), device)
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
     engines = {name: str(file.path) for name, file in files.items()}
-    written = []
-    batches = []
-    for index, settings in mine:
-        with stage(f"prompt batch {index + 1} of {len(sampling.runs)}"):
-            call_start = time.perf_counter()
-            images = pipeline(settings, StageTimer(device))
-            save_start = time.perf_counter()
-            written += report.save_images(images, Path(cfg.out_path).expanduser(), index, settings, engines,
-                                          cfg.backend)
-            batches.append(BatchTime(len(images), save_start - call_start, time.perf_counter() - save_start))
+    first_call_end = first_call_seconds = None
+    later_images = 0
+    with report.ImageWriter(Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
+        for index, settings in mine:
+            with stage(f"prompt batch {index + 1} of {len(sampling.runs)}"):
+                call_start = time.perf_counter()
+                images = pipeline(settings, StageTimer(device))
+                writer.submit(images, index, settings)
+                if first_call_end is None:
+                    first_call_end = time.perf_counter()
+                    first_call_seconds = first_call_end - call_start
+                else:
+                    later_images += len(images)
+        with stage("writing the last images"):
+            written = writer.finish()
+    later_seconds = time.perf_counter() - first_call_end if later_images else 0.0
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
         for _ in range(cfg.num_warmup_runs):
@@ -162,7 +169,7 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
             pipeline(first, timer, progress=False)
             stage_seconds = timer.finish()
             timings.append((time.perf_counter() - run_start, stage_seconds))
-    return written, timings, len(first.image_prompts), batches
+    return Batches(written, first_call_seconds, later_images, later_seconds), timings, len(first.image_prompts)
 
 
 def _onnx_file(file: StageFile) -> Path:
