@@ -185,6 +185,9 @@ def main() -> None:
     parser.add_argument("--cache-interval", type=int, default=0,
                         help="our variants with DeepCache, the whole UNet every N steps (0: no cache)")
     parser.add_argument("--cache-branch", type=int, default=0, help="DeepCache's live branch")
+    parser.add_argument("--vae-batch", type=int, default=TorchBackendBlock.vae_batch,
+                        help="our variants' torch_backend.vae_batch (0: the whole batch at once); another than "
+                             "the default names the variant <variant>_vae<N>")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
@@ -204,7 +207,7 @@ def main() -> None:
             row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
         else:
             conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
-            block = TorchBackendBlock(compile=variant != "eager")
+            block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch)
             pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
                                     cache=cache)
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
@@ -214,9 +217,15 @@ def main() -> None:
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
+            row["vae_batch"] = args.vae_batch
+            if args.vae_batch != TorchBackendBlock.vae_batch:
+                variant = f"{variant}_vae{args.vae_batch}"
             if args.profile:
                 row.update(stage_profiles(pipeline, args.batch))
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
+        # CUDA graphs' private pools.
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         row["wall_s"] = time.perf_counter() - start
         results["variants"][variant] = row
         summary = {k: round(v["best_s"], 3) for k, v in row.items() if k.endswith("_steps")}

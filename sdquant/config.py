@@ -276,6 +276,10 @@ class TorchBackendBlock:
     # fp16 keeps every attention in the model's 16 bits, fp8 insists (refusing a checkpoint
     # without attention ranges).
     attention: str = "auto"
+    # Images the VAE decodes at a time (0: the whole batch at once). The decoder's activations at
+    # 1024x1024 dwarf the backbone's, so one at a time lowers the peak of an 8-image batch by
+    # several GiB; under compile the decoder compiles for that many images, once.
+    vae_batch: int = 1
 
 
 @dataclass
@@ -573,6 +577,9 @@ def validate_infer(cfg) -> None:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
     validate_torch_kernels(torch_block)
+    if torch_block.vae_batch < 0:
+        raise UserError(f"torch_backend.vae_batch={torch_block.vae_batch}: give the images the VAE decodes at a time, "
+                        "or 0 for the whole batch at once")
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint):
         raise UserError(f"torch_backend.compile, torch_backend.quantized and {checkpoint_key} apply to backend=torch, "

@@ -191,6 +191,19 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
     return Conversion(len(amax), fp8_attention)
 
 
+class InSlices(torch.nn.Module):
+    """A graph of one batched input run on `size` samples at a time, its outputs concatenated."""
+
+    def __init__(self, graph, size: int):
+        super().__init__()
+        self.graph, self.size = graph, size
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if len(batch) <= self.size:
+            return self.graph(batch)
+        return torch.cat([self.graph(part) for part in batch.split(self.size)])
+
+
 class GraphReplayStage:
     """A stage replayed as one CUDA graph per input signature, so the host launches one graph
     instead of every kernel of the backbone."""
@@ -251,6 +264,11 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
             if hasattr(stages[name], "allow_recompiles"):
                 stages[name].allow_recompiles()
+    if block.vae_batch:
+        # Outside the compiled graph, so that it compiles for vae_batch images, not an unrolled batch.
+        for name in stages:
+            if family.network(name).role is Role.decoder:
+                stages[name].graph = InSlices(stages[name].graph, block.vae_batch)
     if cuda_graph and pipe.device.type == "cuda":
         # The text encoders stay as they are: they build masks from host tensors, which a
         # capture cannot take.
