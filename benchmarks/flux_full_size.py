@@ -46,7 +46,7 @@ from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
-from torch_backend_full_size import timed
+from torch_backend_full_size import kernel_profile, timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
@@ -110,18 +110,19 @@ def hook_cache(setting: str) -> HookCache | None:
     return HookCache(method, int(value), 0.0) if method in TAYLORSEER_METHODS else HookCache(method, 1, float(value))
 
 
-def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None) -> dict:
+def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False) -> dict:
     stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16, cache),
                                     TorchBackendBlock(compile=True), cuda_graph=cache is None, quantized=quantized)
     pipeline = FLUX.text_to_image(stages, FLUX.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
                                   CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
                                 height=SIZE, width=SIZE, seed=42, cache=cache)
-    return time_one_image(pipeline, settings, runs)
+    return time_one_image(pipeline, settings, runs, profile)
 
 
-def time_one_image(pipeline, settings: SamplingSettings, runs: int) -> dict:
-    """A DiT pipeline's first call, best of `runs` after warm-up, its stages and peak memory."""
+def time_one_image(pipeline, settings: SamplingSettings, runs: int, profile: bool = False) -> dict:
+    """A DiT pipeline's first call, best of `runs` after warm-up, its stages and peak memory; with
+    `profile`, the GPU time per kernel over one whole call (every step, the text encoders, the VAE)."""
     torch.cuda.reset_peak_memory_stats()
     first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
     pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
@@ -131,7 +132,9 @@ def time_one_image(pipeline, settings: SamplingSettings, runs: int) -> dict:
     stage = report.latency_report([(min(seconds), timer.finish())], 1, settings.steps, "transformer")
     return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
             "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
-            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            **({"call_profile": kernel_profile(lambda: pipeline(settings, StageTimer(CUDA), progress=False), top=20)}
+               if profile else {})}
 
 
 def main() -> None:
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval>, "
                                                     "taylorseer_blocks:<interval> or first_block:<threshold>")
+    parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
@@ -153,7 +157,7 @@ def main() -> None:
         if variant in ("peer", "torchao"):
             row = peer(pipe, args.runs, torchao=variant == "torchao")
         else:
-            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache)
+            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile)
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"

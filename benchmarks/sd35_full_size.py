@@ -62,20 +62,21 @@ def peer(pipe, runs: int, mode: str) -> dict:
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def ours(pipe, quantized: bool, runs: int) -> dict:
+def ours(pipe, quantized: bool, runs: int, profile: bool) -> dict:
     stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16), TorchBackendBlock(compile=True),
                                     cuda_graph=True, quantized=quantized)
     pipeline = SD3.text_to_image(stages, SD3.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
                                  CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
                                 height=SIZE, width=SIZE, seed=42)
-    return time_one_image(pipeline, settings, runs)
+    return time_one_image(pipeline, settings, runs, profile)
 
 
 def run_variant(variant: str, args) -> dict:
     start = time.perf_counter()
     pipe, setup = build_variant(SD3, variant)
-    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs)
+    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs,
+                                                                                      args.profile)
     row.update(setup, wall_s=time.perf_counter() - start)
     if variant == "peer":
         row["compile_mode"] = args.peer_mode
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--variants", default="peer,compiled,fp8", help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--peer-mode", default="default", help="the peer's torch.compile mode")
+    parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -100,7 +102,8 @@ def main() -> None:
         # One process per variant: each one's peak memory and compiled code are its own.
         for variant in variants:
             subprocess.run([sys.executable, __file__, "--variants", variant, "--runs", str(args.runs),
-                            "--peer-mode", args.peer_mode, "--out", str(args.out)], check=True)
+                            "--peer-mode", args.peer_mode, "--out", str(args.out),
+                            *(["--profile"] if args.profile else [])], check=True)
         return
     quiet_libraries()
     results = json.loads(args.out.read_text()) if args.out.is_file() else {

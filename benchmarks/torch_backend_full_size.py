@@ -146,15 +146,15 @@ def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
     return result
 
 
-def kernel_profile(stage, inputs: dict, top: int = 12) -> list[dict]:
-    """GPU time per kernel over one call of `stage` on `inputs` (after warm-up), the largest first."""
+def kernel_profile(call, top: int = 12) -> list[dict]:
+    """GPU time per kernel over one `call()` (after warm-up), the largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        stage(**inputs)
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        stage(**inputs)
+        call()
         torch.cuda.synchronize()
     rows = sorted(((e.key, e.device_time_total / 1000, e.count) for e in trace.key_averages()
                    if e.device_time_total > 0), key=lambda row: -row[1])
@@ -171,8 +171,8 @@ def stage_profiles(pipeline: TextToImage, batch: int) -> dict[str, list[dict]]:
                    "context": torch.randn(2 * batch, 77, 2048, device="cuda", dtype=torch.float16),
                    "y": torch.randn(2 * batch, 2816, device="cuda", dtype=torch.float16)}
     vae_inputs = {"latent": torch.randn(batch, 4, latent, latent, device="cuda", dtype=torch.float16)}
-    return {"unet_profile": kernel_profile(pipeline.stages["unet_xl"], unet_inputs),
-            "vae_profile": kernel_profile(pipeline.stages["vae"], vae_inputs)}
+    return {"unet_profile": kernel_profile(lambda: pipeline.stages["unet_xl"](**unet_inputs)),
+            "vae_profile": kernel_profile(lambda: pipeline.stages["vae"](**vae_inputs))}
 
 
 def main() -> None:
