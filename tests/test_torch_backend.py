@@ -170,6 +170,22 @@ def test_in_slices_runs_the_graph_a_slice_at_a_time_and_joins_the_outputs():
     assert seen == [5]
 
 
+@pytest.mark.parametrize("model", ["tiny_sdxl", "tiny_flux", "tiny_sd3"])
+def test_every_family_decoder_stage_decodes_vae_batch_images_at_a_time(tiny_pipeline, model):
+    from sdquant.config import TorchBackendBlock
+    from sdquant.families import family_of
+
+    pipe = tiny_pipeline(model)
+    family = family_of(compose_config("sd_xl_quantize", [f"model={model}"]).model.family)
+    stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32), TorchBackendBlock(),
+                                    cuda_graph=False, quantized=False)
+    decoded = []
+    pipe.vae.decoder.register_forward_pre_hook(lambda module, args: decoded.append(len(args[0])))
+    channels = pipe.vae.config.latent_channels
+    images = stages["vae"](latent=torch.randn(3, channels, 4, 4))["images"]
+    assert decoded == [1, 1, 1] and len(images) == 3
+
+
 def test_vae_decoding_one_image_at_a_time_draws_the_whole_batch_images(tmp_path, model_cache):
     settings = {"model": "tiny_sdxl", "steps": 2}
     sliced = _image(tmp_path / "sliced", "torch_backend.vae_batch=1", **settings)
