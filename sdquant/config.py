@@ -278,7 +278,8 @@ class TorchBackendBlock:
     attention: str = "auto"
     # Images the VAE decodes at a time (0: the whole batch at once). The decoder's activations at
     # 1024x1024 dwarf the backbone's, so one at a time lowers the peak of an 8-image batch by
-    # several GiB; under compile the decoder compiles for that many images, once.
+    # several GiB; under compile the decoder compiles for that many images (and once more for a
+    # smaller last slice).
     vae_batch: int = 1
 
 
@@ -577,12 +578,10 @@ def validate_infer(cfg) -> None:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
     validate_torch_kernels(torch_block)
-    if torch_block.vae_batch < 0:
-        raise UserError(f"torch_backend.vae_batch={torch_block.vae_batch}: give the images the VAE decodes at a time, "
-                        "or 0 for the whole batch at once")
     checkpoint_key, checkpoint = quantized_backbone(cfg)
-    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint):
-        raise UserError(f"torch_backend.compile, torch_backend.quantized and {checkpoint_key} apply to backend=torch, "
+    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint
+                                   or torch_block.vae_batch != TorchBackendBlock.vae_batch):
+        raise UserError(f"torch_backend.compile, .quantized, .vae_batch and {checkpoint_key} apply to backend=torch, "
                         f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
     if torch_block.quantized != "fake" and not checkpoint:
         raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
@@ -595,7 +594,11 @@ def validate_infer(cfg) -> None:
 
 
 def validate_torch_kernels(torch_block) -> None:
-    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run."""
+    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run, and
+    a VAE batch that is not one."""
+    if torch_block.vae_batch < 0:
+        raise UserError(f"torch_backend.vae_batch={torch_block.vae_batch}: give the images the VAE decodes at a time, "
+                        "or 0 for the whole batch at once")
     if torch_block.quantized not in TORCH_QUANTIZED:
         raise UserError(f"torch_backend.quantized={torch_block.quantized!r} is unknown: choose "
                         f"{', '.join(TORCH_QUANTIZED)}")

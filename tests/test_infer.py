@@ -84,13 +84,15 @@ def test_image_writer_keeps_a_batch_queued_before_the_next_one_failed(tmp_path):
         assert png.text["engines"] == "unet_xl=unet.plan"
 
 
-def test_image_writer_raises_a_failed_write_when_asked_for_the_paths(tmp_path):
+def test_image_writer_stops_the_run_a_batch_after_a_failed_write(tmp_path):
     not_a_folder = tmp_path / "taken"
     not_a_folder.write_text("")
+    images = torch.zeros(2, 3, 8, 8)
     with report.ImageWriter(not_a_folder, {}, "torch") as writer:
-        writer.submit(torch.zeros(2, 3, 8, 8), 0, IMAGE_SETTINGS)
+        writer.submit(images, 0, IMAGE_SETTINGS)
+        writer.submit(images, 1, IMAGE_SETTINGS)
         with pytest.raises(OSError):
-            writer.finish()
+            writer.submit(images, 2, IMAGE_SETTINGS)
     assert [path.name for path in tmp_path.iterdir()] == ["taken"]
 
 

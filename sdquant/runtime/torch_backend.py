@@ -192,7 +192,9 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
 
 
 class InSlices(torch.nn.Module):
-    """A graph of one batched input run on `size` samples at a time, its outputs concatenated."""
+    """A graph of one batched input run on `size` samples at a time. Each slice's output is copied
+    into the batch's before the next call: the compiler's own CUDA graphs (compile_mode
+    reduce-overhead or max-autotune) overwrite a call's outputs on the next."""
 
     def __init__(self, graph, size: int):
         super().__init__()
@@ -201,7 +203,25 @@ class InSlices(torch.nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(batch) <= self.size:
             return self.graph(batch)
-        return torch.cat([self.graph(part) for part in batch.split(self.size)])
+        outputs = None
+        for start in range(0, len(batch), self.size):
+            output = self.graph(batch[start:start + self.size])
+            if outputs is None:
+                outputs = output.new_empty((len(batch), *output.shape[1:]))
+            outputs[start:start + len(output)].copy_(output)
+        return outputs
+
+
+def decode_in_slices(family, stages: dict, images: int) -> dict:
+    """`stages` with the decoder's run on `images` images at a time (0: the whole batch), in place;
+    returns them. At 1024x1024 the decoder's activations of a batch dwarf the backbone's."""
+    from ..families.networks import Role
+
+    if images:
+        for name in stages:
+            if family.network(name).role is Role.decoder:
+                stages[name].graph = InSlices(stages[name].graph, images)
+    return stages
 
 
 class GraphReplayStage:
@@ -264,11 +284,8 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             stages[name].graph = torch.compile(stages[name].graph, mode=block.compile_mode, dynamic=block.dynamic)
             if hasattr(stages[name], "allow_recompiles"):
                 stages[name].allow_recompiles()
-    if block.vae_batch:
-        # Outside the compiled graph, so that it compiles for vae_batch images, not an unrolled batch.
-        for name in stages:
-            if family.network(name).role is Role.decoder:
-                stages[name].graph = InSlices(stages[name].graph, block.vae_batch)
+    # Outside the compiled graph, so that it compiles for vae_batch images, not an unrolled batch.
+    decode_in_slices(family, stages, block.vae_batch)
     if cuda_graph and pipe.device.type == "cuda":
         # The text encoders stay as they are: they build masks from host tensors, which a
         # capture cannot take.

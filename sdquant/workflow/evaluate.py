@@ -77,11 +77,14 @@ def _part_results(cfg, sampling: Sampling, kinds: dict, caches: dict, mine: list
     """This process's prompt batches, each as a record of the reference's and every variant's
     images and scores (so that parts merge in the run's batch order); also each variant's source,
     the metrics' notes and the dtype."""
+    from ..runtime.torch_backend import decode_in_slices
+
     family = sampling.family
     dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
     with stage("loading the model"):
         pipe = load_pipeline(cfg.model, device, dtype)
-        pipeline = sampling.pipeline(family.torch_stages(pipe, dtype), device)
+        stages = decode_in_slices(family, family.torch_stages(pipe, dtype), cfg.torch_backend.vae_batch)
+        pipeline = sampling.pipeline(stages, device)
         lpips, clip = (scoring.lpips_metric(cfg.metrics.lpips_net, device),
                        scoring.clip_metric(cfg.metrics.clip_model, device))
     reference_backbone = pipeline.stages[family.backbone.graph]

@@ -80,7 +80,7 @@ def run_infer(cfg) -> dict:
         latency["after_first_batch"] = report.after_first_batch(batches.later_images, batches.later_seconds)
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device),
-                        "images_written": sum(path.suffix == ".png" for path in batches.written)})
+                        "images_written": len(batches.written)})
         latencies, written = parallel.gather(latency, world), sum(parallel.gather(batches.written, world), [])
         if not world.is_main:
             return latency
@@ -142,22 +142,8 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
     engines = {name: str(file.path) for name, file in files.items()}
-    first_call_end = first_call_seconds = None
-    later_images = 0
     with report.ImageWriter(Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
-        for index, settings in mine:
-            with stage(f"prompt batch {index + 1} of {len(sampling.runs)}"):
-                call_start = time.perf_counter()
-                images = pipeline(settings, StageTimer(device))
-                writer.submit(images, index, settings)
-                if first_call_end is None:
-                    first_call_end = time.perf_counter()
-                    first_call_seconds = first_call_end - call_start
-                else:
-                    later_images += len(images)
-        with stage("writing the last images"):
-            written = writer.finish()
-    later_seconds = time.perf_counter() - first_call_end if later_images else 0.0
+        batches = _prompt_batches(pipeline, mine, len(sampling.runs), writer, device)
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
         for _ in range(cfg.num_warmup_runs):
@@ -169,7 +155,26 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
             pipeline(first, timer, progress=False)
             stage_seconds = timer.finish()
             timings.append((time.perf_counter() - run_start, stage_seconds))
-    return Batches(written, first_call_seconds, later_images, later_seconds), timings, len(first.image_prompts)
+    return batches, timings, len(first.image_prompts)
+
+
+def _prompt_batches(pipeline, mine: list, total: int, writer: report.ImageWriter, device: torch.device) -> Batches:
+    """Each of `mine` (index, settings) through the pipeline, its images queued on `writer`."""
+
+    def run(index: int, settings) -> int:
+        with stage(f"prompt batch {index + 1} of {total}"):
+            images = pipeline(settings, StageTimer(device))
+            writer.submit(images, index, settings)
+            return len(images)
+
+    start = time.perf_counter()
+    run(*mine[0])
+    first_call_end = time.perf_counter()
+    later_images = sum(run(index, settings) for index, settings in mine[1:])
+    with stage("writing the last images"):
+        written = writer.finish()
+    later_seconds = time.perf_counter() - first_call_end if later_images else 0.0
+    return Batches(written, first_call_end - start, later_images, later_seconds)
 
 
 def _onnx_file(file: StageFile) -> Path:
