@@ -69,3 +69,24 @@ def test_torch_backend_graph_replay_draws_the_eager_image(tmp_path, model_cache)
             "sampling.width=64", "sampling.height=64", "num_timed_runs=2"]))
         images[cuda_graph] = np.asarray(Image.open(out / "image_000_00.png")).astype(np.int16)
     assert np.abs(images[True] - images[False]).max() <= 2
+
+
+@pytest.mark.parametrize("mode, cuda_graph", [("default", True), ("reduce-overhead", False)])
+def test_vae_decoded_in_slices_under_compile_draws_the_whole_batch_images(tmp_path, model_cache, mode, cuda_graph):
+    # reduce-overhead replays the compiler's own CUDA graphs, which overwrite a call's outputs on
+    # the next call: slices kept by reference would all show the last slice's images.
+    from sdquant.workflow.infer_trt import run_infer
+
+    prompts = ["a small red circle on the left, white background", "a large blue square at the top, pink background",
+               "a green triangle on the right, white background"]
+    images = {}
+    for vae_batch in (2, 0):
+        out = tmp_path / str(vae_batch)
+        run_infer(compose_config("sd_xl_trt_inference", [
+            "model=scenes_sdxl", "backend=torch", "device=cuda", f"out_path={out}", "torch_backend.compile=true",
+            f"torch_backend.compile_mode={mode}", f"cuda_graph={cuda_graph}", f"torch_backend.vae_batch={vae_batch}",
+            f"sampling.prompts={json.dumps(prompts)}", "sampling.batch_size=3", "sampling.steps=4",
+            "sampling.width=64", "sampling.height=64", "num_timed_runs=2"]))
+        images[vae_batch] = np.stack([np.asarray(Image.open(out / f"image_000_{k:02d}.png")).astype(np.int16)
+                                      for k in range(3)])
+    assert np.abs(images[2] - images[0]).max() <= 2
