@@ -46,7 +46,7 @@ from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
-from torch_backend_full_size import kernel_profile, timed
+from torch_backend_full_size import add_compile_arguments, apply_compile_arguments, kernel_profile, timed
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
@@ -110,9 +110,11 @@ def hook_cache(setting: str) -> HookCache | None:
     return HookCache(method, int(value), 0.0) if method in TAYLORSEER_METHODS else HookCache(method, 1, float(value))
 
 
-def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False) -> dict:
+def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False,
+         tuned: bool = False) -> dict:
     stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16, cache),
-                                    TorchBackendBlock(compile=True), cuda_graph=cache is None, quantized=quantized)
+                                    TorchBackendBlock(compile=True, tune_kernels=tuned), cuda_graph=cache is None,
+                                    quantized=quantized)
     pipeline = FLUX.text_to_image(stages, FLUX.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
                                   CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
@@ -144,9 +146,11 @@ def main() -> None:
     parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval>, "
                                                     "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
+    add_compile_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
+    suffix = apply_compile_arguments(args)
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
@@ -157,11 +161,12 @@ def main() -> None:
         if variant in ("peer", "torchao"):
             row = peer(pipe, args.runs, torchao=variant == "torchao")
         else:
-            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile)
+            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile, tuned=args.tune_kernels)
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"
-        row.update(setup, wall_s=time.perf_counter() - start)
+        row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
+        variant += suffix
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
               f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "

@@ -38,7 +38,7 @@ from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
 from sdquant.runtime import torch_backend
 from flux_full_size import FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, time_one_image
-from torch_backend_full_size import timed
+from torch_backend_full_size import add_compile_arguments, apply_compile_arguments, compile_argument_list, timed
 
 CUDA = torch.device("cuda")
 VARIANTS = ("peer", "compiled", *FP8_LEVELS)
@@ -62,9 +62,10 @@ def peer(pipe, runs: int, mode: str) -> dict:
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def ours(pipe, quantized: bool, runs: int, profile: bool) -> dict:
-    stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16), TorchBackendBlock(compile=True),
-                                    cuda_graph=True, quantized=quantized)
+def ours(pipe, quantized: bool, runs: int, profile: bool, tuned: bool) -> dict:
+    stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16),
+                                    TorchBackendBlock(compile=True, tune_kernels=tuned), cuda_graph=True,
+                                    quantized=quantized)
     pipeline = SD3.text_to_image(stages, SD3.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
                                  CUDA)
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
@@ -76,8 +77,8 @@ def run_variant(variant: str, args) -> dict:
     start = time.perf_counter()
     pipe, setup = build_variant(SD3, variant)
     row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs,
-                                                                                      args.profile)
-    row.update(setup, wall_s=time.perf_counter() - start)
+                                                                                      args.profile, args.tune_kernels)
+    row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
     if variant == "peer":
         row["compile_mode"] = args.peer_mode
     print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--peer-mode", default="default", help="the peer's torch.compile mode")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
+    add_compile_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -103,14 +105,16 @@ def main() -> None:
         for variant in variants:
             subprocess.run([sys.executable, __file__, "--variants", variant, "--runs", str(args.runs),
                             "--peer-mode", args.peer_mode, "--out", str(args.out),
-                            *(["--profile"] if args.profile else [])], check=True)
+                            *(["--profile"] if args.profile else []), *compile_argument_list(args)],
+                           check=True)
         return
     quiet_libraries()
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "sd35_full_size", "model": "SD3.5-large architecture, random bf16 weights",
         "device": torch.cuda.get_device_name(), "versions": report.library_versions(), "resolution": SIZE,
         "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
-    results["variants"][variants[0]] = run_variant(variants[0], args)
+    suffix = apply_compile_arguments(args)
+    results["variants"][variants[0] + suffix] = run_variant(variants[0], args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

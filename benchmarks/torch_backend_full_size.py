@@ -54,6 +54,28 @@ NEMO_H100_MS = {"framework fp16": [3056.01, 4832.24, 8433.71], "TensorRT fp16": 
 UNET_TFLOP_BATCH2 = 13.5
 
 
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tune-kernels", action="store_true",
+                        help="compile with coordinate descent tuning, the peer included (our "
+                             "torch_backend.tune_kernels=true); names each variant <variant>_tuned")
+    parser.add_argument("--exact-gelu", action="store_true",
+                        help="our variants keep torch's tanh GELU (no sigmoid form, "
+                             "sdquant.runtime.compiled_forms); names each variant <variant>_exact_gelu")
+
+
+def apply_compile_arguments(args) -> str:
+    """Sets what --tune-kernels and --exact-gelu ask for; returns the suffix of the variants' names.
+    The peer's compiler tunes as ours does, the setting diffusers' own torch.compile guide gives."""
+    torch._inductor.config.coordinate_descent_tuning = args.tune_kernels
+    if args.exact_gelu:
+        torch_backend.use_sigmoid_gelu = lambda module: None
+    return "_tuned" * args.tune_kernels + "_exact_gelu" * args.exact_gelu
+
+
+def compile_argument_list(args) -> list[str]:
+    return ["--tune-kernels"] * args.tune_kernels + ["--exact-gelu"] * args.exact_gelu
+
+
 def timed(fn, runs: int) -> list[float]:
     seconds = []
     for _ in range(runs):
@@ -188,6 +210,7 @@ def main() -> None:
     parser.add_argument("--vae-batch", type=int, default=TorchBackendBlock.vae_batch,
                         help="our variants' torch_backend.vae_batch (0: the whole batch at once); another than "
                              "the default names the variant <variant>_vae<N>")
+    add_compile_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
@@ -198,6 +221,7 @@ def main() -> None:
         "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
         "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
     cache = DeepCache(args.cache_interval, args.cache_branch) if args.cache_interval else None
+    suffix = apply_compile_arguments(args)
     for variant in args.variants.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -207,7 +231,8 @@ def main() -> None:
             row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
         else:
             conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
-            block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch)
+            block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
+                                      tune_kernels=args.tune_kernels)
             pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
                                     cache=cache)
             row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
@@ -222,6 +247,8 @@ def main() -> None:
                 variant = f"{variant}_vae{args.vae_batch}"
             if args.profile:
                 row.update(stage_profiles(pipeline, args.batch))
+        row["tune_kernels"] = args.tune_kernels
+        variant += suffix
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
         # CUDA graphs' private pools.

@@ -17,7 +17,9 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.runtime.compiled_forms import ChannelStatisticsGroupNorm, pin_channels_last_outputs, use_compiled_forms
+from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
+                                            pin_channels_last_outputs, tanh_gelu, use_compiled_forms,
+                                            use_sigmoid_gelu)
 
 
 @pytest.mark.parametrize("shape, groups", [((2, 64, 12, 10), 32), ((2, 96, 7, 7), 8), ((3, 48, 40), 4)])
@@ -37,6 +39,47 @@ def test_group_norm_with_channel_statistics_gives_group_norm_in_float64(shape, g
     got = norm(x)
     assert got.dtype == x.dtype and got.stride() == x.stride()
     assert (got.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tanh_gelu_through_a_sigmoid_gives_torchs_tanh_gelu(dtype):
+    # Wide enough for both tails: for large negative inputs 1 + tanh(z) cancels in torch's form.
+    x = torch.linspace(-12, 12, 100_001).to(dtype)
+    exact = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    got = tanh_gelu(x)
+    torchs = torch.nn.functional.gelu(x, approximate="tanh")
+    assert got.dtype == dtype
+    # Within one rounding of the output's format of the exact value, as torch's own is.
+    resolution = torch.finfo(dtype).eps
+    assert ((got.double() - exact).abs() <= resolution * exact.abs() + 1e-6).all()
+    assert (got.double() - torchs.double()).abs().max() <= 2 * resolution * exact.abs().max()
+
+
+def test_sigmoid_gelu_goes_to_tanh_gelus_only():
+    from diffusers.models.activations import GELU
+
+    model = torch.nn.Sequential(torch.nn.GELU(approximate="tanh"), torch.nn.GELU(), GELU(8, 16, approximate="tanh"),
+                                GELU(16, 8))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+        use_sigmoid_gelu(model)
+        got = model(x)
+    assert [type(m) for m in model] == [SigmoidTanhGELU, torch.nn.GELU, SigmoidTanhGELUProjection, GELU]
+    assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_compiling_gives_every_backbone_the_sigmoid_gelu(tiny_pipeline, quantized):
+    from sdquant.families.flux import FLUX
+
+    pipe = tiny_pipeline("tiny_flux")
+    torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
+                           cuda_graph=False, quantized=quantized)
+    forms = [m for m in pipe.transformer.modules() if type(m) in (SigmoidTanhGELU, SigmoidTanhGELUProjection)]
+    # The single blocks' GELU and the double blocks' feed-forward layers of both streams.
+    assert len(forms) == len(pipe.transformer.single_transformer_blocks) + 2 * len(pipe.transformer.transformer_blocks)
+    assert not any(type(m) is torch.nn.GELU for m in pipe.transformer.modules())
 
 
 def test_wide_headed_attention_on_the_gemm_processor_gives_sdpas_output():
