@@ -156,15 +156,14 @@ def test_compiled_pipeline_draws_the_eager_image(tmp_path, model_cache):
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
-def test_compile_keeps_its_mode_and_tunes_the_fused_kernels_unless_told_not_to(mode):
+def test_compile_keeps_its_mode_and_tunes_the_fused_kernels_when_asked(mode):
     from torch._inductor import list_mode_options
 
     from sdquant.config import TorchBackendBlock
 
-    tuned = torch_backend.compile_settings(TorchBackendBlock(compile=True, compile_mode=mode))
+    tuned = torch_backend.compile_settings(TorchBackendBlock(compile=True, compile_mode=mode, tune_kernels=True))
     assert tuned == {"options": {**list_mode_options(mode), "coordinate_descent_tuning": True}}
-    assert torch_backend.compile_settings(TorchBackendBlock(compile=True, compile_mode=mode, tune_kernels=False)) == \
-        {"mode": mode}
+    assert torch_backend.compile_settings(TorchBackendBlock(compile=True, compile_mode=mode)) == {"mode": mode}
 
 
 def test_in_slices_runs_the_graph_a_slice_at_a_time_and_keeps_each_output_before_the_next_call():
