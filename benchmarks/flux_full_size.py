@@ -46,21 +46,22 @@ from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
-from torch_backend_full_size import add_compile_arguments, apply_compile_arguments, kernel_profile, timed
+from torch_backend_full_size import (add_compile_arguments, kernel_profile, peer_compile, timed,
+                                     use_compile_arguments, variant_name)
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
 CUDA = torch.device("cuda")
 
 
-def peer(pipe, runs: int, torchao: bool = False) -> dict:
+def peer(pipe, runs: int, torchao: bool = False, tuned: bool = False) -> dict:
     pipe.transformer.fuse_qkv_projections()
     if torchao:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True)
-    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True)
+    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, **peer_compile(tuned))
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned))
 
     def call():
         pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
-    suffix = apply_compile_arguments(args)
+    use_compile_arguments(args)
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
@@ -159,14 +160,14 @@ def main() -> None:
         start = time.perf_counter()
         pipe, setup = build_variant(FLUX, variant)
         if variant in ("peer", "torchao"):
-            row = peer(pipe, args.runs, torchao=variant == "torchao")
+            row = peer(pipe, args.runs, torchao=variant == "torchao", tuned=args.tune_kernels)
         else:
             row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile, tuned=args.tune_kernels)
             if cache is not None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"
         row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
-        variant += suffix
+        variant = variant_name(variant, args, ours=variant not in ("peer", "torchao"))
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
               f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "

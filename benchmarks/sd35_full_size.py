@@ -38,18 +38,19 @@ from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
 from sdquant.runtime import torch_backend
 from flux_full_size import FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, time_one_image
-from torch_backend_full_size import add_compile_arguments, apply_compile_arguments, compile_argument_list, timed
+from torch_backend_full_size import (add_compile_arguments, compile_argument_list, peer_compile, timed,
+                                     use_compile_arguments, variant_name)
 
 CUDA = torch.device("cuda")
 VARIANTS = ("peer", "compiled", *FP8_LEVELS)
 
 
-def peer(pipe, runs: int, mode: str) -> dict:
+def peer(pipe, runs: int, mode: str, tuned: bool) -> dict:
     pipe.transformer.to(memory_format=torch.channels_last)
     pipe.vae.to(memory_format=torch.channels_last)
     pipe.transformer.fuse_qkv_projections()
-    pipe.transformer = torch.compile(pipe.transformer, mode=mode, fullgraph=True)
-    pipe.vae.decode = torch.compile(pipe.vae.decode, mode=mode, fullgraph=True)
+    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, **peer_compile(tuned, mode))
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned, mode))
 
     def call():
         pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
@@ -76,7 +77,7 @@ def ours(pipe, quantized: bool, runs: int, profile: bool, tuned: bool) -> dict:
 def run_variant(variant: str, args) -> dict:
     start = time.perf_counter()
     pipe, setup = build_variant(SD3, variant)
-    row = peer(pipe, args.runs, args.peer_mode) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs,
+    row = peer(pipe, args.runs, args.peer_mode, args.tune_kernels) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs,
                                                                                       args.profile, args.tune_kernels)
     row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
     if variant == "peer":
@@ -113,8 +114,9 @@ def main() -> None:
         "benchmark": "sd35_full_size", "model": "SD3.5-large architecture, random bf16 weights",
         "device": torch.cuda.get_device_name(), "versions": report.library_versions(), "resolution": SIZE,
         "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
-    suffix = apply_compile_arguments(args)
-    results["variants"][variants[0] + suffix] = run_variant(variants[0], args)
+    use_compile_arguments(args)
+    name = variant_name(variants[0], args, ours=variants[0] != "peer")
+    results["variants"][name] = run_variant(variants[0], args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

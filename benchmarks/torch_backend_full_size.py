@@ -63,13 +63,20 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
                              "sdquant.runtime.compiled_forms); names each variant <variant>_exact_gelu")
 
 
-def apply_compile_arguments(args) -> str:
-    """Sets what --tune-kernels and --exact-gelu ask for; returns the suffix of the variants' names.
-    The peer's compiler tunes as ours does, the setting diffusers' own torch.compile guide gives."""
-    torch._inductor.config.coordinate_descent_tuning = args.tune_kernels
+def use_compile_arguments(args) -> None:
+    """--exact-gelu: our variants keep torch's tanh GELU (speed_up looks the form up here)."""
     if args.exact_gelu:
         torch_backend.use_sigmoid_gelu = lambda module: None
-    return "_tuned" * args.tune_kernels + "_exact_gelu" * args.exact_gelu
+
+
+def peer_compile(tuned: bool, mode: str = "default") -> dict:
+    """torch.compile's keywords for the peer: its mode, and with --tune-kernels the tuning ours
+    gets (the setting diffusers' own torch.compile guide gives)."""
+    return torch_backend.compile_settings(TorchBackendBlock(compile_mode=mode, tune_kernels=tuned))
+
+
+def variant_name(variant: str, args, ours: bool) -> str:
+    return variant + "_tuned" * args.tune_kernels + "_exact_gelu" * (args.exact_gelu and ours)
 
 
 def compile_argument_list(args) -> list[str]:
@@ -87,14 +94,14 @@ def timed(fn, runs: int) -> list[float]:
     return seconds
 
 
-def peer_pipeline(pipe):
+def peer_pipeline(pipe, tuned: bool):
     """diffusers' SDXL pipeline with its documented torch.compile recipe."""
     pipe.fuse_qkv_projections()
     pipe.unet.to(memory_format=torch.channels_last)
     pipe.vae.to(memory_format=torch.channels_last)
     pipe.vae.register_to_config(force_upcast=False)
-    pipe.unet = torch.compile(pipe.unet, fullgraph=True)
-    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True)
+    pipe.unet = torch.compile(pipe.unet, fullgraph=True, **peer_compile(tuned))
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned))
     return pipe
 
 
@@ -221,14 +228,14 @@ def main() -> None:
         "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
         "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
     cache = DeepCache(args.cache_interval, args.cache_branch) if args.cache_interval else None
-    suffix = apply_compile_arguments(args)
+    use_compile_arguments(args)
     for variant in args.variants.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         pipe = SDXL.full_size_on_gpu()
         start = time.perf_counter()
         if variant == "peer":
-            row = measure_peer(peer_pipeline(pipe), args.batch, steps_list, args.runs)
+            row = measure_peer(peer_pipeline(pipe, args.tune_kernels), args.batch, steps_list, args.runs)
         else:
             conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
             block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
@@ -248,7 +255,7 @@ def main() -> None:
             if args.profile:
                 row.update(stage_profiles(pipeline, args.batch))
         row["tune_kernels"] = args.tune_kernels
-        variant += suffix
+        variant = variant_name(variant, args, ours=variant != "peer")
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
         # CUDA graphs' private pools.

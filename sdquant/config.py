@@ -598,8 +598,11 @@ def validate_infer(cfg) -> None:
 
 
 def validate_torch_kernels(torch_block) -> None:
-    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run, and
-    a VAE batch that is not one."""
+    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run,
+    kernel tuning without compiling, and a VAE batch that is not one."""
+    if torch_block.tune_kernels and not torch_block.compile:
+        raise UserError("torch_backend.tune_kernels=true tunes the kernels torch.compile makes: set "
+                        "torch_backend.compile=true too")
     if torch_block.vae_batch < 0:
         raise UserError(f"torch_backend.vae_batch={torch_block.vae_batch}: give the images the VAE decodes at a time, "
                         "or 0 for the whole batch at once")
@@ -637,10 +640,10 @@ def validate_evaluate(cfg) -> None:
         if block.method not in CACHE_METHODS:
             raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
                             f"{' or '.join(CACHE_METHODS)}")
+    if cfg.torch_backend.compile or cfg.torch_backend.tune_kernels:
+        raise UserError("torch_backend.compile, .tune_kernels: evaluate.py runs the modules as they are, eagerly; "
+                        "compiling is infer_trt.py's (backend=torch)")
     validate_torch_kernels(cfg.torch_backend)
-    if cfg.torch_backend.compile:
-        raise UserError("torch_backend.compile: evaluate.py runs the modules as they are, eagerly; compiling is "
-                        "infer_trt.py's (backend=torch)")
     if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
         raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")

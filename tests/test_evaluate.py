@@ -119,6 +119,7 @@ def test_clip_score_from_a_local_model_and_notes_for_missing_weights(tmp_path, m
     (["metrics.lpips_net=resnet", "+variants.same=null"], "metrics.lpips_net='resnet' is unknown"),
     (["sampling.width=100", "+variants.same=null"],
      "sampling.width=100 must be a positive multiple of 8, the model's VAE scale factor"),
+    (["torch_backend.tune_kernels=true", "+variants.same=null"], "torch_backend.compile, .tune_kernels: evaluate.py"),
 ])
 def test_bad_evaluate_settings_are_refused(tmp_path, model_cache, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

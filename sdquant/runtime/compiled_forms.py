@@ -1,6 +1,7 @@
 """Forms of diffusers' layers that torch.compile turns into faster GPU kernels, computing the same
-numbers up to fp32 rounding; the torch backend gives them to the VAE it compiles and to an 8-bit
-backbone (torch_backend.speed_up says why not to a 16-bit one).
+numbers up to fp32 rounding. The torch backend gives the GroupNorm, attention and layout forms to
+the VAE it compiles and to an 8-bit backbone (torch_backend.speed_up says why not to a 16-bit one),
+and the GELU form to every backbone it compiles.
 
 GroupNorm on channels-last activations: the compiler reduces each group over its pixels and its
 channels together, and in channels-last memory a group's few channels sit between other groups'
@@ -26,7 +27,7 @@ benchmarks/results/group_norm_kernels_h100.json). Pinning each block's output to
 a layout the compiler must give that buffer when it first makes it, sets the cat's layout too:
 SDXL's FP8 UNet call then launched 33 more kernels (1942), in 11 ms less GPU time.
 
-GELU's tanh approximation (the feed-forward layers of Flux, SD3 and Wan): the compiler computes
+GELU's tanh approximation (the feed-forward layers of Flux and SD3): the compiler computes
 tanh with libdevice's accurate tanh, and with an FP8 input cast fused in, those kernels spend more
 time computing than moving bytes: Flux's feed-forward GELU+cast kernel took longer at FP8 (86 us a
 call) than the bf16 GELU that reads as much and writes twice as much (75 us). 0.5 (1 + tanh(z)) is
@@ -78,8 +79,8 @@ class SigmoidTanhGELU(torch.nn.GELU):
 
 
 def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation, x * 0.5 * (1 + tanh(z)), as x * sigmoid(2z), in fp32."""
-    values = x.float()
+    """GELU's tanh approximation, x * 0.5 * (1 + tanh(z)), as x * sigmoid(2z), in fp32 or finer."""
+    values = x.to(torch.promote_types(x.dtype, torch.float32))
     z = math.sqrt(2 / math.pi) * (values + 0.044715 * values * values * values)
     return (values * torch.sigmoid(2 * z)).to(x.dtype)
 
