@@ -1,0 +1,164 @@
+"""The two Flux kernels that stand between FP8 level 4 and 1.6x (docs/speed.md), each compiled in
+the form the torch backend traces today and in candidate forms, at a single block's full-size
+shapes (1024x1024: 4608 tokens, 24 heads of 128), timed per call with the kernels each form
+compiles to, and how far its FP8 values are from today's form's. A candidate that wins here is
+worth a form in sdquant.runtime.compiled_forms and a whole-pipeline run (flux_full_size.py).
+Written for the next device session; not yet run on a GPU.
+
+- `qk`: q and k of the fused q/k/v GEMM's output through RMSNorm, RoPE and the FP8 cast that
+  FP8 attention reads. `interleaved` is diffusers' rotary embedding on neighbouring pairs (the
+  compiler made it a two-pass reduction with four masked loads per element); `rotate_half` is
+  the same attention with every head's features permuted evens-then-odds (in a model: the rows
+  of to_q and to_k, the norms' weights and the rotary tables permuted alike, which leaves q.k
+  unchanged), so each rotary pair is two contiguous halves; `multi_kernel` is `interleaved`
+  compiled with inductor's multi-kernel choice between a persistent and a looped reduction.
+- `gelu_cat`: a single block's `proj_out` input: the attention's FP8 output beside GELU of the
+  MLP, cast to FP8. `dequantized` is what the block does today (the FP8 attention output
+  dequantized, concatenated in bf16, cast again with the same scale); `fp8_cat` concatenates
+  the FP8 attention output as it is with the FP8-cast GELU.
+
+    python benchmarks/flux_kernel_forms.py --out benchmarks/results/flux_kernel_forms_h100.json
+    python benchmarks/flux_kernel_forms.py --device cpu --tokens 64 --out /tmp/forms.json   (a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from sdquant import report
+from sdquant.runtime.compiled_forms import tanh_gelu
+from sdquant.runtime.kernels.fp8 import to_fp8
+from group_norm_kernels import ms_per_call
+from torch_backend_full_size import kernel_profile
+
+HEADS, HEAD_DIM, MLP = 24, 128, 12288
+EPS = 1e-6
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, EPS)
+
+
+def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' rotary embedding for Flux: neighbouring features rotated as pairs."""
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation on features permuted evens-then-odds: pair i is features i and i + 64."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def qk_form(rotary):
+    def run(qkv, q_weight, k_weight, cos, sin, q_inverse, k_inverse):
+        query, key, _ = (x.unflatten(-1, (HEADS, HEAD_DIM)) for x in qkv.chunk(3, dim=-1))
+        query = rotary(rms_norm(query, q_weight), cos, sin)
+        key = rotary(rms_norm(key, k_weight), cos, sin)
+        # (batch, heads, tokens, head_dim) over (batch, tokens, heads, head_dim) memory, as the FP8
+        # attention op takes them.
+        return to_fp8(query.transpose(1, 2), q_inverse), to_fp8(key.transpose(1, 2), k_inverse)
+    return run
+
+
+def gelu_cat_dequantized(attention_fp8, mlp, out_scale, out_inverse):
+    attention = (attention_fp8.float() * out_scale).to(mlp.dtype)
+    return to_fp8(torch.cat([attention, tanh_gelu(mlp)], dim=-1), out_inverse)
+
+
+def gelu_cat_fp8(attention_fp8, mlp, out_scale, out_inverse):
+    gelu_fp8 = to_fp8(tanh_gelu(mlp), out_inverse)
+    # Concatenated as bytes: torch.cat has no FP8 kernel on every device.
+    return torch.cat([attention_fp8.view(torch.uint8), gelu_fp8.view(torch.uint8)], dim=-1).view(torch.float8_e4m3fn)
+
+
+def evens_then_odds(features: int) -> torch.Tensor:
+    return torch.cat([torch.arange(0, features, 2), torch.arange(1, features, 2)])
+
+
+def qk_inputs(tokens: int, device, dtype) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    angles = torch.rand(tokens, HEAD_DIM // 2, generator=generator) * 6.28
+    return {"qkv": torch.randn(1, tokens, 3 * HEADS * HEAD_DIM, generator=generator).to(device, dtype),
+            "q_weight": (1 + 0.1 * torch.randn(HEAD_DIM, generator=generator)).to(device, dtype),
+            "k_weight": (1 + 0.1 * torch.randn(HEAD_DIM, generator=generator)).to(device, dtype),
+            # diffusers' tables: each pair's angle repeated for both of its features.
+            "cos": angles.cos().repeat_interleave(2, -1)[None, :, None, :].to(device),
+            "sin": angles.sin().repeat_interleave(2, -1)[None, :, None, :].to(device),
+            "q_inverse": torch.tensor(448 / 8.0, device=device), "k_inverse": torch.tensor(448 / 8.0, device=device)}
+
+
+def permuted_qk_inputs(inputs: dict) -> dict:
+    """`inputs` as the rotate-half form takes them: q's and k's features permuted per head."""
+    order = evens_then_odds(HEAD_DIM).to(inputs["qkv"].device)
+    q, k, v = (x.unflatten(-1, (HEADS, HEAD_DIM)) for x in inputs["qkv"].chunk(3, dim=-1))
+    qkv = torch.cat([q[..., order].flatten(-2), k[..., order].flatten(-2), v.flatten(-2)], dim=-1)
+    return {**inputs, "qkv": qkv, "q_weight": inputs["q_weight"][order], "k_weight": inputs["k_weight"][order],
+            "cos": inputs["cos"][..., order], "sin": inputs["sin"][..., order]}
+
+
+def gelu_cat_inputs(tokens: int, device, dtype) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    out_inverse = torch.tensor(448 / 6.0, device=device)
+    attention = torch.randn(1, tokens, HEADS * HEAD_DIM, generator=generator).to(device)
+    return {"attention_fp8": to_fp8(attention, out_inverse), "mlp": torch.randn(1, tokens, MLP, generator=generator).to(device, dtype),
+            "out_scale": 1 / out_inverse, "out_inverse": out_inverse}
+
+
+def agreement(got, want) -> dict:
+    """How far a form's FP8 values are from today's: the share that differ, and by how much at most
+    (a summation order or a skipped bf16 rounding moves a value by one FP8 step now and then)."""
+    pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
+    differing = sum((a.view(torch.uint8) != b.view(torch.uint8)).sum().item() for a, b in pairs)
+    return {"differing_fraction": differing / sum(b.numel() for _, b in pairs),
+            "max_abs_difference": max((a.float() - b.float()).abs().max().item() for a, b in pairs),
+            "max_abs_value": max(b.float().abs().max().item() for _, b in pairs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=int, default=4608)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    results = {"benchmark": "flux_kernel_forms", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "versions": report.library_versions(), "tokens": args.tokens, "forms": {}}
+    qk = qk_inputs(args.tokens, device, dtype)
+    order = evens_then_odds(HEAD_DIM).to(device)
+    reference = torch.compile(qk_form(rotary_interleaved))(**qk)
+    cases = {
+        "qk_interleaved": (torch.compile(qk_form(rotary_interleaved)), qk, reference),
+        "qk_rotate_half": (torch.compile(qk_form(rotary_halves)), permuted_qk_inputs(qk),
+                           tuple(x[..., order] for x in reference)),
+        "qk_multi_kernel": (torch.compile(qk_form(rotary_interleaved), options={"triton.multi_kernel": 1}), qk,
+                            reference),
+    }
+    gelu = gelu_cat_inputs(args.tokens, device, dtype)
+    dequantized = torch.compile(gelu_cat_dequantized)
+    cases["gelu_cat_dequantized"] = (dequantized, gelu, dequantized(**gelu))
+    cases["gelu_cat_fp8"] = (torch.compile(gelu_cat_fp8), gelu, cases["gelu_cat_dequantized"][2])
+    for name, (fn, inputs, want) in cases.items():
+        got = fn(**inputs)
+        row = {"against_today": agreement(got, want)}
+        if device.type == "cuda":
+            row["ms_per_call"] = ms_per_call(lambda: fn(**inputs), calls=50)
+            row["kernels"] = kernel_profile(lambda: fn(**inputs), top=8)
+        results["forms"][name] = row
+        print(f"{name}: {row.get('ms_per_call', float('nan')):.4f} ms a call; against today's form "
+              f"{row['against_today']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
