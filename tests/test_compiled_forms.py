@@ -17,9 +17,12 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime import torch_backend
+from sdquant.families.flux import FLUX, FluxFp8AttnProcessor, TransformerGraph, use_rotary_halves
 from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
-                                            pin_channels_last_outputs, tanh_gelu, use_compiled_forms,
-                                            use_sigmoid_gelu)
+                                            pin_channels_last_outputs, reorder_outputs, tanh_gelu,
+                                            use_compiled_forms, use_sigmoid_gelu)
+from sdquant.runtime.kernels.fp8_layers import Fp8Linear
+from sdquant.runtime.kernels.int8 import Int8Linear
 
 
 @pytest.mark.parametrize("shape, groups", [((2, 64, 12, 10), 32), ((2, 96, 7, 7), 8), ((3, 48, 40), 4)])
@@ -88,6 +91,75 @@ def test_compiling_gives_every_backbone_the_sigmoid_gelu(tiny_pipeline, model, q
     forms = [m for m in pipe.transformer.modules() if type(m) in (SigmoidTanhGELU, SigmoidTanhGELUProjection)]
     assert tanh_gelus and len(forms) == tanh_gelus
     assert not any(type(m) in (torch.nn.GELU, GELU) for m in pipe.transformer.modules())
+    # Flux's own form: every attention layer's q and k in rotary halves order.
+    halves = [getattr(m.processor, "rotary_halves", False) for m in pipe.transformer.modules() if hasattr(m, "processor")]
+    assert halves and all(halves) == (model == "tiny_flux")
+
+
+def _flux_call(transformer) -> torch.Tensor:
+    """One call of a tiny Flux transformer on seeded inputs: 4x4 packed image tokens, 8 text tokens."""
+    config = transformer.config
+    generator = torch.Generator().manual_seed(0)
+    rows, columns = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    image_ids = torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3).float()
+    guidance = torch.tensor([3.5]) if config.guidance_embeds else None
+    with torch.no_grad():
+        return TransformerGraph(transformer)(
+            torch.randn(1, 16, config.in_channels, generator=generator),
+            torch.randn(1, 8, config.joint_attention_dim, generator=generator),
+            torch.randn(1, config.pooled_projection_dim, generator=generator), torch.tensor([0.7]), image_ids,
+            torch.zeros(8, 3), guidance)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_flux_q_k_features_in_rotary_halves_order_give_the_same_transformer(fused):
+    transformer = FLUX.build_pipeline(FLUX.sizes["tiny"]).transformer.float().eval()
+    want = _flux_call(transformer)
+    if fused:
+        transformer.fuse_qkv_projections()
+    assert use_rotary_halves(transformer)
+    layers = [m for m in transformer.modules() if hasattr(m, "processor")]
+    assert layers and all(type(attn.processor) is FluxFp8AttnProcessor and attn.processor.rotary_halves
+                          for attn in layers)
+    got = _flux_call(transformer)
+    # The same products and sums: only the q/k norms add their squares in another order.
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    # Once: a second reorder would scramble what the first ordered.
+    assert not use_rotary_halves(transformer)
+    assert (_flux_call(transformer) - got).abs().max() == 0
+    # In diffusers' order, q and k would be rotated by the wrong angles.
+    for attn in layers:
+        attn.processor.rotary_halves = False
+    assert (_flux_call(transformer) - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_rotary_halves_are_all_or_nothing():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    transformer = FLUX.build_pipeline(FLUX.sizes["tiny"]).transformer.float().eval()
+    # A layer whose processor reads the tables in diffusers' order (here one that is not Flux's at all).
+    transformer.single_transformer_blocks[0].attn.processor = AttnProcessor2_0()
+    weights = {name: tensor.clone() for name, tensor in transformer.state_dict().items()}
+    assert not use_rotary_halves(transformer)
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in transformer.state_dict().items())
+    assert not transformer.pos_embed._forward_hooks
+
+
+def test_reordered_outputs_are_the_layers_outputs_in_that_order():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 12)
+    x = torch.randn(5, 16)
+    order = torch.randperm(12)
+    per_channel_amax = linear.weight.detach().abs().amax(dim=1)
+    layers = {"linear": linear, "fp8": Fp8Linear.from_linear(linear, torch.tensor(0.5), torch.tensor(3.0)),
+              "int8": Int8Linear(linear, per_channel_amax, torch.tensor(3.0), None)}
+    for name, layer in layers.items():
+        with torch.no_grad():
+            want = layer(x)[:, order]
+            reorder_outputs(layer, order)
+            got = layer(x)
+        # Row by row the same products: equal, the per-channel INT8 scales moved with their rows.
+        assert torch.equal(got, want), name
 
 
 def test_wide_headed_attention_on_the_gemm_processor_gives_sdpas_output():

@@ -162,6 +162,11 @@ class ModelFamily:
         diffusers' fuse_qkv_projections does (the compiled torch backend's recipe)."""
         backbone.fuse_qkv_projections()
 
+    def compiled_forms(self, backbone) -> None:
+        """Gives the backbone's layers, in place, forms that compute the same function and compile to
+        faster kernels (after its projections are fused or converted; the torch backend calls it when
+        it compiles)."""
+
     def fp8_attention_processor(self, attn):
         """The attention processor that runs attention layer `attn` of a backbone the torch backend
         converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following

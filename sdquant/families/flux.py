@@ -129,10 +129,14 @@ class TransformerGraph(torch.nn.Module):
 
 
 class FluxFp8AttnProcessor:
-    """diffusers' FluxAttnProcessor on a FluxAttention the torch backend converted to FP8: a double
+    """diffusers' FluxAttnProcessor over the torch backend's forms of a FluxAttention: a double
     block's joint attention (text tokens first, then the image's; the output split back into the
     image's through to_out and the text's through to_add_out) or a single block's (its output read by
-    the block's proj_out), over fused projections and FP8 attention where the layer has its ranges."""
+    the block's proj_out), over fused projections and FP8 attention where the layer has its ranges.
+    With `rotary_halves`, q's and k's head features come ordered as `use_rotary_halves` leaves them."""
+
+    def __init__(self, rotary_halves: bool = False):
+        self.rotary_halves = rotary_halves
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb=None):
@@ -151,8 +155,9 @@ class FluxFp8AttnProcessor:
             query, key, value = (torch.cat(pair, dim=1)
                                  for pair in ((text_query, query), (text_key, key), (text_value, value)))
         if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            rotate = _rotated_halves if self.rotary_halves else apply_rotary_emb
+            query = rotate(query, image_rotary_emb, sequence_dim=1)
+            key = rotate(key, image_rotary_emb, sequence_dim=1)
         out = attend(attn, query, key, value)
         if encoder_hidden_states is None:
             fp8 = getattr(attn, FP8_ATTENTION, None)
@@ -161,6 +166,65 @@ class FluxFp8AttnProcessor:
         text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
         image = attn.to_out[1](attn.to_out[0](image.contiguous()))
         return image, attn.to_add_out(text.contiguous())
+
+
+def _evens_then_odds(features: int) -> torch.Tensor:
+    return torch.cat([torch.arange(0, features, 2), torch.arange(1, features, 2)])
+
+
+def _tables_in_halves_order(pos_embed, args, tables):
+    """The rotary embedding's cos and sin tables with each pair's two columns half a head apart."""
+    return tuple(torch.cat([table[..., 0::2], table[..., 1::2]], dim=-1) for table in tables)
+
+
+def _rotated_halves(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], sequence_dim: int = 1) -> torch.Tensor:
+    """Flux's rotary embedding of q or k whose head features are ordered evens then odds, with its
+    tables ordered alike: pair i is features i and i + head_dim / 2. Each output is the very sum
+    diffusers' apply_rotary_emb forms for it."""
+    cos, sin = (table[None, :, None, :] for table in cos_sin)
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def use_rotary_halves(transformer) -> bool:
+    """Orders every head's q and k features evens then odds in `transformer`, in place: the rows of
+    its q and k projections (fused or not), its q/k norms' weights and the rotary tables. Each head's
+    q.k, and so the model's output, stays as it was; but the rotary embedding then rotates pairs half
+    a head apart, which the compiler fuses with the q/k norms into a kernel reading each half
+    contiguously, where diffusers' neighbouring pairs made a two-pass kernel with four masked loads a
+    value (Flux.1-dev's q/k norm+RoPE+FP8 cast, 4608 tokens: 0.085 -> 0.067 ms a call on an H200,
+    benchmarks/results/flux_kernel_forms_h200.json). All or nothing, as every attention reads the
+    one table: False, with nothing changed, where a layer runs another processor (an IP-Adapter's)
+    or a projection of a class the reorder does not know (fake quantization)."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+    from ..quantize.shared_ranges import ADDED_QKV, QKV
+    from ..runtime.compiled_forms import OUTPUT_ROWS, reorder_outputs
+
+    layers = [module for module in transformer.modules() if isinstance(module, FluxAttention)]
+    projections = {id(attn): [(getattr(attn, name), name == fused) for names, fused in (QKV, ADDED_QKV)
+                              for name in (*names[:2], fused) if isinstance(getattr(attn, name, None), torch.nn.Module)]
+                   for attn in layers}
+    convertible = all(type(attn.processor) in (FluxAttnProcessor, FluxFp8AttnProcessor)
+                      and not getattr(attn.processor, "rotary_halves", False)
+                      and all(type(layer) in OUTPUT_ROWS for layer, _ in projections[id(attn)]) for attn in layers)
+    if not layers or not convertible:
+        return False
+    for attn in layers:
+        head_order = _evens_then_odds(attn.head_dim)
+        order = (torch.arange(attn.heads)[:, None] * attn.head_dim + head_order).flatten()
+        for layer, fused in projections[id(attn)]:
+            # A fused layer's rows are q's, k's and v's: v keeps its order.
+            inner = len(order)
+            rows = torch.cat([order, order + inner, torch.arange(2 * inner, 3 * inner)]) if fused else order
+            reorder_outputs(layer, rows)
+        for norm in (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None)):
+            if getattr(norm, "weight", None) is not None:
+                norm.weight.data = norm.weight.data[head_order.to(norm.weight.device)]
+        attn.set_processor(FluxFp8AttnProcessor(rotary_halves=True))
+    transformer.pos_embed.register_forward_hook(_tables_in_halves_order)
+    return True
 
 
 class FluxTextToImage(TextToImage):
@@ -467,6 +531,9 @@ class FluxFamily(ModelFamily):
     def release_cache(self, backbone) -> None:
         if backbone.is_cache_enabled:
             backbone.disable_cache()
+
+    def compiled_forms(self, backbone) -> None:
+        use_rotary_halves(backbone)
 
     def fp8_attention_processor(self, attn):
         """The processor for FluxAttention layers diffusers runs with its own FluxAttnProcessor."""

@@ -36,6 +36,10 @@ to fp32 rounding (nearer the exact value for large negative inputs, where 1 + ta
 Over a Flux.1-dev call at FP8 level 4 its GELU kernels then took 153 ms instead of 185, and the call
 2.359 s instead of 2.375; bf16 calls ran alike (3.741 and 3.731 s; SD3.5-large: FP8 2.601 s instead of
 2.625; H100, benchmarks/results/flux_gelu_h100.json, sd35_gelu_h100.json).
+
+Reordered output features: a family whose attention reads q's and k's features in an order that
+compiles badly (Flux's rotary embedding rotates neighbouring pairs) can reorder the rows of the q
+and k projections once, with `reorder_outputs`, where q.k is the same under any shared order.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ import math
 
 import torch
 from diffusers.models.activations import GELU as DiffusersGELU
+
+from .kernels.fp8_layers import Fp8Linear
+from .kernels.int8 import Int8Linear
 
 # The widest head that torch's flash and cuDNN attention kernels take.
 FUSED_ATTENTION_MAX_HEAD_DIM = 256
@@ -100,6 +107,22 @@ def use_sigmoid_gelu(module: torch.nn.Module) -> None:
         if type(layer) in forms and layer.approximate == "tanh":
             # Same parameters and state: only the forward differs.
             layer.__class__ = forms[type(layer)]
+
+
+# Per Linear layer class the torch backend runs, its tensors with a row per output feature (a scale
+# of one element is the whole tensor's, and stays).
+OUTPUT_ROWS = {torch.nn.Linear: ("weight", "bias"), Fp8Linear: ("weight_fp8", "weight_scale", "bias"),
+               Int8Linear: ("weight_int8", "output_scale", "bias")}
+
+
+def reorder_outputs(layer: torch.nn.Module, order: torch.Tensor) -> None:
+    """Makes `layer` (one of OUTPUT_ROWS' classes) give output feature order[i] as its feature i, in place."""
+    for name in OUTPUT_ROWS[type(layer)]:
+        tensor = getattr(layer, name)
+        if tensor is not None and tensor.numel() > 1:
+            # Through bytes of the same width: not every device can index FP8 tensors.
+            rows = tensor.data.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor.data
+            tensor.data = rows.index_select(0, order.to(rows.device)).view(tensor.dtype)
 
 
 def _channels_last(value):

@@ -280,7 +280,8 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # form alone, unpinned, had made it slower (208 against 188 ms a step). A 16-bit backbone
         # keeps the compiler's layouts: pinned, fp16 SDXL ran 0.988x the peer's time against 0.963x
         # unpinned (two runs), and the form was not timed on it. Every backbone's tanh-approximated
-        # GELUs take their sigmoid form, the same function in fewer instructions.
+        # GELUs take their sigmoid form, the same function in fewer instructions, and its family's
+        # own forms (Flux: q/k features in the order its rotary embedding compiles best in).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
@@ -290,6 +291,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
                 use_compiled_forms(module)
             else:
                 family.fuse_projections(module)
+            family.compiled_forms(module)
         pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)
         for name in replayed:
