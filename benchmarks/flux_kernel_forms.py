@@ -1,9 +1,11 @@
-"""The two Flux kernels that stand between FP8 level 4 and 1.6x (docs/speed.md), each compiled in
-the form the torch backend traces today and in candidate forms, at a single block's full-size
-shapes (1024x1024: 4608 tokens, 24 heads of 128), timed per call with the kernels each form
-compiles to, and how far its FP8 values are from today's form's. A candidate that wins here is
-worth a form in sdquant.runtime.compiled_forms and a whole-pipeline run (flux_full_size.py).
-Written for the next device session; not yet run on a GPU.
+"""The Flux kernels that stand between FP8 level 4 and 1.6x (docs/speed.md), each compiled in
+the form the torch backend traced and in candidate forms, at a block's full-size shapes
+(1024x1024: 4608 tokens, 512 of them text, 24 heads of 128), timed per call with the kernels each
+form compiles to, and how far its FP8 values are from the first form's. A candidate that wins here
+is worth a form in the torch backend and a whole-pipeline run (flux_full_size.py). The `qk` and
+`gelu_cat` cases ran on an H200 (benchmarks/results/flux_kernel_forms_h200.json), and
+`rotate_half` became sdquant.families.flux.use_rotary_halves; the `double` cases have not run
+on a GPU yet.
 
 - `qk`: q and k of the fused q/k/v GEMM's output through RMSNorm, RoPE and the FP8 cast that
   FP8 attention reads. `interleaved` is diffusers' rotary embedding on neighbouring pairs (the
@@ -16,8 +18,16 @@ Written for the next device session; not yet run on a GPU.
   MLP, cast to FP8. `dequantized` is what the block does today (the FP8 attention output
   dequantized, concatenated in bf16, cast again with the same scale); `fp8_cat` concatenates
   the FP8 attention output as it is with the FP8-cast GELU.
+- `double`: a double block's q and k in rotary halves order, as use_rotary_halves leaves them:
+  each stream's q/k norm, then RoPE and the FP8 cast. `joint` is the processor's order today
+  (norms, the text and image tokens joined, RoPE over the joined tokens, cast), which compiled to
+  five kernels taking 154 us a block on an H100, twice a single block's 79 for as many tokens;
+  `per_stream` rotates each stream with its own rows of the tables before joining them, so each
+  stream's norm and RoPE can be one reduction; `per_stream_fp8` also casts each stream and joins
+  the FP8 bytes.
 
     python benchmarks/flux_kernel_forms.py --out benchmarks/results/flux_kernel_forms_h100.json
+    python benchmarks/flux_kernel_forms.py --cases double --out benchmarks/results/flux_double_qk_h100.json
     python benchmarks/flux_kernel_forms.py --device cpu --tokens 64 --out /tmp/forms.json   (a check)
 """
 
@@ -66,6 +76,46 @@ def qk_form(rotary):
         # attention op takes them.
         return to_fp8(query.transpose(1, 2), q_inverse), to_fp8(key.transpose(1, 2), k_inverse)
     return run
+
+
+def double_qk_form(per_stream: bool = False, fp8_per_stream: bool = False):
+    def run(image_qkv, text_qkv, q_weights, k_weights, cos, sin, q_inverse, k_inverse):
+        image_query, image_key, _ = (x.unflatten(-1, (HEADS, HEAD_DIM)) for x in image_qkv.chunk(3, dim=-1))
+        text_query, text_key, _ = (x.unflatten(-1, (HEADS, HEAD_DIM)) for x in text_qkv.chunk(3, dim=-1))
+        text_tokens = text_qkv.shape[1]
+        outputs = []
+        for image, text, (weight, added_weight), inverse in ((image_query, text_query, q_weights, q_inverse),
+                                                              (image_key, text_key, k_weights, k_inverse)):
+            image, text = rms_norm(image, weight), rms_norm(text, added_weight)
+            if not per_stream:
+                joined = rotary_halves(torch.cat([text, image], dim=1), cos, sin)
+            else:
+                parts = (rotary_halves(text, cos[:, :text_tokens], sin[:, :text_tokens]),
+                         rotary_halves(image, cos[:, text_tokens:], sin[:, text_tokens:]))
+                if fp8_per_stream:
+                    # Joined as bytes: torch.cat has no FP8 kernel on every device.
+                    fp8 = torch.cat([to_fp8(part, inverse).view(torch.uint8) for part in parts], dim=1)
+                    outputs.append(fp8.view(torch.float8_e4m3fn).transpose(1, 2))
+                    continue
+                joined = torch.cat(parts, dim=1)
+            outputs.append(to_fp8(joined.transpose(1, 2), inverse))
+        return tuple(outputs)
+    return run
+
+
+def double_qk_inputs(tokens: int, device, dtype) -> dict:
+    """A double block's fused q/k/v outputs of both streams, its four q/k norms' weights and the
+    rotary tables over the joined tokens (text first), all in rotary halves order."""
+    text_tokens = 512 if tokens > 1024 else tokens // 4
+    generator = torch.Generator().manual_seed(2)
+    inputs = permuted_qk_inputs(qk_inputs(tokens, device, dtype))
+
+    def weight():
+        return (1 + 0.1 * torch.randn(HEAD_DIM, generator=generator)).to(device, dtype)
+
+    return {"image_qkv": inputs["qkv"][:, text_tokens:], "text_qkv": inputs["qkv"][:, :text_tokens].clone(),
+            "q_weights": (weight(), weight()), "k_weights": (weight(), weight()), "cos": inputs["cos"],
+            "sin": inputs["sin"], "q_inverse": inputs["q_inverse"], "k_inverse": inputs["k_inverse"]}
 
 
 def gelu_cat_dequantized(attention_fp8, mlp, out_scale, out_inverse):
@@ -122,30 +172,52 @@ def agreement(got, want) -> dict:
             "max_abs_value": max(b.float().abs().max().item() for _, b in pairs)}
 
 
+def qk_cases(tokens: int, device, dtype) -> dict:
+    """Each case: (compiled form, its inputs, the first form's output in the case's order)."""
+    qk = qk_inputs(tokens, device, dtype)
+    order = evens_then_odds(HEAD_DIM).to(device)
+    reference = torch.compile(qk_form(rotary_interleaved))(**qk)
+    return {"qk_interleaved": (torch.compile(qk_form(rotary_interleaved)), qk, reference),
+            "qk_rotate_half": (torch.compile(qk_form(rotary_halves)), permuted_qk_inputs(qk),
+                               tuple(x[..., order] for x in reference)),
+            "qk_multi_kernel": (torch.compile(qk_form(rotary_interleaved), options={"triton.multi_kernel": 1}), qk,
+                                reference)}
+
+
+def gelu_cat_cases(tokens: int, device, dtype) -> dict:
+    gelu = gelu_cat_inputs(tokens, device, dtype)
+    dequantized = torch.compile(gelu_cat_dequantized)
+    return {"gelu_cat_dequantized": (dequantized, gelu, dequantized(**gelu)),
+            "gelu_cat_fp8": (torch.compile(gelu_cat_fp8), gelu, dequantized(**gelu))}
+
+
+def double_cases(tokens: int, device, dtype) -> dict:
+    double = double_qk_inputs(tokens, device, dtype)
+    joint = torch.compile(double_qk_form())
+    reference = joint(**double)
+    return {"double_joint": (joint, double, reference),
+            "double_per_stream": (torch.compile(double_qk_form(per_stream=True)), double, reference),
+            "double_per_stream_fp8": (torch.compile(double_qk_form(per_stream=True, fp8_per_stream=True)), double,
+                                      reference)}
+
+
+CASES = {"qk": qk_cases, "gelu_cat": gelu_cat_cases, "double": double_cases}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=4608)
+    parser.add_argument("--cases", default="qk,gelu_cat,double", help="groups of forms, of: " + ", ".join(CASES))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
     results = {"benchmark": "flux_kernel_forms", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "versions": report.library_versions(), "tokens": args.tokens, "forms": {}}
-    qk = qk_inputs(args.tokens, device, dtype)
-    order = evens_then_odds(HEAD_DIM).to(device)
-    reference = torch.compile(qk_form(rotary_interleaved))(**qk)
-    cases = {
-        "qk_interleaved": (torch.compile(qk_form(rotary_interleaved)), qk, reference),
-        "qk_rotate_half": (torch.compile(qk_form(rotary_halves)), permuted_qk_inputs(qk),
-                           tuple(x[..., order] for x in reference)),
-        "qk_multi_kernel": (torch.compile(qk_form(rotary_interleaved), options={"triton.multi_kernel": 1}), qk,
-                            reference),
-    }
-    gelu = gelu_cat_inputs(args.tokens, device, dtype)
-    dequantized = torch.compile(gelu_cat_dequantized)
-    cases["gelu_cat_dequantized"] = (dequantized, gelu, dequantized(**gelu))
-    cases["gelu_cat_fp8"] = (torch.compile(gelu_cat_fp8), gelu, cases["gelu_cat_dequantized"][2])
+    cases = {}
+    for group in args.cases.split(","):
+        cases.update(CASES[group](args.tokens, device, dtype))
     for name, (fn, inputs, want) in cases.items():
         got = fn(**inputs)
         row = {"against_today": agreement(got, want)}
