@@ -25,9 +25,15 @@ on a GPU yet.
   `per_stream` rotates each stream with its own rows of the tables before joining them, so each
   stream's norm and RoPE can be one reduction; `per_stream_fp8` also casts each stream and joins
   the FP8 bytes.
+- `adaln`: every AdaLN modulation of a Flux.1-dev step (both streams' of 19 double blocks, 38
+  single blocks', norm_out's: 77 bf16 GEMMs of one row each, reading 6.5 GB of weights, which
+  took 79 ms of an FP8 image's 28 steps on an H100). `per_step` is what a call runs today;
+  `all_steps` is one GEMM over all 28 steps' embeddings at once, as a pipeline could run before
+  its loop (the timesteps, guidance and pooled text are known by then): its time is for all 28
+  steps, and its values are held against `per_step`'s for the first step (bf16 rounding apart).
 
     python benchmarks/flux_kernel_forms.py --out benchmarks/results/flux_kernel_forms_h100.json
-    python benchmarks/flux_kernel_forms.py --cases double --out benchmarks/results/flux_double_qk_h100.json
+    python benchmarks/flux_kernel_forms.py --cases double,adaln --out benchmarks/results/flux_double_qk_h100.json
     python benchmarks/flux_kernel_forms.py --device cpu --tokens 64 --out /tmp/forms.json   (a check)
 """
 
@@ -163,10 +169,11 @@ def gelu_cat_inputs(tokens: int, device, dtype) -> dict:
 
 
 def agreement(got, want) -> dict:
-    """How far a form's FP8 values are from today's: the share that differ, and by how much at most
-    (a summation order or a skipped bf16 rounding moves a value by one FP8 step now and then)."""
+    """How far a form's values are from today's: the share that differ, and by how much at most
+    (a summation order or a skipped bf16 rounding moves an FP8 value by one step now and then)."""
     pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
-    differing = sum((a.view(torch.uint8) != b.view(torch.uint8)).sum().item() for a, b in pairs)
+    differing = sum((a != b).sum().item() if a.dtype != torch.float8_e4m3fn else
+                    (a.view(torch.uint8) != b.view(torch.uint8)).sum().item() for a, b in pairs)
     return {"differing_fraction": differing / sum(b.numel() for _, b in pairs),
             "max_abs_difference": max((a.float() - b.float()).abs().max().item() for a, b in pairs),
             "max_abs_value": max(b.float().abs().max().item() for _, b in pairs)}
@@ -201,7 +208,35 @@ def double_cases(tokens: int, device, dtype) -> dict:
                                       reference)}
 
 
-CASES = {"qk": qk_cases, "gelu_cat": gelu_cat_cases, "double": double_cases}
+# Output widths, per 3072 features of the embedding, of Flux.1-dev's AdaLN modulations, and its steps.
+ADALN_OUTPUTS = (6,) * (2 * 19) + (3,) * 38 + (2,)
+STEPS = 28
+
+
+def adaln_cases(tokens: int, device, dtype) -> dict:
+    # The full width only where the shapes are the full model's: its weights are 6.5 GB.
+    width = HEADS * HEAD_DIM if tokens > 1024 else 64
+    outputs = [width * multiple for multiple in ADALN_OUTPUTS]
+    generator = torch.Generator(device=device).manual_seed(3)
+    weight = torch.randn(sum(outputs), width, generator=generator, device=device, dtype=dtype) / width**0.5
+    bias = torch.randn(sum(outputs), generator=generator, device=device, dtype=dtype)
+    layers = list(zip(weight.split(outputs), bias.split(outputs)))
+    embeddings = torch.randn(STEPS, width, generator=generator, device=device, dtype=dtype)
+
+    def per_step(embedding):
+        x = torch.nn.functional.silu(embedding)
+        return tuple(torch.nn.functional.linear(x, layer_weight, layer_bias) for layer_weight, layer_bias in layers)
+
+    def all_steps(embeddings):
+        return torch.nn.functional.linear(torch.nn.functional.silu(embeddings), weight, bias)
+
+    first_step = {"embedding": embeddings[:1]}
+    return {"adaln_per_step": (per_step, first_step, per_step(**first_step)),
+            "adaln_all_steps": (all_steps, {"embeddings": embeddings}, per_step(**first_step),
+                                lambda got: tuple(got[:1].split(outputs, dim=-1)))}
+
+
+CASES = {"qk": qk_cases, "gelu_cat": gelu_cat_cases, "double": double_cases, "adaln": adaln_cases}
 
 
 def main() -> None:
@@ -218,8 +253,10 @@ def main() -> None:
     cases = {}
     for group in args.cases.split(","):
         cases.update(CASES[group](args.tokens, device, dtype))
-    for name, (fn, inputs, want) in cases.items():
+    for name, (fn, inputs, want, *comparable) in cases.items():
         got = fn(**inputs)
+        if comparable:
+            got = comparable[0](got)
         row = {"against_today": agreement(got, want)}
         if device.type == "cuda":
             row["ms_per_call"] = ms_per_call(lambda: fn(**inputs), calls=50)
