@@ -41,6 +41,7 @@ from sdquant import report
 from sdquant.runtime import torch_backend
 from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.families import flux
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
@@ -148,10 +149,16 @@ def main() -> None:
                                                     "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     add_compile_arguments(parser)
+    parser.add_argument("--diffusers-rotary", action="store_true",
+                        help="our variants keep q and k in diffusers' order (no use_rotary_halves); names each "
+                             "variant <variant>_diffusers_rotary")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
     use_compile_arguments(args)
+    if args.diffusers_rotary:
+        # FLUX.use_family_forms looks the form up here.
+        flux.use_rotary_halves = lambda transformer: False
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
@@ -167,7 +174,9 @@ def main() -> None:
                 row["cache"] = cache.describe()
                 variant = f"{variant}_{args.cache.replace(':', '_')}"
         row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
-        variant = variant_name(variant, args, ours=variant not in ("peer", "torchao"))
+        ours_variant = variant not in ("peer", "torchao")
+        variant = (variant_name(variant, args, ours=ours_variant)
+                   + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant))
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
               f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "

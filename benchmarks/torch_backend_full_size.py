@@ -61,20 +61,12 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-gelu", action="store_true",
                         help="our variants keep torch's tanh GELU (no sigmoid form, "
                              "sdquant.runtime.compiled_forms); names each variant <variant>_exact_gelu")
-    parser.add_argument("--diffusers-rotary", action="store_true",
-                        help="our Flux keeps q/k in diffusers' order (no rotary halves, "
-                             "sdquant.families.flux.use_rotary_halves); names each variant <variant>_diffusers_rotary")
 
 
 def use_compile_arguments(args) -> None:
-    """--exact-gelu: our variants keep torch's tanh GELU (speed_up looks the form up here);
-    --diffusers-rotary: our Flux keeps diffusers' q/k order (its family looks the form up there)."""
+    """--exact-gelu: our variants keep torch's tanh GELU (speed_up looks the form up here)."""
     if args.exact_gelu:
         torch_backend.use_sigmoid_gelu = lambda module: None
-    if args.diffusers_rotary:
-        from sdquant.families import flux
-
-        flux.use_rotary_halves = lambda transformer: False
 
 
 def peer_compile(tuned: bool, mode: str = "default") -> dict:
@@ -84,13 +76,11 @@ def peer_compile(tuned: bool, mode: str = "default") -> dict:
 
 
 def variant_name(variant: str, args, ours: bool) -> str:
-    return (variant + "_tuned" * args.tune_kernels + "_exact_gelu" * (args.exact_gelu and ours)
-            + "_diffusers_rotary" * (args.diffusers_rotary and ours))
+    return variant + "_tuned" * args.tune_kernels + "_exact_gelu" * (args.exact_gelu and ours)
 
 
 def compile_argument_list(args) -> list[str]:
-    return (["--tune-kernels"] * args.tune_kernels + ["--exact-gelu"] * args.exact_gelu
-            + ["--diffusers-rotary"] * args.diffusers_rotary)
+    return ["--tune-kernels"] * args.tune_kernels + ["--exact-gelu"] * args.exact_gelu
 
 
 def timed(fn, runs: int) -> list[float]:

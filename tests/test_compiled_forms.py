@@ -17,7 +17,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.families.flux import FLUX, FluxFp8AttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.flux import FLUX, FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
 from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
                                             pin_channels_last_outputs, reorder_outputs, tanh_gelu,
                                             use_compiled_forms, use_sigmoid_gelu)
@@ -119,14 +119,22 @@ def test_flux_q_k_features_in_rotary_halves_order_give_the_same_transformer(fuse
         transformer.fuse_qkv_projections()
     assert use_rotary_halves(transformer)
     layers = [m for m in transformer.modules() if hasattr(m, "processor")]
-    assert layers and all(type(attn.processor) is FluxFp8AttnProcessor and attn.processor.rotary_halves
+    assert layers and all(type(attn.processor) is FluxTorchAttnProcessor and attn.processor.rotary_halves
                           for attn in layers)
     got = _flux_call(transformer)
     # The same products and sums: only the q/k norms add their squares in another order.
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
-    # Once: a second reorder would scramble what the first ordered.
+    # Once: a second reorder would scramble what the first ordered, even with diffusers' processors
+    # set again (they would then rotate the wrong pairs, but the weights stay as they are).
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
     assert not use_rotary_halves(transformer)
     assert (_flux_call(transformer) - got).abs().max() == 0
+    transformer.set_attn_processor(FluxAttnProcessor())
+    weights = {name: tensor.clone() for name, tensor in transformer.state_dict().items()}
+    assert not use_rotary_halves(transformer)
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in transformer.state_dict().items())
+    transformer.set_attn_processor(FluxTorchAttnProcessor(rotary_halves=True))
     # In diffusers' order, q and k would be rotated by the wrong angles.
     for attn in layers:
         attn.processor.rotary_halves = False
@@ -151,8 +159,10 @@ def test_reordered_outputs_are_the_layers_outputs_in_that_order():
     x = torch.randn(5, 16)
     order = torch.randperm(12)
     per_channel_amax = linear.weight.detach().abs().amax(dim=1)
+    # SmoothQuant's scale is per input feature, which the reorder leaves alone.
+    smoothing = torch.rand(16) + 0.5
     layers = {"linear": linear, "fp8": Fp8Linear.from_linear(linear, torch.tensor(0.5), torch.tensor(3.0)),
-              "int8": Int8Linear(linear, per_channel_amax, torch.tensor(3.0), None)}
+              "int8": Int8Linear(linear, per_channel_amax, torch.tensor(3.0), smoothing)}
     for name, layer in layers.items():
         with torch.no_grad():
             want = layer(x)[:, order]

@@ -162,7 +162,7 @@ class ModelFamily:
         diffusers' fuse_qkv_projections does (the compiled torch backend's recipe)."""
         backbone.fuse_qkv_projections()
 
-    def compiled_forms(self, backbone) -> None:
+    def use_family_forms(self, backbone) -> None:
         """Gives the backbone's layers, in place, forms that compute the same function and compile to
         faster kernels (after its projections are fused or converted; the torch backend calls it when
         it compiles)."""

@@ -87,12 +87,17 @@ def _rotated(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], sequen
     """Flux's rotary embedding of q or k (pairs of neighbouring features rotated by the position's
     angles), with the pairs split by unflatten: diffusers' reshape to x.shape[:-1] records the
     traced sequence length as a constant, which would pin the graph to one image size."""
-    cos, sin = cos_sin
-    index = (None, slice(None), None, slice(None)) if sequence_dim == 1 else (None, None, slice(None), slice(None))
-    cos, sin = cos[index].to(x.device), sin[index].to(x.device)
+    cos, sin = _broadcast_tables(cos_sin, sequence_dim, x.device)
     real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _broadcast_tables(cos_sin: tuple[torch.Tensor, torch.Tensor], sequence_dim: int, device) -> list[torch.Tensor]:
+    """The rotary tables (tokens, head_dim) shaped to multiply q or k, whose tokens are dimension
+    `sequence_dim` (1: batch, tokens, heads; 2: batch, heads, tokens), as diffusers' apply_rotary_emb takes them."""
+    index = (None, slice(None), None, slice(None)) if sequence_dim == 1 else (None, None, slice(None), slice(None))
+    return [table[index].to(device) for table in cos_sin]
 
 
 class TransformerGraph(torch.nn.Module):
@@ -128,7 +133,7 @@ class TransformerGraph(torch.nn.Module):
                                 txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
 
 
-class FluxFp8AttnProcessor:
+class FluxTorchAttnProcessor:
     """diffusers' FluxAttnProcessor over the torch backend's forms of a FluxAttention: a double
     block's joint attention (text tokens first, then the image's; the output split back into the
     image's through to_out and the text's through to_add_out) or a single block's (its output read by
@@ -177,11 +182,11 @@ def _tables_in_halves_order(pos_embed, args, tables):
     return tuple(torch.cat([table[..., 0::2], table[..., 1::2]], dim=-1) for table in tables)
 
 
-def _rotated_halves(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], sequence_dim: int = 1) -> torch.Tensor:
+def _rotated_halves(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], sequence_dim: int = 2) -> torch.Tensor:
     """Flux's rotary embedding of q or k whose head features are ordered evens then odds, with its
     tables ordered alike: pair i is features i and i + head_dim / 2. Each output is the very sum
     diffusers' apply_rotary_emb forms for it."""
-    cos, sin = (table[None, :, None, :] for table in cos_sin)
+    cos, sin = _broadcast_tables(cos_sin, sequence_dim, x.device)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -196,17 +201,20 @@ def use_rotary_halves(transformer) -> bool:
     value (Flux.1-dev's q/k norm+RoPE+FP8 cast, 4608 tokens: 0.085 -> 0.067 ms a call on an H200,
     benchmarks/results/flux_kernel_forms_h200.json). All or nothing, as every attention reads the
     one table: False, with nothing changed, where a layer runs another processor (an IP-Adapter's)
-    or a projection of a class the reorder does not know (fake quantization)."""
+    or a projection of a class the reorder does not know (fake quantization), and where the
+    transformer is in this order already (reordering twice would pair other features)."""
     from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
     from ..quantize.shared_ranges import ADDED_QKV, QKV
     from ..runtime.compiled_forms import OUTPUT_ROWS, reorder_outputs
 
+    if _tables_in_halves_order in transformer.pos_embed._forward_hooks.values():
+        return False
     layers = [module for module in transformer.modules() if isinstance(module, FluxAttention)]
     projections = {id(attn): [(getattr(attn, name), name == fused) for names, fused in (QKV, ADDED_QKV)
                               for name in (*names[:2], fused) if isinstance(getattr(attn, name, None), torch.nn.Module)]
                    for attn in layers}
-    convertible = all(type(attn.processor) in (FluxAttnProcessor, FluxFp8AttnProcessor)
+    convertible = all(type(attn.processor) in (FluxAttnProcessor, FluxTorchAttnProcessor)
                       and not getattr(attn.processor, "rotary_halves", False)
                       and all(type(layer) in OUTPUT_ROWS for layer, _ in projections[id(attn)]) for attn in layers)
     if not layers or not convertible:
@@ -219,10 +227,11 @@ def use_rotary_halves(transformer) -> bool:
             inner = len(order)
             rows = torch.cat([order, order + inner, torch.arange(2 * inner, 3 * inner)]) if fused else order
             reorder_outputs(layer, rows)
-        for norm in (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None)):
+        norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
+        for norm in norms:
             if getattr(norm, "weight", None) is not None:
                 norm.weight.data = norm.weight.data[head_order.to(norm.weight.device)]
-        attn.set_processor(FluxFp8AttnProcessor(rotary_halves=True))
+        attn.set_processor(FluxTorchAttnProcessor(rotary_halves=True))
     transformer.pos_embed.register_forward_hook(_tables_in_halves_order)
     return True
 
@@ -532,15 +541,17 @@ class FluxFamily(ModelFamily):
         if backbone.is_cache_enabled:
             backbone.disable_cache()
 
-    def compiled_forms(self, backbone) -> None:
-        use_rotary_halves(backbone)
+    def use_family_forms(self, backbone) -> None:
+        if not use_rotary_halves(backbone):
+            print("note: the transformer's q and k stay in diffusers' order (use_rotary_halves): an attention layer "
+                  "runs another processor, a projection is fake-quantized, or they are in halves order already")
 
     def fp8_attention_processor(self, attn):
         """The processor for FluxAttention layers diffusers runs with its own FluxAttnProcessor."""
         from diffusers.models.transformers import transformer_flux
 
         default = type(getattr(attn, "processor", None)) is transformer_flux.FluxAttnProcessor
-        return FluxFp8AttnProcessor() if default else None
+        return FluxTorchAttnProcessor() if default else None
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         return FluxTextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),

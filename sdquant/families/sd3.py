@@ -98,12 +98,12 @@ class TransformerGraph(torch.nn.Module):
                                 pooled_projections=pooled_projections, timestep=timestep, return_dict=False)[0]
 
 
-class SD3Fp8AttnProcessor:
-    """diffusers' JointAttnProcessor2_0 on an attention layer the torch backend converted to FP8: a
-    joint attention (the image's tokens first, then the text's; the output split back into the
-    image's through to_out and the text's through to_add_out, which the last block has none of) or
-    SD3.5-medium's image-only attn2, over fused projections and FP8 attention where the layer has
-    its ranges."""
+class SD3TorchAttnProcessor:
+    """diffusers' JointAttnProcessor2_0 on an attention layer as the torch backend runs it (converted
+    to FP8, or 16-bit with fused projections when compiled): a joint attention (the image's tokens
+    first, then the text's; the output split back into the image's through to_out and the text's
+    through to_add_out, which the last block has none of) or SD3.5-medium's image-only attn2, over
+    fused projections and FP8 attention where the layer has its ranges."""
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *args, **kwargs):
@@ -392,7 +392,7 @@ class SD3Family(ModelFamily):
         """The processor for the attention layers diffusers runs with its own JointAttnProcessor2_0."""
         from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-        return SD3Fp8AttnProcessor() if type(getattr(attn, "processor", None)) is JointAttnProcessor2_0 else None
+        return SD3TorchAttnProcessor() if type(getattr(attn, "processor", None)) is JointAttnProcessor2_0 else None
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         return SD3TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),

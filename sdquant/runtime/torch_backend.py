@@ -291,7 +291,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
                 use_compiled_forms(module)
             else:
                 family.fuse_projections(module)
-            family.compiled_forms(module)
+            family.use_family_forms(module)
         pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)
         for name in replayed:
