@@ -3,13 +3,15 @@
 # full-size SDXL architecture (random fp16 weights) with an FP8 level-3 UNet, compiled, CUDA graphs,
 # 1024x1024, 20 steps, 32 prompts a GPU in batches of 8, run three ways: one process on one GPU, torchrun
 # over N GPUs (NCCL), and N shard jobs side by side (shard.index/count, as Slurm array tasks run).
+# FAMILY=flux runs Flux.1-dev's architecture (random bf16 weights) at FP8 level 4 instead, 28 steps,
+# 8 prompts a GPU one at a time.
 # Target: at least 1.9x one GPU's images/s on 2 GPUs, 3.7x on 4. The N-GPU runs must draw
 # the images of the one-GPU run: the report gives each file's pixel difference, and asserts nothing.
 #   bash benchmarks/multi_gpu_full_size.sh OUT.json [GPUS] [--deepcache]   (GPUS: all visible)
 # --deepcache (or DEEPCACHE=1) runs the three again with DeepCache every 2 steps. Run it after
 # benchmarks/gpu_install.sh; on 2 GPUs it took 10 minutes (three compiles of the full UNet).
 # Test mode, small, for a CPU: SIZE=tiny DEVICE=cpu GPUS=2 PROMPTS=16 runs the same steps on the
-# tiny SDXL at 64x64, 2 steps, without compile or CUDA graphs (torchrun over gloo, the shard jobs
+# tiny model at 64x64, 2 steps, without compile or CUDA graphs (torchrun over gloo, the shard jobs
 # as CPU processes side by side). WORK=<folder> keeps the models, images and logs there.
 set -euo pipefail
 args=()
@@ -30,9 +32,20 @@ if [ "$gpus" -lt 2 ]; then
 fi
 size=${SIZE:-full}
 device=${DEVICE:-cuda}
-# Four batches of 8 a process: the rate after each one's first batch then counts three.
-prompts=${PROMPTS:-$((32 * gpus))}
-if [ "$size" = tiny ]; then pixels=64 steps=2; else pixels=1024 steps=20; fi
+family=${FAMILY:-sdxl}
+# Per family: the config, the class that builds its architecture, the quant level, images a batch,
+# batches a GPU (the rate after each process's first batch then counts the others) and steps.
+case "$family" in
+sdxl) config=sdxl_base family_class=sdxl:SDXL level=3 batch=8 batches=4 full_steps=20 ;;
+flux) config=flux_dev family_class=flux:FLUX level=4 batch=1 batches=8 full_steps=28 ;;
+*) echo "multi_gpu_full_size: FAMILY=$family: give sdxl or flux" >&2; exit 1 ;;
+esac
+if [ "$deepcache" = 1 ] && [ "$family" != sdxl ]; then
+    echo "multi_gpu_full_size: --deepcache is SDXL's cache: leave it out with FAMILY=$family" >&2
+    exit 1
+fi
+prompts=${PROMPTS:-$((batch * batches * gpus))}
+if [ "$size" = tiny ]; then pixels=64 steps=2; else pixels=1024 steps=$full_steps; fi
 # torch.compile and CUDA graphs are what a GPU user runs; on a CPU they would only cost time.
 if [ "$device" = cpu ]; then fast=false; else fast=true; fi
 if [ -n "${WORK:-}" ]; then
@@ -40,7 +53,7 @@ if [ -n "${WORK:-}" ]; then
     mkdir -p "$work"
 else
     work=$(mktemp -d)
-    # The full-size model is 7 GB and every run writes its 64 images: none of it outlives the report.
+    # The full-size SDXL is 7 GB, Flux 33, and every run writes its images: none of it outlives the report.
     trap 'rm -rf "$work"' EXIT
 fi
 # A WORK folder kept from an earlier run: its shard reports would be merged into this run's.
@@ -48,21 +61,23 @@ rm -rf "$work/model" "$work/quantized" "$work/out" "$work/wall" "$work/logs"
 mkdir -p "$work/wall" "$work/logs"
 
 # 1. The model as a diffusers folder, saved without a variant: load.py reads a local folder without
-# model.variant, so files named *.fp16.safetensors would not be found (the weights are fp16 anyway).
-python3 - "$work/model" "$size" <<'PY'
+# model.variant, so files named *.fp16.safetensors would not be found (the weights are 16-bit anyway).
+python3 - "$work/model" "$size" "$family_class" <<'PY'
+import importlib
 import sys
-from sdquant.families.sdxl import SDXL
-folder, size = sys.argv[1:]
-pipe = SDXL.full_size_on_gpu() if size == "full" else SDXL.build_pipeline(SDXL.sizes["tiny"])
+folder, size, family_class = sys.argv[1:]
+module, name = family_class.split(":")
+family = getattr(importlib.import_module(f"sdquant.families.{module}"), name)
+pipe = family.full_size_on_gpu() if size == "full" else family.build_pipeline(family.sizes["tiny"])
 pipe.save_pretrained(folder)
 PY
-model=(model=sdxl_base model.source="$work/model" device="$device")
+model=(model=$config model.source="$work/model" device="$device")
 
-# 2. Its FP8 level-3 checkpoint from the fewest prompts and steps quantize.py takes: the kernels'
-# speed does not depend on the ranges, and one UNet call already gives every quantizer its range.
-python3 quantize.py "${model[@]}" quantize.format=fp8 quantize.quant_level=3 quantize.calib_size=1 \
+# 2. Its FP8 checkpoint from the fewest prompts and steps quantize.py takes: the kernels' speed does
+# not depend on the ranges, and one backbone call already gives every quantizer its range.
+python3 quantize.py "${model[@]}" quantize.format=fp8 quantize.quant_level=$level quantize.calib_size=1 \
     quantize.n_steps=1 quantize.batch_size=1 out_dir="$work/quantized" hydra.run.dir="$work/hydra/quantize"
-checkpoint=$(ls -d "$work"/quantized/nemo_sdxl_base_fp8_l3_*)
+checkpoint=$(ls -d "$work"/quantized/nemo_${config}_fp8_l${level}_*)
 
 # 3. Distinct prompts, so that a batch drawn on the wrong GPU or twice shows in the comparison.
 for style in "a photo" "an oil painting" "a pencil sketch" "a watercolour"; do
@@ -78,7 +93,7 @@ done | sed -n "1,${prompts}p" > "$work/prompts.txt"  # sed reads to the end: hea
 # 4. The runs, each into its own folder; wall-clock seconds include start-up, loading and compiling.
 infer=("${model[@]}" backend=torch quantized_unet="$checkpoint" torch_backend.quantized=fp8
        torch_backend.compile=$fast cuda_graph=$fast sampling.prompts_file="$work/prompts.txt"
-       sampling.batch_size=8 sampling.steps=$steps sampling.width=$pixels sampling.height=$pixels num_timed_runs=2)
+       sampling.batch_size=$batch sampling.steps=$steps sampling.width=$pixels sampling.height=$pixels num_timed_runs=2)
 # NVLink multicast stays off: on shared hosts it can take every GPU of the host out of service, and
 # the ranks exchange only their reports.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -120,7 +135,7 @@ if [ "$deepcache" = 1 ]; then
 fi
 
 # 5. The report.
-python3 - "$work" "$out" "$gpus" "$prompts" "$size" "$device" "${groups[@]}" <<'PY'
+python3 - "$work" "$out" "$gpus" "$prompts" "$size" "$device" "$config" "$level" "$batch" "${groups[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -130,7 +145,7 @@ from PIL import Image
 
 from sdquant.report import library_versions
 
-work, out, gpus, prompts, size, device, *groups = sys.argv[1:]
+work, out, gpus, prompts, size, device, config, level, batch, *groups = sys.argv[1:]
 work, gpus, prompts = Path(work), int(gpus), int(prompts)
 TARGETS = {2: 1.9, 4: 3.7}
 
@@ -175,8 +190,8 @@ def same_images(one, other):
 
 report = {"benchmark": "multi_gpu_full_size", "size": size, "gpus": gpus, "visible_gpus": torch.cuda.device_count(),
           "versions": library_versions(),
-          "settings": {"model": f"sdxl_base architecture ({size}), random weights, FP8 level 3, torch backend",
-                       "prompts": prompts, "batch_size": 8, "compile_and_cuda_graph": device != "cpu"},
+          "settings": {"model": f"{config} architecture ({size}), random weights, FP8 level {level}, torch backend",
+                       "prompts": prompts, "batch_size": int(batch), "compile_and_cuda_graph": device != "cpu"},
           "target_scaling": TARGETS.get(gpus)}
 for group in groups:
     suffix = "" if group == "none" else f"_{group}"
