@@ -11,6 +11,7 @@ per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figur
     python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8_l4 --out benchmarks/results/flux_h100.json
+    python benchmarks/flux_full_size.py --variants fp8_l4 --per-step-modulations --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer:2 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --cache taylorseer_blocks:2 \
         --out benchmarks/results/flux_h100.json
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.runtime import torch_backend
+from sdquant.runtime import step_modulations, torch_backend
 from sdquant.quantize.calibrate import quantize_backbone
 from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families import flux
@@ -152,13 +153,18 @@ def main() -> None:
     parser.add_argument("--diffusers-rotary", action="store_true",
                         help="our variants keep q and k in diffusers' order (no use_rotary_halves); names each "
                              "variant <variant>_diffusers_rotary")
+    parser.add_argument("--per-step-modulations", action="store_true",
+                        help="our variants compute the AdaLN modulations at every step (no precompute_modulations); "
+                             "names each variant <variant>_per_step_modulations")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     quiet_libraries()
     use_compile_arguments(args)
+    # FLUX.use_family_forms looks the forms up here.
     if args.diffusers_rotary:
-        # FLUX.use_family_forms looks the form up here.
         flux.use_rotary_halves = lambda transformer: False
+    if args.per_step_modulations:
+        step_modulations.precompute_modulations = lambda transformer: False
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
@@ -176,7 +182,8 @@ def main() -> None:
         row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
         ours_variant = variant not in ("peer", "torchao")
         variant = (variant_name(variant, args, ours=ours_variant)
-                   + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant))
+                   + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant)
+                   + "_per_step_modulations" * (args.per_step_modulations and ours_variant))
         results["variants"][variant] = row
         print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
               f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "

@@ -23,6 +23,7 @@ from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidT
                                             use_compiled_forms, use_sigmoid_gelu)
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.int8 import Int8Linear
+from sdquant.runtime.step_modulations import StepModulations, precompute_modulations
 
 
 @pytest.mark.parametrize("shape, groups", [((2, 64, 12, 10), 32), ((2, 96, 7, 7), 8), ((3, 48, 40), 4)])
@@ -86,14 +87,28 @@ def test_compiling_gives_every_backbone_the_sigmoid_gelu(tiny_pipeline, model, q
     pipe = tiny_pipeline(model)
     family = family_of(compose_config("sd_xl_quantize", [f"model={model}"]).model.family)
     tanh_gelus = sum(type(m) in (torch.nn.GELU, GELU) and m.approximate == "tanh" for m in pipe.transformer.modules())
-    torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
-                           cuda_graph=False, quantized=quantized)
+    stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32),
+                                    TorchBackendBlock(compile=True), cuda_graph=False, quantized=quantized)
     forms = [m for m in pipe.transformer.modules() if type(m) in (SigmoidTanhGELU, SigmoidTanhGELUProjection)]
     assert tanh_gelus and len(forms) == tanh_gelus
     assert not any(type(m) in (torch.nn.GELU, GELU) for m in pipe.transformer.modules())
     # Flux's own form: every attention layer's q and k in rotary halves order.
     halves = [getattr(m.processor, "rotary_halves", False) for m in pipe.transformer.modules() if hasattr(m, "processor")]
     assert halves and all(halves) == (model == "tiny_flux")
+    # Every AdaLN modulation precomputed, by a stage of its own.
+    precomputed = isinstance(pipe.transformer.time_text_embed, StepModulations)
+    assert precomputed and "modulations" in stages
+
+
+def test_a_cache_hook_leaves_flux_computing_its_modulations_at_each_step(tiny_pipeline):
+    """Under a hook the compiler compiles block by block, where the modulations' columns would give
+    every block code of its own (use_step_modulations says why)."""
+    from sdquant.runtime.cache_hooks import HookCache
+
+    pipe = tiny_pipeline("tiny_flux")
+    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.float32, HookCache("taylorseer", 2, 0.0)),
+                                    TorchBackendBlock(compile=True), cuda_graph=False, quantized=False)
+    assert not isinstance(pipe.transformer.time_text_embed, StepModulations) and "modulations" not in stages
 
 
 def _flux_call(transformer) -> torch.Tensor:
@@ -151,6 +166,46 @@ def test_rotary_halves_are_all_or_nothing():
     assert not use_rotary_halves(transformer)
     assert all(torch.equal(tensor, weights[name]) for name, tensor in transformer.state_dict().items())
     assert not transformer.pos_embed._forward_hooks
+
+
+@pytest.mark.parametrize("guidance", [True, False])
+def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer(guidance):
+    """Two images over three steps: the stage's rows, handed to the transformer in place of the
+    pooled text, give what each step's call computed itself."""
+    import dataclasses
+
+    from sdquant.families.flux import ModulationsGraph
+
+    transformer = FLUX.build_pipeline(dataclasses.replace(FLUX.sizes["tiny"], guidance=guidance)).transformer
+    transformer = transformer.float().eval()
+    config = transformer.config
+    generator = torch.Generator().manual_seed(1)
+    latents, text = torch.randn(2, 16, config.in_channels, generator=generator), torch.randn(2, 8, 32, generator=generator)
+    pooled = torch.randn(2, config.pooled_projection_dim, generator=generator)
+    timesteps, guidance_scale = torch.tensor([1.0, 0.6, 0.25]), torch.tensor([3.5, 2.0]) if guidance else None
+    rows, columns = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    image_ids = torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3).float()
+
+    def calls(conditioning) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [TransformerGraph(transformer)(latents * t, text, condition, t.expand(2), image_ids,
+                                                  torch.zeros(8, 3), guidance_scale)
+                    for t, condition in zip(timesteps, conditioning)]
+
+    want = calls([pooled] * len(timesteps))
+    adalns = 2 * config.num_layers + config.num_single_layers + 1
+    assert precompute_modulations(transformer)
+    assert len(transformer.time_text_embed.layers) == adalns
+    with torch.no_grad():
+        inputs = (pooled.repeat(3, 1), timesteps.repeat_interleave(2)) + ((guidance_scale.repeat(3),) if guidance else ())
+        modulations = ModulationsGraph(transformer)(*inputs).unflatten(0, (3, 2))
+    assert modulations.shape[-1] == transformer.time_text_embed.width
+    for got, expected in zip(calls(modulations), want):
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # Once; and a call with the pooled text itself is refused, naming what it takes.
+    assert not precompute_modulations(transformer)
+    with pytest.raises(ValueError, match=f"{transformer.time_text_embed.width} modulations as pooled_projections"):
+        calls([pooled])
 
 
 def test_reordered_outputs_are_the_layers_outputs_in_that_order():

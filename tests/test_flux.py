@@ -51,8 +51,12 @@ def checkpoints(model_cache, tmp_path_factory):
     return quantize_each_recipe(tmp_path_factory.mktemp("flux_quantized"), QUICK)
 
 
-def test_torch_backend_draws_diffusers_flux_pipelines_image(tmp_path, model_cache):
-    ours = _infer(tmp_path, "backend=torch")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_torch_backend_draws_diffusers_flux_pipelines_image(tmp_path, model_cache, capsys, compiled):
+    """Compiled, the transformer runs its own forms: q and k in rotary halves order, and every step's
+    AdaLN modulations computed before the loop (a note would say where one did not apply)."""
+    ours = _infer(tmp_path, "backend=torch", f"torch_backend.compile={str(compiled).lower()}")
+    assert "note: the transformer" not in capsys.readouterr().out
     pipe = _pipe()
     reference = pipe(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=3.5, height=64, width=64,
                      generator=[torch.Generator().manual_seed(42 + i) for i in range(len(PROMPTS))],

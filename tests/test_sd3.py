@@ -63,10 +63,17 @@ def checkpoints(model_cache, tmp_path_factory):
     return quantize_each_recipe(tmp_path_factory.mktemp("sd3_quantized"), QUICK)
 
 
-@pytest.mark.parametrize("guidance, per_prompt", [(4.5, 1), (0.0, 2)], ids=["guided", "turbo_unguided"])
-def test_torch_backend_draws_diffusers_sd3_pipelines_image(tmp_path, model_cache, capsys, guidance, per_prompt):
-    ours = _infer(tmp_path, "backend=torch", guidance=guidance, per_prompt=per_prompt)
-    cut = [line for line in capsys.readouterr().err.splitlines() if "longer than T5's 256 tokens" in line]
+@pytest.mark.parametrize("guidance, per_prompt, compiled", [(4.5, 1, False), (0.0, 2, False), (4.5, 1, True)],
+                         ids=["guided", "turbo_unguided", "guided_compiled"])
+def test_torch_backend_draws_diffusers_sd3_pipelines_image(tmp_path, model_cache, capsys, guidance, per_prompt,
+                                                           compiled):
+    """Compiled, the transformer takes every step's AdaLN modulations computed before the loop, for
+    the negative and the positive prompt (a note would say where that did not apply)."""
+    ours = _infer(tmp_path, "backend=torch", f"torch_backend.compile={str(compiled).lower()}", guidance=guidance,
+                  per_prompt=per_prompt)
+    said = capsys.readouterr()
+    assert "note: the transformer" not in said.out
+    cut = [line for line in said.err.splitlines() if "longer than T5's 256 tokens" in line]
     assert len(cut) == 1 and "out at sea'" in cut[0], "T5 cuts the long prompt once, naming what it drops"
     images = len(PROMPTS) * per_prompt
     reference = _pipe()(prompt=PROMPTS, negative_prompt="blurry", num_inference_steps=STEPS, guidance_scale=guidance,

@@ -167,6 +167,12 @@ class ModelFamily:
         faster kernels (after its projections are fused or converted; the torch backend calls it when
         it compiles)."""
 
+    def generation_stages(self, pipe) -> dict:
+        """Stages the family's data flow runs once a generation, before its loop, for what its
+        backbone's forms (use_family_forms) take as inputs instead of computing them at every step
+        (Flux: the AdaLN modulations of every step), by name; none by default."""
+        return {}
+
     def fp8_attention_processor(self, attn):
         """The attention processor that runs attention layer `attn` of a backbone the torch backend
         converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following

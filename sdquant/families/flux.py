@@ -24,6 +24,7 @@ from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, t5_dropped_words
+from ..runtime.step_modulations import MODULATIONS
 
 # The DiT's levels (every layer is a Linear, so there is no level 1): 2 the feed-forward layers of
 # both streams and the single blocks' MLP input projection; 2.5 + the q/k/v projections of both
@@ -76,6 +77,15 @@ def transformer_network(guidance: bool) -> Network:
     # without that input.
     return Network("transformer", inputs, {"latent": {0: BATCH, 1: IMAGE_TOKENS}}, role=Role.backbone,
                    optional=("guidance",))
+
+
+def modulations_network(guidance: bool) -> Network:
+    """The torch backend's stage of every step's AdaLN modulations (sdquant.runtime.step_modulations):
+    each row of the embedding's inputs, all of a generation's steps at once, to its modulations."""
+    inputs = {"pooled_projections": {0: BATCH}, "timestep": {0: BATCH}}
+    if guidance:
+        inputs["guidance"] = {0: BATCH}
+    return Network(MODULATIONS, inputs, {MODULATIONS: {0: BATCH}}, optional=("guidance",))
 
 
 CLIP = clip_network("clip", hidden=False, pooled=True)
@@ -131,6 +141,27 @@ class TransformerGraph(torch.nn.Module):
         return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                 pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
                                 txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+
+
+def model_dtype(transformer) -> torch.dtype:
+    """The precision the transformer's forward computes in: its embedded image tokens' (the first
+    parameter may be an FP8 layer's)."""
+    return transformer.x_embedder.weight.dtype
+
+
+class ModulationsGraph(torch.nn.Module):
+    """Every AdaLN modulation of a transformer whose modulations are precomputed, for rows of its
+    embedding's inputs: the pooled text, the timestep in 0..1 and the guidance, scaled by 1000 in
+    the model's precision as the transformer's forward scales them."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, pooled_projections, timestep, guidance=None):
+        dtype = model_dtype(self.transformer)
+        scaled = [timestep.to(dtype) * 1000] + ([] if guidance is None else [guidance.to(dtype) * 1000])
+        return self.transformer.time_text_embed.rows(*scaled, pooled_projections)
 
 
 class FluxTorchAttnProcessor:
@@ -350,9 +381,14 @@ class FluxTextToImage(TextToImage):
         guidance = (torch.full([latents.shape[0]], settings.guidance_scale, device=self.device, dtype=torch.float32)
                     if self.guidance_embedded else None)
         self.scheduler.set_begin_index(0)
+        # Each row's timestep as backbone_inputs gives it, at every step.
+        timesteps = self.scheduler.timesteps[:, None].expand(-1, len(latents)).to(latents.dtype) / 1000
+        embedded = {"pooled_projections": pooled, **({} if guidance is None else {"guidance": guidance})}
+        modulations = self.step_modulations(timesteps, embedded, timer)
         # 3. Denoise: one transformer call per step (guidance is an embedding, not a second batch).
         for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
-            inputs = self.backbone_inputs(latents, t, hidden, pooled, image_ids, guidance)
+            conditioning = pooled if modulations is None else modulations[step]
+            inputs = self.backbone_inputs(latents, t, hidden, conditioning, image_ids, guidance)
             velocity = self.predict(settings, step, inputs, timer)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
         # 4. Unpack and decode.
@@ -542,9 +578,19 @@ class FluxFamily(ModelFamily):
             backbone.disable_cache()
 
     def use_family_forms(self, backbone) -> None:
+        from ..runtime.step_modulations import use_step_modulations
+
         if not use_rotary_halves(backbone):
             print("note: the transformer's q and k stay in diffusers' order (use_rotary_halves): an attention layer "
                   "runs another processor, a projection is fake-quantized, or they are in halves order already")
+        use_step_modulations(backbone)
+
+    def generation_stages(self, pipe) -> dict:
+        from ..runtime.step_modulations import modulations_stages
+
+        transformer = pipe.transformer
+        return modulations_stages(transformer, ModulationsGraph(transformer),
+                                  modulations_network(transformer.config.guidance_embeds))
 
     def fp8_attention_processor(self, attn):
         """The processor for FluxAttention layers diffusers runs with its own FluxAttnProcessor."""

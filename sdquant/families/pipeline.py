@@ -152,6 +152,22 @@ class TextToImage:
         """Samples per call of each stage, for checking them against the engines' profiles."""
         raise NotImplementedError
 
+    def step_modulations(self, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor], timer) -> torch.Tensor | None:
+        """(steps, rows, width): every step's AdaLN modulations at once, where the stages precompute
+        them (the compiled torch backend, sdquant.runtime.step_modulations), which the backbone then
+        takes in place of the pooled text; None where it computes them itself. `timesteps`: (steps,
+        rows), each row's timestep as the backbone takes it; `inputs`: the embedding's other inputs,
+        by row, the same at every step. Timed as the backbone's, whose work it is."""
+        from ..runtime.step_modulations import MODULATIONS
+
+        stage = self.stages.get(MODULATIONS)
+        if stage is None:
+            return None
+        steps, rows = timesteps.shape
+        repeated = {name: tensor.repeat(steps, *[1] * (tensor.dim() - 1)) for name, tensor in inputs.items()}
+        modulations = timer.time(self.backbone, stage, timestep=timesteps.flatten(), **repeated)[MODULATIONS]
+        return modulations.unflatten(0, (steps, rows))
+
     def words_lost(self, text: str) -> tuple[str, str]:
         """(the limit, the words past it) where the family's text encoders lose words of `text`
         that no other encoder of the pipeline reads; ("", "") where nothing is lost."""

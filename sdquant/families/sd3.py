@@ -28,6 +28,7 @@ from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_netw
 from .flux import calculate_shift
 from .networks import BATCH, HEIGHT, LATENT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, shortened, t5_dropped_words
+from ..runtime.step_modulations import MODULATIONS
 
 # The MMDiT's levels (every layer of its blocks is a Linear, so there is no level 1): 2 the
 # feed-forward layers of both streams; 2.5 + the q/k/v projections of the joint attention (image
@@ -62,6 +63,10 @@ TRANSFORMER = Network(
                     "pooled_projections": {0: BATCH}, "timestep": {0: BATCH}},
     {"latent": LATENT}, role=Role.backbone, guided=True, kept_precision=("timestep",))
 NETWORKS = (CLIP_L, CLIP_G, T5, VAE, TRANSFORMER)
+# The torch backend's stage of every step's AdaLN modulations (sdquant.runtime.step_modulations):
+# each row of the embedding's inputs, all of a generation's steps at once, to its modulations.
+MODULATIONS_NETWORK = Network(MODULATIONS, {"pooled_projections": {0: BATCH}, "timestep": {0: BATCH}},
+                              {MODULATIONS: {0: BATCH}}, kept_precision=("timestep",))
 
 
 def text_tokens(t5_tokenizer) -> int:
@@ -96,6 +101,18 @@ class TransformerGraph(torch.nn.Module):
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                 pooled_projections=pooled_projections, timestep=timestep, return_dict=False)[0]
+
+
+class ModulationsGraph(torch.nn.Module):
+    """Every AdaLN modulation of a transformer whose modulations are precomputed, for rows of its
+    embedding's inputs: the pooled text and the timestep, as the transformer's forward hands them on."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, pooled_projections, timestep):
+        return self.transformer.time_text_embed.rows(timestep, pooled_projections)
 
 
 class SD3TorchAttnProcessor:
@@ -226,10 +243,13 @@ class SD3TextToImage(TextToImage):
         latents = self.initial_latents(settings) if latents is None else latents
         self.set_timesteps(settings.steps, *latents.shape[-2:])
         guided = settings.guided
+        modulations = self.step_modulations(self.scheduler.timesteps[:, None].expand(-1, len(pooled)),
+                                            {"pooled_projections": pooled}, timer)
         # 3. Denoise, with classifier-free guidance over a doubled batch.
         for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
             x = torch.cat([latents] * 2) if guided else latents
-            inputs = {"hidden_states": x, "encoder_hidden_states": context, "pooled_projections": pooled,
+            inputs = {"hidden_states": x, "encoder_hidden_states": context,
+                      "pooled_projections": pooled if modulations is None else modulations[step],
                       "timestep": t.expand(x.shape[0])}
             velocity = self.predict(settings, step, inputs, timer)
             if guided:
@@ -387,6 +407,16 @@ class SD3Family(ModelFamily):
             if processor is not None:
                 attn.fuse_projections(fuse=True)
                 attn.set_processor(processor)
+
+    def use_family_forms(self, backbone) -> None:
+        from ..runtime.step_modulations import use_step_modulations
+
+        use_step_modulations(backbone)
+
+    def generation_stages(self, pipe) -> dict:
+        from ..runtime.step_modulations import modulations_stages
+
+        return modulations_stages(pipe.transformer, ModulationsGraph(pipe.transformer), MODULATIONS_NETWORK)
 
     def fp8_attention_processor(self, attn):
         """The processor for the attention layers diffusers runs with its own JointAttnProcessor2_0."""

@@ -281,7 +281,9 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # keeps the compiler's layouts: pinned, fp16 SDXL ran 0.988x the peer's time against 0.963x
         # unpinned (two runs), and the form was not timed on it. Every backbone's tanh-approximated
         # GELUs take their sigmoid form, the same function in fewer instructions, and its family's
-        # own forms (Flux: q/k features in the order its rotary embedding compiles best in).
+        # own forms (Flux: q/k features in the order its rotary embedding compiles best in; Flux and
+        # SD3.5: their AdaLN modulations taken precomputed for every step from a stage of their own,
+        # generation_stages', unless a cache hook is on).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
@@ -305,4 +307,6 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # capture cannot take.
         for name in replayed:
             stages[name] = GraphReplayStage(stages[name])
+    # Run once a generation, eager: a few small kernels and one GEMM per AdaLN map.
+    stages.update(family.generation_stages(pipe))
     return stages
