@@ -4,8 +4,10 @@ the form the torch backend traced and in candidate forms, at a block's full-size
 form compiles to, and how far its FP8 values are from the first form's. A candidate that wins here
 is worth a form in the torch backend and a whole-pipeline run (flux_full_size.py). The `qk` and
 `gelu_cat` cases ran on an H200 (benchmarks/results/flux_kernel_forms_h200.json), and
-`rotate_half` became sdquant.families.flux.use_rotary_halves; the `double` cases have not run
-on a GPU yet.
+`rotate_half` became sdquant.families.flux.use_rotary_halves; the `double` and `adaln` cases ran
+on an H100 (benchmarks/results/flux_double_adaln_h100.json): `all_steps` became
+sdquant.runtime.step_modulations, and `per_stream_fp8`, twice as fast alone, gained nothing in the
+whole model (docs/speed.md).
 
 - `qk`: q and k of the fused q/k/v GEMM's output through RMSNorm, RoPE and the FP8 cast that
   FP8 attention reads. `interleaved` is diffusers' rotary embedding on neighbouring pairs (the
@@ -33,7 +35,7 @@ on a GPU yet.
   steps, and its values are held against `per_step`'s for the first step (bf16 rounding apart).
 
     python benchmarks/flux_kernel_forms.py --out benchmarks/results/flux_kernel_forms_h100.json
-    python benchmarks/flux_kernel_forms.py --cases double,adaln --out benchmarks/results/flux_double_qk_h100.json
+    python benchmarks/flux_kernel_forms.py --cases double,adaln --out benchmarks/results/flux_double_adaln_h100.json
     python benchmarks/flux_kernel_forms.py --device cpu --tokens 64 --out /tmp/forms.json   (a check)
 """
 
