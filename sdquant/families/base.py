@@ -170,7 +170,7 @@ class ModelFamily:
     def generation_stages(self, pipe) -> dict:
         """Stages the family's data flow runs once a generation, before its loop, for what its
         backbone's forms (use_family_forms) take as inputs instead of computing them at every step
-        (Flux: the AdaLN modulations of every step), by name; none by default."""
+        (Flux's and SD3.5's: the AdaLN modulations of every step), by name; none by default."""
         return {}
 
     def fp8_attention_processor(self, attn):

@@ -85,7 +85,7 @@ def modulations_network(guidance: bool) -> Network:
     inputs = {"pooled_projections": {0: BATCH}, "timestep": {0: BATCH}}
     if guidance:
         inputs["guidance"] = {0: BATCH}
-    return Network(MODULATIONS, inputs, {MODULATIONS: {0: BATCH}}, optional=("guidance",))
+    return Network(MODULATIONS, inputs, {MODULATIONS: {0: BATCH}})
 
 
 CLIP = clip_network("clip", hidden=False, pooled=True)

@@ -283,7 +283,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # GELUs take their sigmoid form, the same function in fewer instructions, and its family's
         # own forms (Flux: q/k features in the order its rotary embedding compiles best in; Flux and
         # SD3.5: their AdaLN modulations taken precomputed for every step from a stage of their own,
-        # generation_stages', unless a cache hook is on).
+        # from generation_stages, unless a cache hook is on).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
