@@ -25,6 +25,7 @@ from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_s
 from .cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
 from .kernels.conv8 import takes
+from .kernels.fp8_geglu import fuse_geglus
 from .kernels.fp8_layers import Fp8Conv2d, Fp8Linear, Fp8RoundedConv2d, fp8_kernels_missing
 from .kernels.fp8 import fake_fp8, fp8_scales
 from .kernels.int8 import Int8Conv2d, Int8Linear, Int8RoundedConv2d, fake_int8, int8_conv_runs, int8_scales
@@ -283,7 +284,8 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # GELUs take their sigmoid form, the same function in fewer instructions, and its family's
         # own forms (Flux: q/k features in the order its rotary embedding compiles best in; Flux and
         # SD3.5: their AdaLN modulations taken precomputed for every step from a stage of their own,
-        # from generation_stages, unless a cache hook is on).
+        # from generation_stages, unless a cache hook is on). An FP8 backbone's GEGLU layers run as
+        # one kernel each, GEMM, gating and rounding (sdquant.runtime.kernels.fp8_geglu).
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
             module.to(memory_format=torch.channels_last)
@@ -291,6 +293,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             if quantized:
                 pin_channels_last_outputs(module)
                 use_compiled_forms(module)
+                fuse_geglus(module)
             else:
                 family.fuse_projections(module)
             family.use_family_forms(module)

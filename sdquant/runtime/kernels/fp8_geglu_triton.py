@@ -1,0 +1,86 @@
+"""The Triton kernel of torch.ops.sdquant.fp8_geglu (sdquant.runtime.kernels.fp8_geglu): a GEGLU
+layer's FP8 GEMM with the gating and the FP8 rounding of the next GEMM's input in its epilogue, so
+that the wide 16-bit projection between them never goes to memory.
+
+Each program computes a tile of output features for a tile of tokens: two sums from the same input
+strip, one of the value features (the weight's first half) and one of the gate features (its
+second half), read as TMA boxes (the parts past the matrices' ends read as zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .conv8_triton import _ceil_div, _grouped
+
+# Autotuned tiles: (tokens, output features, input features per step, warps, pipeline stages), each
+# tile holding two sums of that size. On an H200 the first won at SDXL's feed-forward shapes
+# (benchmarks/results/fp8_projection_all_shapes_h200.json).
+TILES = ((128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4))
+
+# Constants a jit function reads must be constexpr for Triton's compiler.
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+
+
+def _configs(tiles):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=warps,
+                          num_stages=stages, pre_hook=_set_blocks) for m, n, k, warps, stages in tiles]
+
+
+def _set_blocks(args: dict) -> None:
+    """Gives the tensor descriptors the boxes of the configuration being run."""
+    args["x"].block_shape = [args["BLOCK_M"], args["BLOCK_K"]]
+    args["weight"].block_shape = [args["BLOCK_N"], args["BLOCK_K"]]
+
+
+@triton.autotune(configs=_configs(TILES), key=["tokens", "features", "in_features", "HAS_BIAS"])
+@triton.jit
+def geglu(x, weight, bias, out, x_scale, weight_scale, out_inverse_scale, tokens, features, in_features,
+          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    row_tile, col_tile = _grouped(tl.program_id(0), _ceil_div(tokens, BLOCK_M), _ceil_div(features, BLOCK_N), GROUP_M)
+    row0 = row_tile * BLOCK_M
+    col0 = col_tile * BLOCK_N
+    value_sums = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
+    gate_sums = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
+    for k in range(0, in_features, BLOCK_K):
+        strip = x.load([row0, k])
+        value_sums = tl.dot(strip, weight.load([col0, k]).T, value_sums)
+        gate_sums = tl.dot(strip, weight.load([features + col0, k]).T, gate_sums)
+    scale = tl.load(x_scale) * tl.load(weight_scale)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_valid = cols < features
+    values = value_sums * scale
+    gates = gate_sums * scale
+    if HAS_BIAS:
+        values += tl.load(bias + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        gates += tl.load(bias + features + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    result = values * (0.5 * gates * (1 + tl.math.erf(gates * SQRT_HALF)))
+    result = tl.minimum(tl.maximum(result * tl.load(out_inverse_scale), -448.0), 448.0)
+    targets = out + rows.to(tl.int64)[:, None] * features + cols[None, :]
+    tl.store(targets, result.to(out.dtype.element_ty), mask=(rows < tokens)[:, None] & col_valid[None, :])
+
+
+def triton_geglu(x, weight, x_scale, weight_scale, bias, out_inverse_scale, out: torch.Tensor) -> torch.Tensor:
+    """Into `out` (tokens, features), on `x`'s device (a CPU under TRITON_INTERPRET=1, as the CPU
+    tests run it): FP8 `x` (tokens, in features) times FP8 `weight` (2 x features, in features).
+    `out` is FP8, or for the CPU tests fp32, which receives the values before their rounding:
+    Triton's interpreter rounds to FP8 wrongly at the edges of binades."""
+    tokens, in_features = x.shape
+    features = out.shape[1]
+    # TMA boxes of contiguous rows. A box past the value half reads gate rows only for output
+    # features the store leaves out.
+    x_box = TensorDescriptor(x.contiguous(), list(x.shape), [in_features, 1], [16, 16])
+    weight = weight.contiguous()
+    weight_box = TensorDescriptor(weight, list(weight.shape), [in_features, 1], [16, 16])
+
+    def grid(meta):
+        return (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(features, meta["BLOCK_N"]),)
+
+    geglu[grid](x_box, weight_box, bias if bias is not None else x_scale, out, x_scale, weight_scale,
+                out_inverse_scale, tokens, features, in_features, HAS_BIAS=bias is not None)
+    return out

@@ -1,0 +1,122 @@
+"""The fused FP8 GEGLU's Triton kernel (torch.ops.sdquant.fp8_geglu on CUDA) against its twin
+(sdquant.runtime.kernels.fp8_geglu, run on the same GPU tensors): with every tile the autotuner may
+pick, at shapes that overhang the tiles, and on every GEGLU layer of the converted SDXL scene model
+on its own input. Skipped before Hopper (the kernel reads TMA boxes).
+
+    python -m pytest -m gpu tests/test_fp8_geglu_gpu.py -n 0 -s
+
+Both give FP8. The kernel gates its fp32 sums, the twin the GEMM rounded to fp16, so values that lie
+near an FP8 rounding boundary round to neighbouring FP8 values: about 4% of them at SDXL's shapes,
+as many as the unfused cuBLAS GEMM and compiled gating kernel part from the twin (H200,
+benchmarks/results/fp8_geglu_h200.json), about 1% of the output's norm. A wrong strip, half or
+scale is off by the size of the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdquant.runtime import torch_backend
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.runtime.kernels.fp8_geglu import TMA_CAPABILITY, Fp8Geglu, fuse_geglus, reference_fp8_geglu
+
+from conftest import compose_config
+from test_conv8_gpu import level3  # noqa: F401  (the scene model's level-3 checkpoints, a fixture)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
+
+CUDA = torch.device("cuda")
+TWIN_BOUND = 3e-2
+FLIPPED_BOUND = 0.1
+
+
+def _needs_hopper() -> None:
+    if torch.cuda.get_device_capability(CUDA) < TMA_CAPABILITY:
+        pytest.skip("the fused GEGLU reads TMA boxes: Hopper or newer")
+
+
+def _compare(args: tuple, what: str) -> None:
+    got = torch.ops.sdquant.fp8_geglu(*args, torch.float16)
+    twin = reference_fp8_geglu(*args, torch.float16)
+    assert got.shape == twin.shape and got.dtype == torch.float8_e4m3fn, what
+    error = float((got.float() - twin.float()).norm() / twin.float().norm())
+    flipped = float((got.float() != twin.float()).float().mean())
+    print(f"{what}: kernel against twin {error:.1e}, {flipped:.3f} of the values on another FP8 value")
+    assert error < TWIN_BOUND and flipped < FLIPPED_BOUND, what
+
+
+def _random_case(tokens: int, in_features: int, features: int, bias: bool, seed: int) -> tuple:
+    generator = torch.Generator(CUDA).manual_seed(seed)
+    x = torch.randn(tokens, in_features, device=CUDA, generator=generator)
+    weight = torch.randn(2 * features, in_features, device=CUDA, generator=generator) / in_features ** 0.5
+    (x_inverse, x_scale), (w_inverse, w_scale) = fp8_scales(x.abs().amax()), fp8_scales(weight.abs().amax())
+    bias_values = torch.randn(2 * features, device=CUDA, generator=generator).half() * 0.1 if bias else None
+    out_inverse, _ = fp8_scales(torch.tensor(3.0, device=CUDA))
+    return to_fp8(x, x_inverse), to_fp8(weight, w_inverse), x_scale, w_scale, bias_values, out_inverse
+
+
+# (tokens, in features, features after the gating, bias): SDXL's two widths at a small image, and
+# tokens, features and input strips that overhang every tile.
+SHAPES = [(1024, 320, 1280, True), (512, 640, 2560, False), (300, 336, 200, True)]
+
+
+def _tiles():
+    from sdquant.runtime.kernels import fp8_geglu_triton as kernels
+
+    return kernels.TILES
+
+
+@pytest.mark.parametrize("tile", _tiles(), ids=[str(tile) for tile in _tiles()])
+def test_every_tile_matches_the_twin(tile):
+    """The autotuner picks a tile per shape by speed alone: each must be right on every shape."""
+    from sdquant.runtime.kernels import fp8_geglu_triton as kernels
+
+    _needs_hopper()
+    configs, cache = kernels.geglu.configs, kernels.geglu.cache
+    kernels.geglu.configs, kernels.geglu.cache = kernels._configs((tile,)), {}
+    try:
+        for seed, shape in enumerate(SHAPES):
+            _compare(_random_case(*shape, seed=seed), f"{tile} {shape}")
+    finally:
+        kernels.geglu.configs, kernels.geglu.cache = configs, cache
+
+
+def test_every_scene_geglu_matches_its_twin_on_its_own_input(level3):  # noqa: F811
+    from sdquant.families.sdxl import SDXL
+    from sdquant.load import empty_backbone
+    from sdquant.workflow.settings import restore_quantized_backbone
+
+    _needs_hopper()
+    checkpoint = level3("fp8")
+    config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
+    unet = empty_backbone(config)
+    restore_quantized_backbone(config, "quantized_unet", str(checkpoint), unet)
+    unet.to(device=CUDA, dtype=torch.float16).eval()
+    torch_backend.convert_quantized(unet, SDXL, str(checkpoint), "fp8")
+    assert fuse_geglus(unet) > 0
+    layers = {name: module for name, module in unet.named_modules() if isinstance(module, Fp8Geglu)}
+    seen = {}
+
+    def keep(name: str):
+        def hook(module, args, _out):
+            seen.setdefault(name, (module, args[0]))
+        return hook
+
+    hooks = [module.register_forward_hook(keep(name)) for name, module in layers.items()]
+    generator = torch.Generator(CUDA).manual_seed(0)
+    with torch.no_grad():
+        SDXL.backbone_stage(unet, torch.float16)(
+            x=torch.randn(2, 4, 16, 16, device=CUDA, generator=generator).half(),
+            timesteps=torch.full((2,), 700.0, device=CUDA),
+            context=torch.randn(2, 77, 192, device=CUDA, generator=generator).half(),
+            y=torch.randn(2, 176, device=CUDA, generator=generator).half())
+        for hook in hooks:
+            hook.remove()
+        assert seen.keys() == layers.keys()
+        for name, (module, x) in seen.items():
+            rows = to_fp8(x.reshape(-1, module.in_features), module.input_inverse_scale)
+            _compare((rows, module.weight_fp8, module.input_scale, module.weight_scale, module.bias,
+                      module.out_inverse_scale), f"{name} {tuple(x.shape)}")
+
