@@ -144,21 +144,21 @@ def level3(tmp_path_factory):
     return checkpoint
 
 
-@pytest.mark.parametrize("fmt,layer_class", [("fp8", Fp8Conv2d), ("int8", Int8Conv2d)])
-def test_every_converted_scene_convolution_matches_its_twin_on_its_own_input(level3, fmt, layer_class):
+def converted_scene_inputs(checkpoint, fmt: str, layer_class: type, then=None) -> dict:
+    """{name: (layer, its input)} for every `layer_class` layer of the SDXL scene model's UNet
+    converted to `fmt`'s kernels on the GPU (and given `then(unet)`'s forms), on one call's inputs."""
     from sdquant.families.sdxl import SDXL
     from sdquant.load import empty_backbone
     from sdquant.workflow.settings import restore_quantized_backbone
 
-    _needs_kernels(fmt)
-    checkpoint = level3(fmt)
     config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
     unet = empty_backbone(config)
     restore_quantized_backbone(config, "quantized_unet", str(checkpoint), unet)
     unet.to(device=CUDA, dtype=torch.float16).eval().to(memory_format=torch.channels_last)
     torch_backend.convert_quantized(unet, SDXL, str(checkpoint), fmt)
+    if then is not None:
+        then(unet)
     layers = {name: module for name, module in unet.named_modules() if isinstance(module, layer_class)}
-    assert len(layers) > 10
     seen = {}
 
     def keep(name: str):
@@ -174,8 +174,17 @@ def test_every_converted_scene_convolution_matches_its_twin_on_its_own_input(lev
             timesteps=torch.full((2,), 700.0, device=CUDA),
             context=torch.randn(2, 77, 192, device=CUDA, generator=generator).half(),
             y=torch.randn(2, 176, device=CUDA, generator=generator).half())
-        for hook in hooks:
-            hook.remove()
-        assert seen.keys() == layers.keys()
+    for hook in hooks:
+        hook.remove()
+    assert seen.keys() == layers.keys()
+    return seen
+
+
+@pytest.mark.parametrize("fmt,layer_class", [("fp8", Fp8Conv2d), ("int8", Int8Conv2d)])
+def test_every_converted_scene_convolution_matches_its_twin_on_its_own_input(level3, fmt, layer_class):
+    _needs_kernels(fmt)
+    seen = converted_scene_inputs(level3(fmt), fmt, layer_class)
+    assert len(seen) > 10
+    with torch.no_grad():
         for name, (module, x) in seen.items():
             _compare(fmt, *module.operands(x), module.bias, module.stride, module.padding, f"{name} {tuple(x.shape)}")

@@ -17,12 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdquant.runtime import torch_backend
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_geglu import TMA_CAPABILITY, Fp8Geglu, fuse_geglus, reference_fp8_geglu
 
-from conftest import compose_config
-from test_conv8_gpu import level3  # noqa: F401  (the scene model's level-3 checkpoints, a fixture)
+from test_conv8_gpu import converted_scene_inputs, level3  # noqa: F401  (level3: a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
@@ -84,39 +82,12 @@ def test_every_tile_matches_the_twin(tile):
 
 
 def test_every_scene_geglu_matches_its_twin_on_its_own_input(level3):  # noqa: F811
-    from sdquant.families.sdxl import SDXL
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
-
     _needs_hopper()
-    checkpoint = level3("fp8")
-    config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
-    unet = empty_backbone(config)
-    restore_quantized_backbone(config, "quantized_unet", str(checkpoint), unet)
-    unet.to(device=CUDA, dtype=torch.float16).eval()
-    torch_backend.convert_quantized(unet, SDXL, str(checkpoint), "fp8")
-    assert fuse_geglus(unet) > 0
-    layers = {name: module for name, module in unet.named_modules() if isinstance(module, Fp8Geglu)}
-    seen = {}
-
-    def keep(name: str):
-        def hook(module, args, _out):
-            seen.setdefault(name, (module, args[0]))
-        return hook
-
-    hooks = [module.register_forward_hook(keep(name)) for name, module in layers.items()]
-    generator = torch.Generator(CUDA).manual_seed(0)
+    fused = []
+    seen = converted_scene_inputs(level3("fp8"), "fp8", Fp8Geglu, then=lambda unet: fused.append(fuse_geglus(unet)))
+    assert fused[0] == len(seen) > 0
     with torch.no_grad():
-        SDXL.backbone_stage(unet, torch.float16)(
-            x=torch.randn(2, 4, 16, 16, device=CUDA, generator=generator).half(),
-            timesteps=torch.full((2,), 700.0, device=CUDA),
-            context=torch.randn(2, 77, 192, device=CUDA, generator=generator).half(),
-            y=torch.randn(2, 176, device=CUDA, generator=generator).half())
-        for hook in hooks:
-            hook.remove()
-        assert seen.keys() == layers.keys()
         for name, (module, x) in seen.items():
             rows = to_fp8(x.reshape(-1, module.in_features), module.input_inverse_scale)
             _compare((rows, module.weight_fp8, module.input_scale, module.weight_scale, module.bias,
                       module.out_inverse_scale), f"{name} {tuple(x.shape)}")
-

@@ -119,6 +119,24 @@ def test_fp8_layers_take_every_scale_from_the_checkpoint_and_match_fake_quantiza
     assert torch._dynamo.explain(UNetGraph(real))(*_unet_inputs()).graph_break_count == 0
 
 
+def test_fused_geglus_leave_the_converted_unets_output_as_it_was(fp8_l3):
+    from diffusers.models.attention import FeedForward
+
+    from sdquant.runtime.kernels.fp8_geglu import Fp8Geglu, fuse_geglus
+
+    _, real = _restored(fp8_l3)
+    torch_backend.convert_quantized(real, SDXL, str(fp8_l3), "fp8")
+    feed_forwards = [module for module in real.modules() if isinstance(module, FeedForward)]
+    with torch.no_grad():
+        expected = UNetGraph(real)(*_unet_inputs())
+        assert fuse_geglus(real) == len(feed_forwards) > 0
+        actual = UNetGraph(real)(*_unet_inputs())
+    assert all(isinstance(module.net[0], Fp8Geglu) for module in feed_forwards)
+    # On the CPU the op runs the twin of the layers it replaced, in the same precision.
+    assert torch.equal(actual, expected)
+    assert torch._dynamo.explain(UNetGraph(real))(*_unet_inputs()).graph_break_count == 0
+
+
 def _image(tmp_path, *overrides, model="scenes_sdxl", size=64, steps=20):
     run_infer(compose_config("sd_xl_trt_inference", [
         f"model={model}", "backend=torch", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={SCENE_PROMPTS}",
@@ -183,6 +201,24 @@ def test_in_slices_runs_the_graph_a_slice_at_a_time_and_keeps_each_output_before
     seen.clear()
     torch_backend.InSlices(graph, 8)(batch[:2])
     assert seen == [2]
+
+
+def test_compiling_stages_reduce_rows_up_to_2048_wide_in_registers(tiny_pipeline):
+    """The choice reaches inductor through its hook for the compiling thread (kernel speeds:
+    compiled_forms' docstring); a GPU's compile then writes persistent reductions for SDXL's
+    1280-wide LayerNorms (triton_per_* kernels in benchmarks/results/sdxl_rows_h100_b8.json)."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    from sdquant.config import TorchBackendBlock
+    from sdquant.runtime.compiled_forms import PERSISTENT_ROW_MAX
+
+    V.set_choices_handler(InductorChoices())
+    pipe = tiny_pipeline("tiny_sdxl")
+    torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
+                           cuda_graph=False, quantized=False)
+    assert type(V.choices).__name__ == "PersistentRows" and PERSISTENT_ROW_MAX >= 1280
+    V.set_choices_handler(InductorChoices())
 
 
 @pytest.mark.parametrize("model", ["tiny_sdxl", "tiny_flux", "tiny_sd3"])
