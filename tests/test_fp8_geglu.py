@@ -17,20 +17,28 @@ from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.int8 import Int8Linear
 
 
+def _reload_kernels():
+    """The kernel's module and the convolutions' one whose jit helpers it calls, compiled anew (for
+    the interpreter while TRITON_INTERPRET is set): an interpreted kernel cannot call a compiled
+    helper, which test_conv8.py's fixture leaves behind."""
+    from sdquant.runtime.kernels import conv8_triton, fp8_geglu_triton
+
+    importlib.reload(conv8_triton)
+    return importlib.reload(fp8_geglu_triton)
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     """The kernel's module compiled for Triton's interpreter, with a tile small enough for it."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
-    from sdquant.runtime.kernels import fp8_geglu_triton
-
-    kernels = importlib.reload(fp8_geglu_triton)
+    kernels = _reload_kernels()
     # One configuration, so the autotuner has nothing to time.
     kernels.geglu.configs = kernels._configs(((32, 32, 32, 4, 2),))
     yield kernels
     mp.undo()
     # Compiled kernels again for whatever runs next in this process (a GPU's tests).
-    importlib.reload(fp8_geglu_triton)
+    _reload_kernels()
 
 
 # (tokens, in features, features after the gating, bias): tiles that overhang the tokens, the

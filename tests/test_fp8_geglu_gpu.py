@@ -6,9 +6,9 @@ on its own input. Skipped before Hopper (the kernel reads TMA boxes).
     python -m pytest -m gpu tests/test_fp8_geglu_gpu.py -n 0 -s
 
 Both give FP8. The kernel gates its fp32 sums, the twin the GEMM rounded to fp16, so values that lie
-near an FP8 rounding boundary round to neighbouring FP8 values: about 4% of them at SDXL's shapes,
+near an FP8 rounding boundary round to neighbouring FP8 values: 3-4% of them at SDXL's shapes,
 as many as the unfused cuBLAS GEMM and compiled gating kernel part from the twin (H200,
-benchmarks/results/fp8_geglu_h200.json), about 1% of the output's norm. A wrong strip, half or
+benchmarks/results/fp8_geglu_h200.json), under 1% of the output's norm. A wrong strip, half or
 scale is off by the size of the output.
 """
 

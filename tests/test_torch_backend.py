@@ -203,22 +203,42 @@ def test_in_slices_runs_the_graph_a_slice_at_a_time_and_keeps_each_output_before
     assert seen == [2]
 
 
+class _Reduction:
+    """What inductor's choice reads of a reduction kernel: its kind and its row length."""
+
+    def __init__(self, hint, numel: int):
+        import sympy
+
+        self.hint, self.reduction_numel = hint, sympy.Integer(numel)
+
+    def get_reduction_hint(self):
+        return self.hint
+
+
 def test_compiling_stages_reduce_rows_up_to_2048_wide_in_registers(tiny_pipeline):
-    """The choice reaches inductor through its hook for the compiling thread (kernel speeds:
-    compiled_forms' docstring); a GPU's compile then writes persistent reductions for SDXL's
-    1280-wide LayerNorms (triton_per_* kernels in benchmarks/results/sdxl_rows_h100_b8.json)."""
+    """The choice reaches inductor through its hook for the compiling thread and keeps SDXL's
+    1280-wide LayerNorm rows in registers, not wider rows nor reductions across rows; a GPU's
+    compile then writes persistent kernels for them (triton_per_* in
+    benchmarks/results/sdxl_rows_h100_b8.json)."""
     from torch._inductor.choices import InductorChoices
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.virtualized import V
 
     from sdquant.config import TorchBackendBlock
-    from sdquant.runtime.compiled_forms import PERSISTENT_ROW_MAX
 
-    V.set_choices_handler(InductorChoices())
-    pipe = tiny_pipeline("tiny_sdxl")
-    torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
-                           cuda_graph=False, quantized=False)
-    assert type(V.choices).__name__ == "PersistentRows" and PERSISTENT_ROW_MAX >= 1280
-    V.set_choices_handler(InductorChoices())
+    with V.set_choices_handler(InductorChoices()):
+        pipe = tiny_pipeline("tiny_sdxl")
+        torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float32), TorchBackendBlock(compile=True),
+                               cuda_graph=False, quantized=False)
+        chosen = V.choices
+    with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
+        def persistent(choices, hint, numel):
+            return choices.should_use_persistent_reduction(_Reduction(hint, numel), False)
+
+        assert persistent(chosen, ReductionHint.INNER, 1280) and not persistent(InductorChoices(), ReductionHint.INNER, 1280)
+        assert not persistent(chosen, ReductionHint.INNER, 4096)
+        assert persistent(chosen, ReductionHint.OUTER, 1280) == persistent(InductorChoices(), ReductionHint.OUTER, 1280)
 
 
 @pytest.mark.parametrize("model", ["tiny_sdxl", "tiny_flux", "tiny_sd3"])

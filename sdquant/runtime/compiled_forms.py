@@ -41,7 +41,8 @@ Rows up to 2048 wide reduced in registers: inductor keeps a whole row in registe
 reduction) only up to 1024 elements and reduces wider rows in a loop, which reads each row twice
 (statistics, then the normalized values). SDXL's 1280-wide LayerNorms, each fused with its residual
 add and the next GEMM's FP8 cast, then ran at 1.7 TB/s against 2.8 for the persistent 640-wide ones:
-86 us against 59 persistent at 16384 x 1280 (H100, torch 2.11), and 180 such calls a UNet step.
+86 us against 59 persistent at 16384 x 1280 (H100, torch 2.11; benchmarks/RESULTS.md, seventh
+pass), and 180 such calls a UNet step.
 `use_persistent_rows` gives inductor's heuristic that wider bound, through its own hook for such
 choices (V.set_choices_handler, for the compiling thread). Inductor's FX graph cache does not key
 on the hook: a graph cached by a process without it keeps its looped kernels.
@@ -57,6 +58,7 @@ import math
 
 import torch
 from diffusers.models.activations import GELU as DiffusersGELU
+from torch._inductor.choices import InductorChoices
 
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.int8 import Int8Linear
@@ -180,19 +182,26 @@ def use_compiled_forms(module: torch.nn.Module) -> None:
             layer.set_processor(SlicedAttnProcessor(slice_size=1))
 
 
+class PersistentRows(InductorChoices):
+    """Inductor's choices, but rows of up to PERSISTENT_ROW_MAX elements reduced in registers
+    (see above)."""
+
+    @staticmethod
+    def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+        from torch._inductor import config
+        from torch._inductor.runtime.hints import ReductionHint
+        from torch._inductor.virtualized import V
+
+        if (config.triton.persistent_reductions and not cooperative_reduction
+                and features.get_reduction_hint() == ReductionHint.INNER
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_MAX)):
+            return True
+        return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+
 def use_persistent_rows() -> None:
     """Makes inductor reduce rows of up to PERSISTENT_ROW_MAX elements in registers in what this
     thread compiles from now on (see above)."""
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.virtualized import V
-
-    class PersistentRows(InductorChoices):
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
-            if (not cooperative_reduction and features.get_reduction_hint() == ReductionHint.INNER
-                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_MAX)):
-                return True
-            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
 
     V.set_choices_handler(PersistentRows())

@@ -72,10 +72,11 @@ def triton_geglu(x, weight, x_scale, weight_scale, bias, out_inverse_scale, out:
     Triton's interpreter rounds to FP8 wrongly at the edges of binades."""
     tokens, in_features = x.shape
     features = out.shape[1]
-    # TMA boxes of contiguous rows. A box past the value half reads gate rows only for output
-    # features the store leaves out.
-    x_box = TensorDescriptor(x.contiguous(), list(x.shape), [in_features, 1], [16, 16])
+    # TMA boxes of contiguous rows, their sizes set per configuration (_set_blocks). A box past
+    # the value half reads gate rows only for output features the store leaves out.
+    x = x.contiguous()
     weight = weight.contiguous()
+    x_box = TensorDescriptor(x, list(x.shape), [in_features, 1], [16, 16])
     weight_box = TensorDescriptor(weight, list(weight.shape), [in_features, 1], [16, 16])
 
     def grid(meta):
