@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .conv8_triton import _ceil_div, _grouped
+from .conv8_triton import _ceil_div, _configs as conv_configs, _grouped
 
 # Autotuned tiles: (tokens, output features, input features per step, warps, pipeline stages), each
 # tile holding two sums of that size. On an H200 the first won at SDXL's feed-forward shapes
@@ -26,8 +26,7 @@ SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
 def _configs(tiles):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=warps,
-                          num_stages=stages, pre_hook=_set_blocks) for m, n, k, warps, stages in tiles]
+    return conv_configs(tiles, _set_blocks)
 
 
 def _set_blocks(args: dict) -> None:
