@@ -146,7 +146,8 @@ def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bo
 
 
 def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int,
-                 cache: DeepCache | None = None) -> dict:
+                 cache: DeepCache | None = None) -> tuple[dict, torch.Tensor]:
+    """The variant's timings at each step count, and the images of its last call (8-bit, on the CPU)."""
     result = {}
     for steps in steps_list:
         settings = SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
@@ -155,12 +156,12 @@ def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs:
         pipeline(settings, StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
         seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
         timer = StageTimer(torch.device("cuda"))
-        pipeline(settings, timer, progress=False)
+        images = pipeline(settings, timer, progress=False)
         stage = report.latency_report([(min(seconds), timer.finish())], batch, steps, "unet_xl")
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
                                     "unet_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
                                     "text_ms": stage["ms"]["text_encoders"]}
-    return result
+    return result, (images * 255).round().to(torch.uint8).cpu()
 
 
 def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
@@ -173,6 +174,16 @@ def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
         seconds = timed(call, runs)
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds)}
     return result
+
+
+def save_images(images: torch.Tensor, path: Path) -> dict:
+    """Saves `images` (8-bit) at `path`, and says where, with their digest: variants whose kernels sum
+    in the same order draw the same one."""
+    import hashlib
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(images, path)
+    return {"file": path.name, "sha256": hashlib.sha256(images.numpy().tobytes()).hexdigest()}
 
 
 def kernel_profile(call, top: int = 12) -> list[dict]:
@@ -217,6 +228,9 @@ def main() -> None:
     parser.add_argument("--vae-batch", type=int, default=TorchBackendBlock.vae_batch,
                         help="our variants' torch_backend.vae_batch (0: the whole batch at once); another than "
                              "the default names the variant <variant>_vae<N>")
+    parser.add_argument("--images", type=Path,
+                        help="a folder for each of our variants' images of its last call at the last step count "
+                             "(<variant>_b<batch>.pt, 8-bit), for comparing variants run in other processes")
     add_compile_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -236,13 +250,14 @@ def main() -> None:
         start = time.perf_counter()
         if variant == "peer":
             row = measure_peer(peer_pipeline(pipe, args.tune_kernels), args.batch, steps_list, args.runs)
+            images = None
         else:
             conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
             block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
                                       tune_kernels=args.tune_kernels)
             pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
                                     cache=cache)
-            row = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
+            row, images = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
             row["quantized_layers"] = conversion.layers if conversion else 0
             row["fp8_attention_layers"] = conversion.attention if conversion else 0
             row["fp8_conv_layers"] = sum(isinstance(module, Fp8Conv2d) for module in pipe.unet.modules())
@@ -256,6 +271,8 @@ def main() -> None:
                 row.update(stage_profiles(pipeline, args.batch))
         row["tune_kernels"] = args.tune_kernels
         variant = variant_name(variant, args, ours=variant != "peer")
+        if args.images and images is not None:
+            row["images"] = save_images(images, args.images / f"{variant}_b{args.batch}.pt")
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
         # CUDA graphs' private pools.
