@@ -64,6 +64,12 @@ class ModelConfig:
     # a model trained on its own captions ships held-out ones (scored for prompt adherence); null
     # takes the package's photo prompts.
     eval_prompts: Optional[str] = None
+    # Another VAE to decode with, in place of the model's own: a diffusers VAE folder, a pipeline
+    # folder holding vae/, or a hub id (e.g. an fp16-safe SDXL VAE); null: the model's own.
+    vae_source: Optional[str] = None
+    # What the VAE decodes in: auto takes the pipeline's dtype, or bf16 where the VAE's config says
+    # force_upcast and the pipeline runs fp16 (SDXL's own VAE overflows fp16); fp16, bf16 or fp32.
+    vae_dtype: str = "auto"
     # Adapters fused into the UNet (and the text encoders, where they have weights for them)
     # before calibration, export and inference.
     loras: list[LoraAdapter] = field(default_factory=list)

@@ -27,6 +27,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+VAE_DTYPES = ("auto", *DTYPES)
 
 
 def compute_dtype(device: torch.device, name: str = "auto", gpu_dtype: torch.dtype = torch.float16) -> torch.dtype:
@@ -38,6 +39,18 @@ def compute_dtype(device: torch.device, name: str = "auto", gpu_dtype: torch.dty
     if name == "auto":
         return gpu_dtype if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def decoder_dtype(model: ModelConfig, vae_config: dict, dtype: torch.dtype) -> torch.dtype:
+    """What the VAE decodes in: model.vae_dtype, or with auto the pipeline's `dtype`, except where the
+    VAE's config says force_upcast (its activations overflow fp16, as SDXL's own VAE's do) and the
+    pipeline runs fp16: then bf16, which has fp32's range and runs as fast as fp16 (diffusers
+    decodes such a VAE in fp32, which on Hopper runs its convolutions at half the rate)."""
+    if model.vae_dtype not in VAE_DTYPES:
+        raise UserError(f"model.vae_dtype={model.vae_dtype!r} is unknown: choose {', '.join(VAE_DTYPES)}")
+    if model.vae_dtype != "auto":
+        return DTYPES[model.vae_dtype]
+    return torch.bfloat16 if dtype == torch.float16 and vae_config.get("force_upcast", False) else dtype
 
 
 def ensure_tiny_model(model: ModelConfig) -> Path:
@@ -103,12 +116,16 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     cls = family.pipeline_class()
     source = _resolved_source(model)
     components = {family.backbone.attribute: backbone} if backbone is not None else {}
+    if model.vae_source:
+        model_configs(model)  # refuses a VAE of other latents before any weight is read
+        components["vae"] = other_vae(model, dtype)
     path = Path(source).expanduser()
     if str(source).endswith(SINGLE_FILE_SUFFIXES):
         if not path.is_file():
             raise UserError(f"model.source={source}: no such checkpoint file")
         kwargs = {"config": model.single_file_config} if model.single_file_config else {}
-        pipe = _load_or_explain(cls.from_single_file, str(path), model, dtype=dtype, **kwargs)
+        pipe = _load_or_explain(cls.from_single_file, str(path), model, dtype=dtype, **kwargs,
+                                **({"vae": components["vae"]} if model.vae_source else {}))
     elif path.is_dir():
         pipe = _load_or_explain(cls.from_pretrained, str(path), model, dtype=dtype, **components)
     elif _looks_local(source):
@@ -121,11 +138,60 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
         raise UserError(f"model.source={source} has no {', '.join(missing)}, so it is no {cls.__name__} as "
                         f"model.family={Family(model.family).value} needs: set model.family to the model's own")
     pipe.set_progress_bar_config(disable=True)
+    pipe.vae.to(decoder_dtype(model, pipe.vae.config, dtype))
     # A given backbone stays where it is, on the meta device, until its weights are restored: a
     # checkpoint made with these adapters holds them fused already.
     pipe = pipe if backbone is not None else pipe.to(device)
     fuse_loras(pipe, model.loras)
     return pipe
+
+
+def vae_location(model: ModelConfig) -> tuple[str, str | None]:
+    """Where model.vae_source's VAE is read from: (a folder or hub id, its subfolder): a VAE folder
+    (config.json at its root), a pipeline folder holding vae/, or a hub id of a VAE."""
+    folder = Path(model.vae_source).expanduser()
+    if (folder / "config.json").is_file():
+        return str(folder), None
+    if (folder / "vae" / "config.json").is_file():
+        return str(folder), "vae"
+    if _looks_local(model.vae_source) or folder.exists():
+        raise UserError(f"model.vae_source={model.vae_source}: no VAE there (no config.json in it or in its vae/ "
+                        "folder): give a diffusers VAE folder, a pipeline folder or a hub id")
+    return model.vae_source, None
+
+
+def other_vae(model: ModelConfig, dtype: torch.dtype):
+    """model.vae_source's VAE, as the class its config names, in `dtype`."""
+    from diffusers import AutoModel
+
+    location, subfolder = vae_location(model)
+    try:
+        return AutoModel.from_pretrained(location, subfolder=subfolder, torch_dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise UserError(f"model.vae_source={model.vae_source} could not be loaded as a VAE ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0]}); give a local diffusers VAE folder") from error
+
+
+def _checked_vae_config(model: ModelConfig, own: dict) -> dict:
+    """model.vae_source's config, refused where its latents are not the model's own (`own`: the
+    model's VAE config): another channel count or scale would feed the backbone latents it never saw."""
+    from diffusers import AutoencoderKL
+
+    location, subfolder = vae_location(model)
+    try:
+        other = AutoencoderKL.load_config(location, subfolder=subfolder)
+    except (OSError, ValueError) as error:
+        raise UserError(f"model.vae_source={model.vae_source}: cannot read its config "
+                        f"({str(error).splitlines()[0]}); give a local diffusers VAE folder") from error
+    for key in ("latent_channels", "block_out_channels"):
+        mine, theirs = own.get(key), other.get(key)
+        if key == "block_out_channels":
+            mine, theirs = len(mine or ()), len(theirs or ())
+        if mine != theirs:
+            what = "latent channels" if key == "latent_channels" else "levels (its scale factor)"
+            raise UserError(f"model.vae_source={model.vae_source} has {theirs} {what} where model={model.name}'s VAE "
+                            f"has {mine}: give a VAE made for {family_of(model.family).name} models")
+    return other
 
 
 def _looks_local(source: str) -> bool:
@@ -163,7 +229,7 @@ def model_configs(model: ModelConfig) -> dict:
     if _looks_local(source) and not Path(location).is_dir():
         raise _no_such_folder(source)
     try:
-        return {
+        configs = {
             # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
             "backbone_config": family.backbone_class().load_config(location, subfolder=family.backbone.attribute),
@@ -172,7 +238,10 @@ def model_configs(model: ModelConfig) -> dict:
     except (OSError, ValueError) as error:
         raise UserError(f"model.source={source}: cannot read its {family.backbone.attribute}, VAE and scheduler configs "
                         f"({str(error).splitlines()[0]}); download the model first or point model.source at a "
-                        "local diffusers folder of a {family.name} model") from error
+                        f"local diffusers folder of a {family.name} model") from error
+    if model.vae_source:
+        configs["vae_config"] = _checked_vae_config(model, configs["vae_config"])
+    return configs
 
 
 def pipeline_parts(model: ModelConfig) -> dict:

@@ -110,6 +110,9 @@ class ImageWriter:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="png")
         self.queued: list[list] = []  # per batch, its PNGs' futures
         self.written: list[Path] = []
+        # NaN or inf pixels the images held before rounding (written as black): a backbone or VAE
+        # out of its range, which every report states.
+        self.nonfinite_values = 0
 
     def __enter__(self) -> "ImageWriter":
         return self
@@ -125,6 +128,7 @@ class ImageWriter:
         import torch
 
         self._wait(keep=1)
+        self.nonfinite_values += int((~torch.isfinite(images)).sum())
         pixels = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         futures = []
         for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
@@ -210,6 +214,8 @@ def print_latency(report: dict) -> None:
         told = (f"compiling and setting up: {setup:.1f} s once per shape" if setup >= SETUP_SHOWN
                 else "no set-up beyond a timed run")
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
+    if report.get("nonfinite_values"):
+        print(f"  warning: the images held {report['nonfinite_values']} NaN or inf values (written black)")
 
 
 def after_first_batch(images: int, seconds: float) -> dict:
@@ -251,6 +257,7 @@ def merged_latency(parts: list[dict]) -> dict:
     merged["ms"] = {key: statistics.mean(part["ms"][key] for part in parts) for key in parts[0]["ms"]}
     merged["images_per_second"] = sum(part["images_per_second"] for part in parts)
     merged["images_written"] = sum(part["images_written"] for part in parts)
+    merged["nonfinite_values"] = sum(part.get("nonfinite_values", 0) for part in parts)
     merged["after_first_batch"] = _after_first_batch_together(parts)
     merged["first_call_seconds"] = max(part["first_call_seconds"] for part in parts)
     merged["setup_seconds"] = max(part["setup_seconds"] for part in parts)

@@ -234,5 +234,6 @@ def warn_if_not_finite(latents: torch.Tensor, images: torch.Tensor) -> None:
     if not torch.isfinite(latents).all():
         warnings.warn("the backbone produced NaN or inf latents: check the quantized checkpoint's ranges")
     elif not torch.isfinite(images).all():
-        warnings.warn("the VAE produced NaN or inf pixels: an fp16 VAE overflowing is the usual cause; "
-                      "export it with onnx.vae_precision=fp32")
+        warnings.warn("the VAE produced NaN or inf pixels: an fp16 VAE overflowing is the usual cause; decode "
+                      "in bf16 or fp32 (model.vae_dtype, onnx.vae_precision=fp32) or give an fp16-safe VAE "
+                      "(model.vae_source)")

@@ -16,6 +16,7 @@ from ..cli import stage
 from ..config import quantized_backbone, validate_export, validate_image_size
 from ..errors import UserError
 from ..families import family_of
+from ..families.networks import Role
 from ..load import empty_backbone, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
 from .settings import checked_cache, checked_checkpoint, restore_quantized_backbone, settled_image_size
@@ -107,6 +108,9 @@ def _graph_fingerprint(cfg, name: str, dtype: torch.dtype, quantized: dict | Non
         # run only at latent sizes that are multiples of 2**upsamplers: they are exported again.
         **({"upsampling": "to skip sizes"} if backbone else {}),
         **(cache.record() if name in family.backbone_graphs()[1:] else {}),
+        # Absent without another VAE, so the graphs exported before the key still count as current.
+        **({"vae_source": cfg.model.vae_source} if cfg.model.vae_source and family.network(name).role is Role.decoder
+           else {}),
     })
 
 

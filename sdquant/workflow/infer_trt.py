@@ -37,6 +37,7 @@ class Batches:
     first_call_seconds: float
     later_images: int
     later_seconds: float
+    nonfinite_values: int
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def run_infer(cfg) -> dict:
         latency["after_first_batch"] = report.after_first_batch(batches.later_images, batches.later_seconds)
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device),
-                        "images_written": len(batches.written)})
+                        "images_written": len(batches.written), "nonfinite_values": batches.nonfinite_values})
         latencies, written = parallel.gather(latency, world), sum(parallel.gather(batches.written, world), [])
         if not world.is_main:
             return latency
@@ -174,7 +175,7 @@ def _prompt_batches(pipeline, mine: list, total: int, writer: report.ImageWriter
     with stage("writing the last images"):
         written = writer.finish()
     later_seconds = time.perf_counter() - first_call_end if later_images else 0.0
-    return Batches(written, first_call_end - start, later_images, later_seconds)
+    return Batches(written, first_call_end - start, later_images, later_seconds, writer.nonfinite_values)
 
 
 def _onnx_file(file: StageFile) -> Path:
