@@ -103,18 +103,19 @@ def held_out_file(args) -> Path:
     return Path(args.prompts_file or Path(shipped_model_folder(args.model)) / "heldout_prompts.txt")
 
 
-def evaluate_into_results(name: str, report_dir: Path, overrides: list[str]) -> None:
+def evaluate_into_results(name: str, report_dir: Path, overrides: list[str]) -> dict:
     """evaluate.py with `overrides` (16 prompts a batch), its report and grid copied to
-    benchmarks/results/<name>.md and <name>_grid.png."""
+    benchmarks/results/<name>.md and <name>_grid.png; returns the report."""
     from PIL import Image
 
-    run_evaluate(compose_app("sd_xl_evaluate", [f"out_path={report_dir}", "sampling.batch_size=16", *overrides]))
+    report = run_evaluate(compose_app("sd_xl_evaluate", [f"out_path={report_dir}", "sampling.batch_size=16", *overrides]))
     results = REPO / "benchmarks" / "results"
     shutil.copy(report_dir / "quality.md", results / f"{name}.md")
     # The grid is for looking at: in 256 colours, 128 prompts x 16 columns take 1.6 MB, not 7.8.
     grid = Image.open(report_dir / "grid.png").convert("RGB")
     grid.quantize(colors=256, dither=Image.Dither.NONE).save(results / f"{name}_grid.png", optimize=True)
     print(f"wrote {results / f'{name}.md'}")
+    return report
 
 
 if __name__ == "__main__":

@@ -1,0 +1,171 @@
+"""Quality of each setting the README headlines, as the mean and range over several calibrations:
+calibration k takes its own slice of the model's calibration captions (prompts calib_size * k on)
+and its own seed (42 + k), so each checkpoint of a recipe sees other prompts and other noise. All
+checkpoints and cached settings run in one evaluate.py pass against one unquantized reference on the
+scene model's held-out prompts; the summary gives, per setting, the mean, lowest and highest
+two-object adherence, adherence over all prompts and PSNR, and whether the mean stays within
+3 points of the unquantized model (of the uncached one for a cached setting).
+
+    python benchmarks/quality_over_calibrations.py                      # scenes_sdxl on a CPU
+    python benchmarks/quality_over_calibrations.py --model scenes_flux --calib-batch 8 --device cuda --kernels fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from sdquant.config import register_schemas, shipped_model_folder
+from quality_recipes import RECIPES, add_kernels_argument, calibrated, evaluate_into_results, held_out_file
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEEPCACHE_2 = "{method:deepcache,interval:2,branch:0}"
+TAYLORSEER_BLOCKS_2 = "{method:taylorseer_blocks,interval:2}"
+# Per kind of backbone, setting -> (its recipe in quality_recipes.RECIPES, or None for the 16-bit
+# backbone; its step cache as evaluate.py's variant_cache takes it, or None): the speed tables'
+# headline settings and the recipes beside them.
+SETTINGS = {
+    "unet": {"int8_l3": ("int8_l3", None), "fp8_l3": ("fp8_l3", None), "fp8_l4": ("fp8_l4", None),
+             "fp16_deepcache2": (None, DEEPCACHE_2), "fp8_l3_deepcache2": ("fp8_l3", DEEPCACHE_2)},
+    "transformer": {"int8_l3": ("int8_l3", None), "fp8_l3": ("fp8_l3", None), "fp8_l4": ("fp8_l4", None),
+                    "fp16_taylorseer_blocks2": (None, TAYLORSEER_BLOCKS_2),
+                    "fp8_l4_taylorseer_blocks2": ("fp8_l4", TAYLORSEER_BLOCKS_2)},
+}
+# Points of two-object adherence a setting may lose against the model it is held to.
+WITHIN = 3.0
+FIRST_SEED = 42
+FIGURES = {"two objects": ("adherence", "two_objects"), "all prompts": ("adherence", "all"), "PSNR": ("psnr", None)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="scenes_sdxl")
+    parser.add_argument("--backbone", choices=sorted(SETTINGS), help="default: unet for scenes_sdxl, else transformer")
+    parser.add_argument("--settings", help="which settings, by name (default: all of the backbone's)")
+    parser.add_argument("--calibrations", type=int, default=3)
+    parser.add_argument("--calib-size", type=int, default=32, help="captions per calibration")
+    parser.add_argument("--calib-batch", type=int, default=1, help="prompts per calibration batch")
+    parser.add_argument("--work", default=".scratch/quality_over_calibrations", help="checkpoints and reports")
+    parser.add_argument("--prompts-file", help="default: the shipped model's held-out prompts")
+    parser.add_argument("--device", default="cpu")
+    add_kernels_argument(parser)
+    parser.add_argument("--name", help="the results' name (default quality_means_<model>_<device>[_<kernels>])")
+    args = parser.parse_args()
+    register_schemas()
+    settings = chosen_settings(args)
+    variants, caches = calibrated_variants(args, settings)
+    name = args.name or f"quality_means_{args.model}_{args.device}" + ("" if args.kernels == "fake" else f"_{args.kernels}")
+    report = evaluate_into_results(name, Path(args.work) / "report", [
+        f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
+        "sampling.steps=20", f"torch_backend.quantized={args.kernels}",
+        *[f"+variants.{variant}={folder or 'null'}" for variant, folder in variants.items()],
+        *(["+variant_cache={" + ",".join(f"{variant}:{cache}" for variant, cache in caches.items()) + "}"]
+          if caches else [])])
+    summary = summarized(report, settings, args)
+    (RESULTS / f"{name}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (RESULTS / f"{name}_summary.md").write_text(summary_markdown(summary))
+    print(summary_markdown(summary))
+
+
+def chosen_settings(args) -> dict:
+    args.backbone = args.backbone or ("unet" if args.model == "scenes_sdxl" else "transformer")
+    table = SETTINGS[args.backbone]
+    names = args.settings.split(",") if args.settings else list(table)
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise SystemExit(f"--settings: {', '.join(unknown)} not among the {args.backbone} settings ({', '.join(table)})")
+    return {name: table[name] for name in names}
+
+
+def calibration_prompts(args, index: int) -> Path:
+    """Calibration `index`'s own slice of the model's calibration captions, as a prompts file."""
+    captions = [line for line in (Path(shipped_model_folder(args.model)) / "calib_prompts.txt").read_text().splitlines()
+                if line.strip()]
+    chosen = captions[index * args.calib_size:(index + 1) * args.calib_size]
+    if len(chosen) < args.calib_size:
+        raise SystemExit(f"--calibrations {args.calibrations} x --calib-size {args.calib_size} needs more than the "
+                         f"model's {len(captions)} captions")
+    path = Path(args.work) / f"calib_prompts_{index}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(chosen) + "\n")
+    return path
+
+
+def variant_name(setting: str, index: int | None) -> str:
+    return setting if index is None else f"{setting}_c{index}"
+
+
+def calibrated_variants(args, settings: dict) -> tuple[dict, dict]:
+    """Every setting's evaluate.py variants (name -> checkpoint folder, None for the 16-bit backbone),
+    one per calibration for the quantized ones, and the cache of the cached ones."""
+    recipes = dict.fromkeys(recipe for recipe, _ in settings.values() if recipe)
+    variants, caches = {}, {}
+    for setting, (recipe, cache) in settings.items():
+        if recipe is None:
+            variants[setting] = None
+            if cache:
+                caches[setting] = cache
+    for index in range(args.calibrations):
+        overrides = [f"prompts_file={calibration_prompts(args, index)}", f"seed={FIRST_SEED + index}",
+                     f"quantize.calib_size={args.calib_size}"]
+        folders = calibrated(args, {recipe: RECIPES[recipe] + overrides for recipe in recipes})
+        for setting, (recipe, cache) in settings.items():
+            if recipe is not None:
+                variants[variant_name(setting, index)] = folders[recipe]
+                if cache:
+                    caches[variant_name(setting, index)] = cache
+    return variants, caches
+
+
+def figure(report: dict, variant: str, figure_name: str) -> float:
+    """Two-object or all-prompt adherence in percent, or the mean PSNR in dB, of one variant."""
+    source, key = FIGURES[figure_name]
+    if source == "adherence":
+        return 100 * report["adherence"][variant]["mean"][key]
+    return report["variants"][variant]["mean"]["psnr"]
+
+
+def summarized(report: dict, settings: dict, args) -> dict:
+    """Per setting, each figure's values over the calibrations with their mean and range, and the
+    mean's distance to the model it is held to (the unquantized backbone, uncached)."""
+    reference = report["reference"]["name"]
+    unquantized = {name: 100 * report["adherence"][reference]["mean"][key]
+                   for name, (source, key) in FIGURES.items() if source == "adherence"}
+    rows = {}
+    for setting, (recipe, _) in settings.items():
+        runs = [variant_name(setting, index if recipe else None) for index in range(args.calibrations if recipe else 1)]
+        row = {}
+        for figure_name in FIGURES:
+            values = [figure(report, run, figure_name) for run in runs]
+            row[figure_name] = {"values": values, "mean": statistics.fmean(values), "low": min(values),
+                                "high": max(values)}
+        row["two objects against unquantized"] = row["two objects"]["mean"] - unquantized["two objects"]
+        row["within"] = row["two objects against unquantized"] >= -WITHIN
+        rows[setting] = row
+    return {"model": args.model, "device": report["settings"]["device"], "kernels": args.kernels,
+            "calibrations": args.calibrations, "calib_size": args.calib_size, "reference": reference,
+            "unquantized": unquantized, "prompts": report["adherence"][reference]["scored"], "settings": rows}
+
+
+def summary_markdown(summary: dict) -> str:
+    unquantized = summary["unquantized"]
+    lines = [f"# Quality over {summary['calibrations']} calibrations: {summary['model']}", "",
+             f"{summary['device']}, checkpoints run as {summary['kernels']}, {summary['prompts']} held-out prompts; "
+             f"calibration k: captions {summary['calib_size']}k to {summary['calib_size']}(k+1), seed {FIRST_SEED}+k. "
+             f"Unquantized ({summary['reference']}): two objects {unquantized['two objects']:.1f}%, all prompts "
+             f"{unquantized['all prompts']:.1f}%. Each cell: the mean over the calibrations, then its lowest and "
+             "highest; a setting is within target where its mean two-object adherence is at most "
+             f"{WITHIN:g} points under the unquantized model's.", "",
+             "| setting | two objects | all prompts | PSNR (dB) | against unquantized | within |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for setting, row in summary["settings"].items():
+        cells = [f"{row[name]['mean']:.1f} ({row[name]['low']:.1f}-{row[name]['high']:.1f})" for name in FIGURES]
+        lines.append(f"| {setting} | " + " | ".join(cells)
+                     + f" | {row['two objects against unquantized']:+.1f} | {'yes' if row['within'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
