@@ -21,12 +21,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Autotuned tiles: (output pixels, output channels, input channels per step, warps, pipeline stages).
 # Measured for FP8 on an H100 at SDXL's UNet and VAE shapes (benchmarks/conv8_speed.py): the large tiles
-# win at 640 channels and more, the 64-channel steps at 320 and 960. Not here: 128 pixels by 128 or
-# 256 channels with 128-channel steps, 8 warps and 3 stages, which computed wrong sums (19% off for
-# 256 channels, 0.6% for 128) wherever a tile spans several image rows (images narrower than 128
-# pixels), with Triton 3.6 on an H100, while every other tile agreed with the twin to 2e-3;
-# tests/test_conv8_gpu.py runs every tile listed here against the twin, in both formats.
-TILED_TILES = ((256, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4))
+# win at 640 channels and more, the 64-channel steps at 320 and 960, 128 pixels by 256 channels
+# where 1280 come out of a 32x32 or 64x64 map (benchmarks/results/conv8_speed_unet_fp8_h100.json).
+# 128 by 128 channels in 128-channel steps is right too, but was the fastest at none of the UNet's
+# shapes at 8 images. tests/test_conv8_gpu.py runs every tile listed here against the twin, in
+# both formats, at SDXL's resolutions.
+TILED_TILES = ((256, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
+               (128, 128, 64, 4, 4))
 GATHERED_TILES = ((128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
                   (128, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 32, 4, 5))
 
@@ -55,6 +56,11 @@ def _set_blocks(args: dict) -> None:
 
 
 _SHAPE_KEY = ["out_channels", "IN_CHANNELS", "KERNEL_H", "KERNEL_W", "PADDING", "INTEGER"]
+# Arguments that only count pixels and tiles: one compiled kernel serves every value. Triton would
+# compile one for the values 16 divides and one for the others, so each new resolution (SDXL's
+# buckets and their transposes) would compile anew every tile the autotuner tries. Strides and
+# channel counts stay specialized: they align the loads and stores.
+_ANY_SIZE = ["batch", "height", "width", "out_h", "out_w"]
 
 
 # The kernels use no function of Triton's standard library (tl.cdiv, tl.zeros): those are jit
@@ -95,7 +101,7 @@ def _epilogue(sums, x_scale, weight_scale, bias, out, rows, row_valid, cols, out
 
 @triton.autotune(configs=_configs(TILED_TILES, _set_blocks), key=["batch", "out_h", "out_w", *_SHAPE_KEY],
                  prune_configs_by={"early_config_prune": _fitting})
-@triton.jit
+@triton.jit(do_not_specialize=_ANY_SIZE)
 def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_channels,
           IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr, KERNEL_W: tl.constexpr, STRIDE: tl.constexpr,
           PADDING: tl.constexpr, HAS_BIAS: tl.constexpr, INTEGER: tl.constexpr, WIDTH_P2: tl.constexpr,
@@ -110,22 +116,27 @@ def tiled(x, weight, bias, out, x_scale, weight_scale, batch, out_h, out_w, out_
     y0 = (row_tile // tiles_x) % tiles_y * TILE_H
     x0 = row_tile % tiles_x * TILE_W
     col0 = col_tile * BLOCK_N
-    sums = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32 if INTEGER else tl.float32)
+    # Channels by pixels: the box is the dot's second operand, which Hopper's tensor cores read from
+    # shared memory, where TMA put it. As the first operand, a box of several image rows (a reshape
+    # Triton 3.6 does not fold into the load) went through registers, and the next step's loads
+    # overwrote them while the last step's wgmmas still read them (ptxas before CUDA 13.3,
+    # triton-lang/triton#9433): sums up to 20% off, as timing had it (benchmarks/conv8_tile_repro.py).
+    sums = tl.full((BLOCK_N, BLOCK_M), 0, tl.int32 if INTEGER else tl.float32)
     for k in range(0, KERNEL_H * KERNEL_W * IN_CHANNELS, BLOCK_K):
         tap = k // IN_CHANNELS
         box = x.load([sample, y0 - PADDING + tap // KERNEL_W, x0 - PADDING + tap % KERNEL_W, k % IN_CHANNELS])
-        sums = tl.dot(box.reshape(BLOCK_M, BLOCK_K), weight.load([col0, k]).T, sums, out_dtype=sums.dtype)
+        sums = tl.dot(weight.load([col0, k]), box.reshape(BLOCK_M, BLOCK_K).T, sums, out_dtype=sums.dtype)
     pixel = tl.arange(0, BLOCK_M)
     out_y = y0 + pixel // TILE_W
     out_x = x0 + pixel % TILE_W
     rows = (sample * out_h + out_y) * out_w + out_x
-    _epilogue(sums, x_scale, weight_scale, bias, out, rows, (out_y < out_h) & (out_x < out_w),
+    _epilogue(sums.T, x_scale, weight_scale, bias, out, rows, (out_y < out_h) & (out_x < out_w),
               col0 + tl.arange(0, BLOCK_N), out_channels, HAS_BIAS, INTEGER)
 
 
 @triton.autotune(configs=_configs(GATHERED_TILES), key=["batch", "height", "width", "STRIDE", *_SHAPE_KEY],
                  prune_configs_by={"early_config_prune": _fitting})
-@triton.jit
+@triton.jit(do_not_specialize=_ANY_SIZE)
 def gathered(x, weight, bias, out, x_scale, weight_scale, batch, height, width, out_h, out_w, out_channels,
              x_stride_n, x_stride_c, x_stride_h, x_stride_w, IN_CHANNELS: tl.constexpr, KERNEL_H: tl.constexpr,
              KERNEL_W: tl.constexpr, STRIDE: tl.constexpr, PADDING: tl.constexpr, HAS_BIAS: tl.constexpr,
