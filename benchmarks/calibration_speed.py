@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sdquant.quantize.calibrate import ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches, quantize_backbone
+from sdquant.quantize.calibrate import ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches, quantize_backbones
 from sdquant.config import QuantizeBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.load import load_prompts, quiet_libraries
@@ -49,7 +49,7 @@ def graph_matches_eager(pipe, prompts, block: QuantizeBlock, seed: int) -> dict:
         clock = StepClock()
         recorder = ActivationRecorder(pipe.unet, SDXL.quant_cfg_entries(block.format, block.quant_level), block, clock)
         captured = CapturedBackbone(pipe.unet, recorder) if use_graph else None
-        hook = attach_clock(pipe, SDXL, clock)
+        hook = attach_clock(pipe, SDXL, pipe.unet, clock)
         generate_all(pipe, prompts, block, seed)
         hook.remove()
         if captured is not None:
@@ -104,7 +104,7 @@ def main() -> None:
                               quant_level=float(level))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        result = quantize_backbone(pipe, SDXL, prompts, block, seed, cuda_graph=cuda_graph)
+        result = quantize_backbones(pipe, SDXL, prompts, block, seed, cuda_graph=cuda_graph)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
         row = {"format": fmt, "quant_level": float(level), "cuda_graph": cuda_graph,

@@ -16,7 +16,7 @@ one, two = (glob.glob(f"{work}/{d}/*/unet.mto")[0] for d in ("one", "two"))
 a = torch.load(one, weights_only=False, map_location="cpu")["model_state_dict"]
 b = torch.load(two, weights_only=False, map_location="cpu")["model_state_dict"]
 keys = [k for k in a if "quantizer" in k]
-sidecar = json.load(open(two.replace("unet.mto", "unet.json")))
+sidecar = json.load(open(two.replace("unet.mto", "checkpoint.json")))
 report = {"check": "data_parallel", "device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
           "quantizer_tensors": len(keys), "differing": sum(not torch.equal(a[k], b[k]) for k in keys),
           "processes": sidecar["job"]["processes"], "batches": sidecar["calibration"]["batches"]}

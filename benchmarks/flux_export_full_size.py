@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from sdquant.export import graphs
-from sdquant.quantize.calibrate import quantize_backbone
+from sdquant.export import onnx_graphs
+from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock
 from sdquant.families.flux import FLUX
+from sdquant.graphs.geometry import SampleGeometry
 from sdquant.load import quiet_libraries
 from sdquant.report import library_versions
 
@@ -52,22 +53,22 @@ def main() -> None:
     block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=3.5)
     start = time.perf_counter()
-    quantize_backbone(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
+    quantize_backbones(pipe, FLUX, [PROMPT], block, seed=0, cuda_graph=False)
     calibrate_s = time.perf_counter() - start
-    graphs.prepare_quantizers_for_export(pipe.transformer, torch.float16)
+    onnx_graphs.prepare_quantizers_for_export(pipe.transformer, torch.float16)
     graphs = {}
-    for spec in FLUX.graph_specs(pipe, 1, LATENT, torch.float16, torch.float32):
+    for spec in FLUX.graph_specs(pipe, 1, SampleGeometry(1, SIZE, SIZE), LATENT, torch.float16, torch.float32):
         if spec.name not in args.graphs.split(","):
             continue
         if not spec.on_meta:
             device = next(spec.module.parameters()).device
             spec = dataclasses.replace(spec, args=tuple(a.to(device) for a in spec.args))
-        folder = graphs.onnx_path(args.work, spec.name).parent
+        folder = onnx_graphs.onnx_path(args.work, spec.name).parent
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        graphs.export_graph(spec, folder, OPSET, {"graph": spec.name}, torch.float32 if spec.name == "vae" else
+        onnx_graphs.export_graph(spec, folder, OPSET, {"graph": spec.name}, torch.float32 if spec.name == "vae" else
                             torch.float16)
-        files = graphs.graph_files(folder / graphs.ONNX_FILE)
+        files = onnx_graphs.graph_files(folder / onnx_graphs.ONNX_FILE)
         graphs[spec.name] = {"seconds": round(time.perf_counter() - started, 1), "on_meta": spec.on_meta,
                              "bytes": sum(f.stat().st_size for f in files), "files": [f.name for f in files],
                              "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -78,7 +79,7 @@ def main() -> None:
         "what": "FLUX.1-dev architecture, random weights, FP8 level-3 transformer (quantize.py's calibration), "
                 "fp16 graphs (VAE fp32), opset 19, batch 1, 1024x1024, T5 at 512 tokens",
         "build_s": round(build_s, 1), "calibrate_s": round(calibrate_s, 1),
-        "export_s": round(sum(g["seconds"] for g in graphs.values()), 1), "host_peak_gib": round(peak_host_gib(), 2),
+        "export_s": round(sum(g["seconds"] for g in onnx_graphs.values()), 1), "host_peak_gib": round(peak_host_gib(), 2),
         "graphs": graphs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

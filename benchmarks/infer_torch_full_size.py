@@ -49,7 +49,7 @@ def main() -> None:
             pipeline(settings, timer, progress=False)
             stage_seconds = timer.finish()
             timings.append((time.perf_counter() - start, stage_seconds))
-        latency = report.latency_report(timings, 1, steps, "unet_xl")
+        latency = report.latency_report(timings, 1, steps, ["unet_xl"])
         latency["meets_overhead_target"] = latency["pipeline_overhead_fraction"] < TARGET_OVERHEAD
         print(json.dumps(latency["ms"]), f"overhead {100 * latency['pipeline_overhead_fraction']:.2f}%")
         rows.append(latency)

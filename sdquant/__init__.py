@@ -1,4 +1,5 @@
-"""8-bit post-training quantization of Stable Diffusion UNets, exported to ONNX and TensorRT."""
+"""8-bit post-training quantization of diffusion backbones (UNets and DiTs, images and video), run
+fast on NVIDIA GPUs: exported to ONNX and TensorRT, or compiled with the project's own kernels."""
 
 import warnings
 from importlib import metadata

@@ -19,7 +19,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .errors import UserError
-from .families.names import Family
+
+
+class Family(str, Enum):
+    """The model families model.family names; each is described in sdquant.families."""
+
+    sdxl = "sdxl"
+    sd15 = "sd15"
+    sd2 = "sd2"
+    flux = "flux"
+    sd3 = "sd3"
 
 
 class QuantFormat(str, Enum):
@@ -70,6 +79,13 @@ class ModelConfig:
     # What the VAE decodes in: auto takes the pipeline's dtype, or bf16 where the VAE's config says
     # force_upcast and the pipeline runs fp16 (SDXL's own VAE overflows fp16); fp16, bf16 or fp32.
     vae_dtype: str = "auto"
+    # A video model's own size, frame count and frames per second (what sampling.height, .width,
+    # .num_frames and .fps take when null; its diffusers folder states none of them). Image models
+    # take their native size from their configs.
+    height: Optional[int] = None
+    width: Optional[int] = None
+    num_frames: Optional[int] = None
+    fps: Optional[int] = None
     # Adapters fused into the UNet (and the text encoders, where they have weights for them)
     # before calibration, export and inference.
     loras: list[LoraAdapter] = field(default_factory=list)
@@ -97,9 +113,12 @@ class QuantizeBlock:
     # calibrator: the range then grows with calib_size) or by the calibration runs (the true mean).
     mean_divisor: str = "n_steps"
     guidance_scale: float = 5.0
-    # None takes the model's native resolution.
+    # A two-expert video model's guidance for its second (low-noise) expert; None: guidance_scale.
+    guidance_scale_2: Optional[float] = None
+    # None takes the model's native resolution (and frame count, for a video model).
     height: Optional[int] = None
     width: Optional[int] = None
+    num_frames: Optional[int] = None
 
 
 @dataclass
@@ -107,9 +126,11 @@ class InferBlock:
     """NeMo's ``infer`` block of the export config."""
 
     out_path: str = "sdxl_export"
-    # The engines' image size; None takes the model's native size (1024 for SDXL).
+    # The engines' image size; None takes the model's native size (1024 for SDXL), and for a video
+    # model its frame count.
     width: Optional[int] = None
     height: Optional[int] = None
+    num_frames: Optional[int] = None
     # Images per prompt batch: the optimal batch of the engine profiles and the dummy batch.
     batch_size: int = 2
 
@@ -164,6 +185,10 @@ class QuantizeApp:
     dtype: str = "auto"
     # On a GPU, run the UNet and the recording as a CUDA graph (same statistics, less host time).
     cuda_graph: bool = True
+    # On a GPU, keep only the network in use there (diffusers' model CPU offload), the rest in host
+    # memory: a two-expert video model's experts then take one expert's memory, not both (its
+    # backbones then run without CUDA graphs, as offloading moves them).
+    cpu_offload: bool = False
     # NeMo's switches: one job can calibrate, export ONNX and build engines, each step reusing
     # what an earlier run left. run_quantization=false only takes an existing checkpoint.
     run_quantization: bool = True
@@ -243,6 +268,13 @@ class SamplingBlock:
     # None takes the model's native size (1024 for SDXL, 512 for SD 1.5, 64 for scenes_sdxl).
     width: Optional[int] = None
     height: Optional[int] = None
+    # A video's frames (4k+1 for Wan2.2) and frames per second in the written file; None takes the
+    # model's own (model.num_frames, model.fps). Images are one frame.
+    num_frames: Optional[int] = None
+    fps: Optional[int] = None
+    # A two-expert video model's guidance for its second (low-noise) expert; None: guidance_scale,
+    # as diffusers' WanPipeline defaults it.
+    guidance_scale_2: Optional[float] = None
     # Prompts per pipeline call; each call makes batch_size * num_images_per_prompt images.
     batch_size: int = 1
     # Images of each prompt (diffusers' name), each with its own seed: the run's k-th image, counted
@@ -538,25 +570,25 @@ def validate_profile(infer: InferBlock, trt: TrtBlock) -> None:
         )
 
 
-def validate_export(cfg) -> None:
-    validate_profile(cfg.infer, cfg.trt)
-    if cfg.trt.builder not in ("python", "trtexec"):
-        raise UserError(f"trt.builder={cfg.trt.builder!r} is unknown: choose python or trtexec")
-    if cfg.trt.max_prompt_chunks < 1:
-        raise UserError(f"trt.max_prompt_chunks={cfg.trt.max_prompt_chunks} must be at least 1")
-    if cfg.trt.refittable and cfg.trt.builder == "trtexec":
+def validate_export(infer: InferBlock, trt: TrtBlock, onnx: OnnxBlock) -> None:
+    validate_profile(infer, trt)
+    if trt.builder not in ("python", "trtexec"):
+        raise UserError(f"trt.builder={trt.builder!r} is unknown: choose python or trtexec")
+    if trt.max_prompt_chunks < 1:
+        raise UserError(f"trt.max_prompt_chunks={trt.max_prompt_chunks} must be at least 1")
+    if trt.refittable and trt.builder == "trtexec":
         raise UserError("trt.refittable=true marks each weight refittable through the Python API: set "
                         "trt.builder=python")
-    if not 0 <= cfg.trt.builder_optimization_level <= 5:
-        raise UserError(f"trt.builder_optimization_level={cfg.trt.builder_optimization_level} is outside 0..5")
+    if not 0 <= trt.builder_optimization_level <= 5:
+        raise UserError(f"trt.builder_optimization_level={trt.builder_optimization_level} is outside 0..5")
     for key in ("precision", "vae_precision"):
-        if cfg.onnx[key] not in PRECISIONS:
-            raise UserError(f"onnx.{key}={cfg.onnx[key]!r} is unknown: choose fp16 or fp32")
-    if cfg.onnx.opset < 19:
-        raise UserError(f"onnx.opset={cfg.onnx.opset}: 8-bit graphs with fp16 scales need opset 19 or newer")
-    validate_image_size(cfg.infer, "infer")
-    if cfg.onnx.trace_latent_size < 8 or cfg.onnx.trace_latent_size % 8:
-        raise UserError(f"onnx.trace_latent_size={cfg.onnx.trace_latent_size} must be a positive multiple of 8")
+        if getattr(onnx, key) not in PRECISIONS:
+            raise UserError(f"onnx.{key}={getattr(onnx, key)!r} is unknown: choose fp16 or fp32")
+    if onnx.opset < 19:
+        raise UserError(f"onnx.opset={onnx.opset}: 8-bit graphs with fp16 scales need opset 19 or newer")
+    validate_image_size(infer, "infer")
+    if onnx.trace_latent_size < 8 or onnx.trace_latent_size % 8:
+        raise UserError(f"onnx.trace_latent_size={onnx.trace_latent_size} must be a positive multiple of 8")
 
 
 INFER_BACKENDS = ("trt", "onnxruntime", "torch")

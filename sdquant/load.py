@@ -42,15 +42,13 @@ def compute_dtype(device: torch.device, name: str = "auto", gpu_dtype: torch.dty
 
 
 def decoder_dtype(model: ModelConfig, vae_config: dict, dtype: torch.dtype) -> torch.dtype:
-    """What the VAE decodes in: model.vae_dtype, or with auto the pipeline's `dtype`, except where the
-    VAE's config says force_upcast (its activations overflow fp16, as SDXL's own VAE's do) and the
-    pipeline runs fp16: then bf16, which has fp32's range and runs as fast as fp16 (diffusers
-    decodes such a VAE in fp32, which on Hopper runs its convolutions at half the rate)."""
+    """What the VAE decodes in: model.vae_dtype, or with auto its family's choice for a pipeline in
+    `dtype` (ModelFamily.decoder_dtype: a dtype whose range holds)."""
     if model.vae_dtype not in VAE_DTYPES:
         raise UserError(f"model.vae_dtype={model.vae_dtype!r} is unknown: choose {', '.join(VAE_DTYPES)}")
     if model.vae_dtype != "auto":
         return DTYPES[model.vae_dtype]
-    return torch.bfloat16 if dtype == torch.float16 and vae_config.get("force_upcast", False) else dtype
+    return family_of(model.family).decoder_dtype(vae_config, dtype)
 
 
 def ensure_tiny_model(model: ModelConfig) -> Path:
@@ -93,29 +91,35 @@ def folder_or_hub_id(source: str) -> str:
     return str(folder) if folder.is_dir() else source
 
 
-def empty_backbone(model: ModelConfig):
-    """The model's backbone (UNet or transformer) built on the meta device (no memory), for a
-    checkpoint that brings every weight; None for single-file checkpoints, whose backbone config
-    only the full load knows."""
+def empty_backbones(model: ModelConfig) -> dict | None:
+    """The model's backbones (its UNet or transformer, or each expert), by attribute, their weights on
+    the meta device (no memory), for a checkpoint that brings every weight; None for single-file
+    checkpoints, whose backbone config only the full load knows. Buffers are made for real: a
+    checkpoint holds no buffer a module computes for itself (a rotary table)."""
+    from accelerate import init_empty_weights
+
     family = family_of(model.family)
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
         return None
     cls = family.backbone_class()
-    config = cls.load_config(folder_or_hub_id(source), subfolder=family.backbone.attribute)
-    with torch.device("meta"):
-        return cls.from_config(config)
+    backbones = {}
+    for attribute in family.backbone_attributes:
+        config = cls.load_config(folder_or_hub_id(source), subfolder=attribute)
+        with init_empty_weights(include_buffers=False):
+            backbones[attribute] = cls.from_config(config)
+    return backbones
 
 
-def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, backbone=None):
+def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, backbones: dict | None = None):
     """Returns the diffusers pipeline that `model` names, with its LoRA adapters fused in, on
-    `device` in `dtype`; `backbone` (a UNet or transformer), when given, is used instead of
+    `device` in `dtype`; `backbones` (modules by attribute), when given, are used instead of
     loading the pipeline's own."""
     quiet_libraries()
     family = family_of(model.family)
     cls = family.pipeline_class()
     source = _resolved_source(model)
-    components = {family.backbone.attribute: backbone} if backbone is not None else {}
+    components = dict(backbones or {})
     if model.vae_source:
         model_configs(model)  # refuses a VAE of other latents before any weight is read
         components["vae"] = other_vae(model, dtype)
@@ -139,9 +143,9 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
                         f"model.family={Family(model.family).value} needs: set model.family to the model's own")
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.to(decoder_dtype(model, pipe.vae.config, dtype))
-    # A given backbone stays where it is, on the meta device, until its weights are restored: a
+    # Given backbones stay where they are, on the meta device, until their weights are restored: a
     # checkpoint made with these adapters holds them fused already.
-    pipe = pipe if backbone is not None else pipe.to(device)
+    pipe = pipe if backbones else pipe.to(device)
     fuse_loras(pipe, model.loras)
     return pipe
 
@@ -183,14 +187,14 @@ def _checked_vae_config(model: ModelConfig, own: dict) -> dict:
     except (OSError, ValueError) as error:
         raise UserError(f"model.vae_source={model.vae_source}: cannot read its config "
                         f"({str(error).splitlines()[0]}); give a local diffusers VAE folder") from error
-    for key in ("latent_channels", "block_out_channels"):
-        mine, theirs = own.get(key), other.get(key)
-        if key == "block_out_channels":
-            mine, theirs = len(mine or ()), len(theirs or ())
+    family = family_of(model.family)
+    shapes = {"latent channels": lambda config: config.get("latent_channels", config.get("z_dim")),
+              "as its scale factor": family.vae_scale}
+    for what, measure in shapes.items():
+        mine, theirs = measure(own), measure(other)
         if mine != theirs:
-            what = "latent channels" if key == "latent_channels" else "levels (its scale factor)"
             raise UserError(f"model.vae_source={model.vae_source} has {theirs} {what} where model={model.name}'s VAE "
-                            f"has {mine}: give a VAE made for {family_of(model.family).name} models")
+                            f"has {mine}: give a VAE made for {family.name} models")
     return other
 
 
@@ -232,11 +236,11 @@ def model_configs(model: ModelConfig) -> dict:
         configs = {
             # Any scheduler class reads the folder's config; make_scheduler picks the class to run.
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
-            "backbone_config": family.backbone_class().load_config(location, subfolder=family.backbone.attribute),
+            "backbone_config": family.backbone_class().load_config(location, subfolder=family.configs_backbone.attribute),
             "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
         }
     except (OSError, ValueError) as error:
-        raise UserError(f"model.source={source}: cannot read its {family.backbone.attribute}, VAE and scheduler configs "
+        raise UserError(f"model.source={source}: cannot read its {family.configs_backbone.attribute}, VAE and scheduler configs "
                         f"({str(error).splitlines()[0]}); download the model first or point model.source at a "
                         f"local diffusers folder of a {family.name} model") from error
     if model.vae_source:
@@ -266,12 +270,6 @@ def pipeline_parts(model: ModelConfig) -> dict:
 def builtin_prompts_path(name: str = "calib_prompts.txt") -> Path:
     """A prompts file shipped with the package: calibration or evaluation prompts."""
     return Path(__file__).parent / "data" / name
-
-
-def calibration_prompts_file(cfg) -> str | None:
-    """The prompts file quantize.py calibrates with: its own setting, else the model's, else
-    None for the package's prompts."""
-    return cfg.prompts_file or cfg.model.calib_prompts
 
 
 def load_prompts(prompts_file: str | None, count: int) -> list[str]:

@@ -123,21 +123,29 @@ class ImageWriter:
         with interrupts_deferred():
             self.pool.shutdown(wait=True)
 
-    def submit(self, images, batch_index: int, settings) -> None:
-        """Queues the batch's images (N x 3 x H x W in [0, 1]) as image_<batch>_<k>.png."""
+    def submit(self, samples, batch_index: int, settings) -> None:
+        """Queues the batch's samples (images N x 3 x H x W, or videos N x F x 3 x H x W, in [0, 1])."""
         import torch
 
         self._wait(keep=1)
-        self.nonfinite_values += int((~torch.isfinite(images)).sum())
-        pixels = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        self.nonfinite_values += int((~torch.isfinite(samples)).sum())
+        pixels = (samples * 255).round().to(torch.uint8).movedim(-3, -1).cpu().numpy()
         futures = []
         for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
             text = {"prompt": prompt, "negative_prompt": settings.negative_prompt, "seed": seed,
                     "steps": settings.steps, "guidance_scale": settings.guidance_scale, "backend": self.backend,
-                    "engines": self.engines}
-            futures.append(self.pool.submit(_write_png, array, self.out / f"image_{batch_index:03d}_{offset:02d}.png",
-                                            text))
+                    "engines": self.engines, **self.settings_of(settings)}
+            futures += [self.pool.submit(write, array, path, text)
+                        for write, path in self.files(self.out, f"{batch_index:03d}_{offset:02d}")]
         self.queued.append(futures)
+
+    def settings_of(self, settings) -> dict:
+        """What a sample's metadata records besides the prompt, seed, steps, guidance and engines."""
+        return {}
+
+    def files(self, out: Path, stem: str) -> list[tuple]:
+        """(writer, path) of each file a sample is written to."""
+        return [(_write_png, out / f"image_{stem}.png")]
 
     def finish(self) -> list[Path]:
         """Waits for every queued PNG; the paths in the order queued. A failed write raises here."""
@@ -151,6 +159,63 @@ class ImageWriter:
         with interrupts_deferred():
             while len(self.queued) > keep:
                 self.written += [future.result() for future in self.queued.pop(0)]
+
+
+class VideoWriter(ImageWriter):
+    """ImageWriter's queue for videos: each as video_<batch>_<k>.mp4 (H.264 through PyAV at the
+    settings' frames per second, its settings in the file's metadata) and its first frame as
+    video_<batch>_<k>.png, a poster a file browser shows."""
+
+    def settings_of(self, settings) -> dict:
+        second = {} if settings.guidance_scale_2 is None else {"guidance_scale_2": settings.guidance_scale_2}
+        return {"frames": settings.frames, "fps": settings.fps, **second}
+
+    def files(self, out: Path, stem: str) -> list[tuple]:
+        return [(_write_mp4, out / f"video_{stem}.mp4"), (_write_poster, out / f"video_{stem}.png")]
+
+
+# What each family's output is written as (ModelFamily.output), and the package each writer needs
+# beyond the project's own (with the extra that installs it).
+WRITERS = {"image": ImageWriter, "video": VideoWriter}
+WRITER_PACKAGES = {"video": ("av", "video")}
+
+
+def require_writer(output: str, model_name: str) -> None:
+    """Refuses, before any work, a run whose writer's package is not installed."""
+    import importlib.util
+
+    from .errors import UserError
+
+    package, extra = WRITER_PACKAGES.get(output, (None, None))
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"model={model_name} draws {output}s, which are written with {package} (PyAV), not installed "
+                        f"here: pip install -e \".[{extra}]\" (or pip install {package})")
+
+
+def _write_mp4(frames, path: Path, text: dict) -> Path:
+    """(F, H, W, 3) uint8 frames as an H.264 MP4 at text["fps"], every entry of `text` in its metadata."""
+    import av
+
+    from .artifacts import atomic_path
+
+    # use_metadata_tags: MP4 keeps keys of its own naming (prompt, seed, ...) only when told to.
+    with atomic_path(path) as temp, av.open(str(temp), mode="w", format="mp4",
+                                            options={"movflags": "use_metadata_tags"}) as container:
+        for key, value in text.items():
+            container.metadata[key] = str(value)
+        stream = container.add_stream("libx264", rate=int(text["fps"]))
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        # Visually lossless (H.264's constant quality 17), so the file shows what the pipeline drew.
+        stream.options = {"crf": "17"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def _write_poster(frames, path: Path, text: dict) -> Path:
+    return _write_png(frames[0], path, text)
 
 
 def _write_png(array, path: Path, text: dict) -> Path:
@@ -167,30 +232,35 @@ def _write_png(array, path: Path, text: dict) -> Path:
     return path
 
 
-def latency_report(timings: list, images_per_run: int, steps: int, backbone: str) -> dict:
-    """Mean figures over the timed runs: each stage, the backbone (UNet or DiT, graph `backbone`)
-    per step, the whole pipeline and the pipeline's own overhead (end to end minus the stages)."""
+def latency_report(timings: list, images_per_run: int, steps: int, backbones: list[str]) -> dict:
+    """Mean figures over the timed runs: each stage, the backbones (UNet or DiT, or each expert of a
+    video model: graphs `backbones`) per step, the whole pipeline and the pipeline's own overhead (end
+    to end minus the stages)."""
     import statistics
 
     runs = len(timings)
     end_to_end = statistics.mean(total for total, _ in timings)
     stage_totals: dict[str, float] = {}
+    stage_calls: dict[str, float] = {}
     for _, stages in timings:
         for name, calls in stages.items():
             stage_totals[name] = stage_totals.get(name, 0.0) + sum(calls) / runs
-    text = sum(v for k, v in stage_totals.items() if k not in (backbone, "vae"))
+            stage_calls[name] = stage_calls.get(name, 0.0) + len(calls) / runs
+    backbone_total = sum(stage_totals.get(name, 0.0) for name in backbones)
+    text = sum(v for k, v in stage_totals.items() if k not in (*backbones, "vae"))
     in_stages = sum(stage_totals.values())
     return {
-        "timed_runs": runs, "images_per_run": images_per_run, "steps": steps, "backbone": backbone,
+        "timed_runs": runs, "images_per_run": images_per_run, "steps": steps, "backbone": " + ".join(backbones),
         "ms": {
             "text_encoders": 1000 * text,
-            "backbone_total": 1000 * stage_totals.get(backbone, 0.0),
-            "backbone_per_step": 1000 * stage_totals.get(backbone, 0.0) / steps,
+            "backbone_total": 1000 * backbone_total,
+            "backbone_per_step": 1000 * backbone_total / steps,
             "vae": 1000 * stage_totals.get("vae", 0.0),
             "end_to_end": 1000 * end_to_end,
             "pipeline_overhead": 1000 * (end_to_end - in_stages),
         },
         "stage_ms": {name: 1000 * value for name, value in stage_totals.items()},
+        "stage_calls": stage_calls,
         "pipeline_overhead_fraction": (end_to_end - in_stages) / end_to_end,
         "images_per_second": images_per_run / end_to_end,
     }
@@ -199,13 +269,18 @@ def latency_report(timings: list, images_per_run: int, steps: int, backbone: str
 def print_latency(report: dict) -> None:
     print(f"\nlatency over {report['timed_runs']} timed run(s), {report['images_per_run']} image(s), "
           f"{report['steps']} steps, backend {report.get('backend')} on {report.get('device')}")
-    backbone = report["backbone"]
+    backbones = report["backbone"].split(" + ")
+    backbone = backbones[0] if len(backbones) == 1 else "backbones"
     labels = {"text_encoders": "text encoders", "backbone_per_step": f"{backbone} per step",
               "backbone_total": f"{backbone} total", "vae": "VAE", "end_to_end": "whole pipeline",
               "pipeline_overhead": "pipeline overhead"}
     for key, label in labels.items():
         print(f"  {label:<18} {report['ms'][key]:10.2f} ms")
-    print(f"  {'images per second':<18} {report['images_per_second']:10.3f}")
+        if key == "backbone_total" and len(backbones) > 1:
+            for name in backbones:
+                calls = report.get("stage_calls", {}).get(name, 0)
+                print(f"    {name:<16} {report['stage_ms'].get(name, 0.0):10.2f} ms over {calls:g} calls")
+    print(f"  {report.get('output', 'image') + 's per second':<18} {report['images_per_second']:10.3f}")
     rate = (report.get("after_first_batch") or {}).get("images_per_second")
     if rate:
         print(f"  {'after batch one':<18} {rate:10.3f} images/s over the later prompt batches, saving included")

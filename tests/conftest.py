@@ -81,7 +81,10 @@ def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int
     from sdquant.export import engines
     from sdquant.families.sdxl import SDXL
 
-    sizes = SDXL.profile_axis_sizes(graph, infer.height, infer.width, {"vae_scale_factor": vae_scale}, trt)
+    from sdquant.graphs.geometry import SampleGeometry
+
+    sizes = SDXL.profile_axis_sizes(graph, SampleGeometry(1, infer.height, infer.width), {"vae_scale_factor": vae_scale},
+                                    trt)
     return engines.profile_shapes(infer, trt, SDXL.network(graph), input_dims, sizes)
 
 
@@ -147,19 +150,21 @@ def quantize_each_recipe(out: Path, overrides: list[str]) -> dict[str, str]:
             for name, recipe in recipes.items()}
 
 
-def enabled_quantizers(model: str, checkpoint, group_of) -> "collections.Counter":
-    """Enabled quantizers of a restored checkpoint of `model`: attention's bmm and softmax ones by
-    their kind, the others by group_of(the name of the layer they sit on)."""
+def enabled_quantizers(model: str, checkpoint, group_of, attribute: str | None = None) -> "collections.Counter":
+    """Enabled quantizers of a restored checkpoint of `model` (of its backbone `attribute`, for a model
+    of several): attention's bmm and softmax ones by their kind, the others by group_of(the name of
+    the layer they sit on)."""
     import collections
 
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
+    from sdquant.load import empty_backbones
+    from sdquant.workflow.settings import restore_quantized_backbones
 
     model_cfg = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbone = empty_backbone(model_cfg)
-    restore_quantized_backbone(model_cfg, "quantized_unet", str(checkpoint), backbone)
+    backbones = empty_backbones(model_cfg)
+    restore_quantized_backbones(model_cfg, "quantized_unet", str(checkpoint), backbones)
+    (backbone,) = backbones.values() if attribute is None else (backbones[attribute],)
     groups = collections.Counter()
     for name, module in backbone.named_modules():
         if isinstance(module, TensorQuantizer) and module.is_enabled:
@@ -176,7 +181,7 @@ def assert_int8_graph_runs_as_fake_quantization(out: Path, model: str, checkpoin
 
     import numpy as np
 
-    from sdquant.export.graphs import onnx_path
+    from sdquant.export.onnx_graphs import onnx_path
     from sdquant.workflow.evaluate import run_evaluate
     from sdquant.workflow.export_trt import run_export
 

@@ -11,12 +11,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from sdquant.export import engines, graphs
+from sdquant.export import engines, onnx_graphs
 from sdquant import config
+from sdquant.graphs.geometry import SampleGeometry
 from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.workflow.export_trt import build_engines, run_export
+from sdquant.workflow.export_trt import build_engines, run_export, settled_export
 from sdquant.workflow.quantize import run_quantize
 
 import standin_tensorrt
@@ -38,7 +39,7 @@ def test_a_graph_name_two_families_share_is_sized_by_each_familys_own_network():
     dims = {FLUX: {"hidden_states": [None, None, 64], "encoder_hidden_states": [None, None, 4096]},
             SD3: {"hidden_states": [None, 16, None, None], "encoder_hidden_states": [None, None, 4096]}}
     shapes = {family: engines.profile_shapes(infer, trt, family.network("transformer"), dims[family],
-                                             family.profile_axis_sizes("transformer", 64, 64, record, trt))
+                                             family.profile_axis_sizes("transformer", SampleGeometry(1, 64, 64), record, trt))
               for family in (FLUX, SD3)}
     # Flux: a 64x64 image is 16 packed 2x2 latent tokens, and T5's 32 tokens are the text.
     assert [shape[1:] for shape in shapes[FLUX]["hidden_states"]] == [(16, 64)] * 3
@@ -153,7 +154,7 @@ def test_trtexec_builds_strongly_typed_without_benchmark_and_is_recorded(fp16_en
     # A Python TensorRT 11 beside a trtexec 10: the flags follow trtexec, which needs --stronglyTyped.
     monkeypatch.setitem(sys.modules, "tensorrt", standin_tensorrt.module("11.1.0"))
     log = fake_trtexec(101300)
-    shutil.copytree(graphs.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
+    shutil.copytree(onnx_graphs.onnx_path(fp16_engines[0].infer.out_path, "x").parent.parent, tmp_path / "onnx")
     cfg = _export_cfg(tmp_path, "trt.builder=trtexec", "run_onnx_export=false")
     run_export(cfg)
     commands = [json.loads(line) for line in log.read_text().splitlines()]
@@ -196,7 +197,7 @@ def test_fp16_pipeline_engines_build_with_profiles_from_config(fp16_engines):
 
 def test_unet_engine_builds_for_a_size_no_multiple_of_64(fp16_engines, tmp_path):
     cfg, _ = fp16_engines
-    onnx_file = graphs.onnx_path(cfg.infer.out_path, "unet_xl")
+    onnx_file = onnx_graphs.onnx_path(cfg.infer.out_path, "unet_xl")
     infer = InferBlock(batch_size=1, width=72, height=56)
     shapes = sdxl_profile_shapes(infer, TrtBlock(max_batch_size=1), "unet_xl", engines.onnx_input_dims(onnx_file))
     assert shapes["x"][1] == (2, 4, 7, 9)
@@ -210,7 +211,7 @@ def test_existing_engines_are_reused(fp16_engines, capsys):
     plan = engines.plan_path(cfg.infer.out_path, "unet_xl")
     mtime = plan.stat().st_mtime_ns
     capsys.readouterr()
-    build_engines(cfg)
+    build_engines(settled_export(cfg))
     assert capsys.readouterr().out.count("  reused  ") == 4
     assert plan.stat().st_mtime_ns == mtime
 
@@ -221,7 +222,7 @@ def test_quantized_unet_engines_build(quantize_cfg, tmp_path, fmt, level):
     folder = run_quantize(quantize_cfg(f"quantize.format={fmt}", f"quantize.quant_level={level}", "quantize.n_steps=2"))
     cfg = _export_cfg(tmp_path, f"quantized_unet={folder}", "run_trt_export=false")
     run_export(cfg)
-    onnx_file = graphs.onnx_path(tmp_path, "unet_xl")
+    onnx_file = onnx_graphs.onnx_path(tmp_path, "unet_xl")
     shapes = sdxl_profile_shapes(cfg.infer, cfg.trt, "unet_xl", engines.onnx_input_dims(onnx_file))
     info = engines.build_engine(engines.load_flavour("tensorrt_rtx"), onnx_file, shapes, cfg.trt,
                               tmp_path / "unet_xl.plan", None)

@@ -35,9 +35,10 @@ EXPECTED = {
 
 
 def _calibrator(method: str, n_steps: int, percentile: float, clock: StepClock, axis=None, divisor=None):
-    steps_used = int(n_steps * percentile)
-    return PercentileCalibrator(8, axis, False, per_tensor=StepStatistics(method, steps_used, divisor),
-                                per_channel=StepStatistics(method, steps_used, divisor), clock=clock)
+    """`divisor`: None for the runs' true mean, else NeMo's n_steps (every step fed is served)."""
+    per_run = divisor is None
+    return PercentileCalibrator(8, axis, False, per_tensor=StepStatistics(method, percentile, per_run),
+                                per_channel=StepStatistics(method, percentile, per_run), clock=clock)
 
 
 def _feed(calibrator: PercentileCalibrator, clock: StepClock) -> None:
@@ -79,7 +80,7 @@ def test_per_channel_axis_keeps_one_amax_per_channel():
 def _steps_seen(pipe, n_steps: int, **call) -> list[int]:
     clock = StepClock()
     seen = []
-    hooks = [attach_clock(pipe, family_of("sdxl"), clock),
+    hooks = [attach_clock(pipe, family_of("sdxl"), pipe.unet, clock),
              pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
     try:
         pipe(prompt=["a red fox"], num_inference_steps=n_steps, output_type="latent",
@@ -111,7 +112,7 @@ def test_clock_counts_steps_with_unbatched_guidance(tiny_pipeline):
     pipe.scheduler.set_timesteps(3)
     clock = StepClock()
     seen = []
-    hooks = [attach_clock(pipe, family_of("sd15"), clock),
+    hooks = [attach_clock(pipe, family_of("sd15"), pipe.unet, clock),
              pipe.unet.register_forward_pre_hook(lambda *_: seen.append(clock.step))]
     sample = torch.zeros(1, 4, 8, 8)
     context = torch.zeros(1, 77, pipe.unet.config.cross_attention_dim)

@@ -34,7 +34,7 @@ requires_slurm = pytest.mark.skipif(
 
 
 def _sidecars(folder):
-    return [json.loads(path.read_text()) for path in sorted(folder.glob("*/unet.json"))]
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*/checkpoint.json"))]
 
 
 def _sweep(run_script, tmp_path, *launcher):

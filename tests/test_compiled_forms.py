@@ -17,7 +17,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.families.flux import FLUX, FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.flux import BLOCK_STACKS, FLUX, FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
 from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
                                             pin_channels_last_outputs, reorder_outputs, tanh_gelu,
                                             use_compiled_forms, use_sigmoid_gelu)
@@ -106,7 +106,8 @@ def test_a_cache_hook_leaves_flux_computing_its_modulations_at_each_step(tiny_pi
     from sdquant.runtime.cache_hooks import HookCache
 
     pipe = tiny_pipeline("tiny_flux")
-    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.float32, HookCache("taylorseer", 2, 0.0)),
+    cache = HookCache("taylorseer", 2, 0.0, BLOCK_STACKS)
+    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.float32, cache),
                                     TorchBackendBlock(compile=True), cuda_graph=False, quantized=False)
     assert not isinstance(pipe.transformer.time_text_embed, StepModulations) and "modulations" not in stages
 

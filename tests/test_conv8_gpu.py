@@ -1,8 +1,9 @@
 """The 8-bit convolutions' Triton kernels (torch.ops.sdquant.fp8_conv2d and int8_conv2d on CUDA)
 against each op's twin (sdquant.runtime.kernels.conv8, run on the same GPU tensors): at SDXL's
-channel counts, through both kernels, with every tile the autotuner may pick, and on every
-converted convolution of the SDXL scene model on its own input, in both formats. FP8 cases are
-skipped on a GPU without FP8 tensor cores (below sm89), INT8 ones below Ampere (sm80).
+channel counts, through both kernels, with every tile the autotuner may pick at every depth of
+SDXL's UNet and every resolution bucket, and on every converted convolution of the SDXL scene
+model on its own input, in both formats. FP8 cases are skipped on a GPU without FP8 tensor cores
+(below sm89), INT8 ones below Ampere (sm80).
 
     python -m pytest -m gpu tests/test_conv8_gpu.py -n 0 -s
 
@@ -93,38 +94,70 @@ def _every_tile():
     return [("tiled", tile) for tile in kernels.TILED_TILES] + [("gathered", tile) for tile in kernels.GATHERED_TILES]
 
 
-# A tile against the twin in fp32, where only the kernel's fp16 output (3e-4) and FP8's fast
-# accumulation (under 1e-3 at these 2304-long sums, measured at 2880 on an H100) part them; the wrong
-# tiles the kernel module no longer offers were 6e-3 and 0.1-0.2 off.
-TILE_BOUND = 3e-3
+# SDXL's resolution buckets (width, height), each generated as it is and transposed.
+SDXL_BUCKETS = ((1024, 1024), (1152, 896), (1216, 832), (1344, 768), (1536, 640))
+# (channels, the image's size over the feature map's) at each depth of SDXL's UNet: the latent and
+# the two down blocks below it.
+UNET_DEPTHS = ((320, 8), (640, 16), (1280, 32))
+# The stride of the convolution that takes each kernel in SDXL's UNet: a ResNet block's 3x3 the
+# tiled one, a downsampler's 3x3 the gathered one (below the last down block, where SDXL has none,
+# it stands for any input the tiled kernel refuses).
+STRIDES = {"tiled": 1, "gathered": 2}
+
+
+def _tile_bound(fmt: str, reduction: int) -> float:
+    """How far a right tile may be from the twin in fp64 over sums of `reduction` products. INT8's
+    sums are exact: only the fp16 output's rounding parts them (2.1e-4 on an H100). FP8's fast
+    accumulation adds an error that grows as the square root of the reduction (1.1e-3 at 2880
+    products, 1.6e-3 at 5760, 2.5e-3 at 11520, alike for every tile). Tiles whose sums raced were
+    off by 6e-3 to 0.2 at 2304 (benchmarks/conv8_tile_repro.py)."""
+    return 1e-3 if fmt == "int8" else 4e-5 * reduction ** 0.5
+
+
+def _feature_maps(factor: int) -> list[tuple[int, int]]:
+    """(height, width) at 1/`factor` of every bucket and its transpose."""
+    sizes = [(height // factor, width // factor) for width, height in SDXL_BUCKETS]
+    return list(dict.fromkeys(sizes + [(width, height) for height, width in sizes]))
+
+
+def _only(kernels, kernel: str, tile: tuple) -> None:
+    """Leaves `kernel`'s autotuner `tile` alone to run."""
+    autotuner = getattr(kernels, kernel)
+    autotuner.configs = kernels._configs((tile,), kernels._set_blocks if kernel == "tiled" else None)
+    autotuner.cache = {}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kernel,tile", _every_tile(), ids=[f"{k}{t}" for k, t in _every_tile()])
-def test_every_tile_of_each_kernel_matches_the_twin(kernel, tile, fmt):
-    """The autotuner picks a tile per shape by speed alone: each must be right on every shape, on
-    tiles spanning several image rows (narrow images) or part of one (wide ones), overhanging the
-    image's right and bottom edges."""
+@pytest.mark.parametrize("channels,factor", UNET_DEPTHS, ids=[f"{c}ch" for c, _ in UNET_DEPTHS])
+def test_every_tile_of_each_kernel_matches_the_twin_at_sdxl_sizes(channels, factor, fmt):
+    """The autotuner picks a tile per shape by speed alone: each must be right wherever it may be
+    picked. At one depth of SDXL's UNet, for every resolution bucket and its transpose, two samples
+    (classifier-free guidance), every tile whose channel step divides the channels (the only ones
+    the autotuner offers there). Feature maps narrower than a tile give tiles of several image
+    rows, wider ones tiles that overhang the right edge."""
     from sdquant.runtime.kernels import conv8_triton as kernels
 
     _needs_kernels(fmt)
-    if kernel == "tiled" and torch.cuda.get_device_capability(CUDA)[0] < 9:
-        pytest.skip("the tiled kernel reads TMA boxes: Hopper or newer")
-    autotuner = getattr(kernels, kernel)
-    configs, cache = autotuner.configs, autotuner.cache
-    autotuner.configs = kernels._configs((tile,), kernels._set_blocks if kernel == "tiled" else None)
-    autotuner.cache = {}
-    stride = 1 if kernel == "tiled" else 2
+    names = [name for name in STRIDES if name == "gathered" or torch.cuda.get_device_capability(CUDA)[0] >= 9]
+    offered = {name: getattr(kernels, name).configs for name in names}
+    wrong = []
     try:
-        for width in (8, 20, 40, 64, 128, 200):
-            args = (*_random_case(fmt, 2, 256, 256, 12, width, 3, seed=width), None, stride, 1)
-            assert kernels._tiled_fits(args[0], stride) == (kernel == "tiled")
-            got = getattr(torch.ops.sdquant, OPS[fmt])(*args, torch.float16)
-            error = _relative(got, TWINS[fmt](*args, torch.float32))
-            print(f"{fmt} {kernel} {tile} width {width}: against the fp32 twin {error:.1e}")
-            assert error < TILE_BOUND, f"{fmt} {kernel} {tile} width {width}"
+        for height, width in _feature_maps(factor):
+            x, weight, x_scale, w_scale = _random_case(fmt, 2, channels, channels, height, width, 3, seed=height)
+            for name in names:
+                args = (x, weight, x_scale, w_scale, None, STRIDES[name], 1)
+                assert kernels._tiled_fits(x, STRIDES[name]) == (name == "tiled")
+                twin = TWINS[fmt](*args, torch.float64)
+                for tile in [tile for kernel, tile in _every_tile() if kernel == name and channels % tile[2] == 0]:
+                    _only(kernels, name, tile)
+                    error = _relative(getattr(torch.ops.sdquant, OPS[fmt])(*args, torch.float16), twin)
+                    print(f"{fmt} {name} {tile} {channels}x{height}x{width}: against the fp64 twin {error:.1e}")
+                    if error >= _tile_bound(fmt, 9 * channels):
+                        wrong.append(f"{name} {tile} at {height}x{width}: {error:.1e}")
     finally:
-        autotuner.configs, autotuner.cache = configs, cache
+        for name, configs in offered.items():
+            getattr(kernels, name).configs, getattr(kernels, name).cache = configs, {}
+    assert not wrong, wrong
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +181,13 @@ def converted_scene_inputs(checkpoint, fmt: str, layer_class: type, then=None) -
     """{name: (layer, its input)} for every `layer_class` layer of the SDXL scene model's UNet
     converted to `fmt`'s kernels on the GPU (and given `then(unet)`'s forms), on one call's inputs."""
     from sdquant.families.sdxl import SDXL
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
+    from sdquant.load import empty_backbones
+    from sdquant.workflow.settings import restore_quantized_backbones
 
     config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
-    unet = empty_backbone(config)
-    restore_quantized_backbone(config, "quantized_unet", str(checkpoint), unet)
+    backbones = empty_backbones(config)
+    restore_quantized_backbones(config, "quantized_unet", str(checkpoint), backbones)
+    (unet,) = backbones.values()
     unet.to(device=CUDA, dtype=torch.float16).eval().to(memory_format=torch.channels_last)
     torch_backend.convert_quantized(unet, SDXL, str(checkpoint), fmt)
     if then is not None:

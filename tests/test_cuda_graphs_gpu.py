@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sdquant.runtime.cuda_graphs import CapturedGraph, signature
+from sdquant.cuda_graphs import CapturedGraph, signature
 
 from conftest import compose_config
 
@@ -53,7 +53,7 @@ def test_calibration_through_graphs_records_the_eager_statistics(tmp_path, model
         folder = run_quantize(compose_config("sd_xl_quantize", [
             "model=tiny_sdxl", f"out_dir={tmp_path / str(cuda_graph)}", "device=cuda", "quantize.n_steps=4",
             "quantize.calib_size=4", "quantize.batch_size=2", "quantize.quant_level=3", f"cuda_graph={cuda_graph}"]))
-        sidecars[cuda_graph] = json.loads((folder / "unet.json").read_text())["activation_amax"]
+        sidecars[cuda_graph] = json.loads((folder / "checkpoint.json").read_text())["activation_amax"]
     assert sidecars[True] == sidecars[False]
 
 

@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO
 
 ENGINES = {"scenes_sdxl": {"clip1", "clip2", "unet_xl", "vae"}, "scenes_flux": {"clip", "t5", "transformer", "vae"}}
+# Each backbone's file in the checkpoint folder, named by its attribute on the pipeline.
+BACKBONE_FILES = {"scenes_sdxl": "unet.mto", "scenes_flux": "transformer.mto"}
 
 
 @pytest.mark.parametrize("model", sorted(ENGINES))
@@ -19,7 +21,7 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
                             text=True, env=dict(os.environ), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     [checkpoint] = (tmp_path / "quantized").glob(f"nemo_{model}_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_*")
-    assert (checkpoint / "unet.mto").is_file()
+    assert (checkpoint / BACKBONE_FILES[model]).is_file()
     engines = json.loads((tmp_path / "sdxl_export/plan/engines.json").read_text())
     assert set(engines) == ENGINES[model]
     assert (tmp_path / "trt_output/image_000_00.png").is_file()

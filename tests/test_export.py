@@ -13,7 +13,7 @@ import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from sdquant.quantize import checkpoint
-from sdquant.export import graphs
+from sdquant.export import onnx_graphs
 from sdquant.families.encoders import ClipGraph, VaeDecoderGraph
 from sdquant.families.sd import UNetGraph
 from sdquant.families.sdxl import SDXL, sdxl_y
@@ -68,7 +68,7 @@ def fp32_export(tmp_path_factory, model_cache):
 def test_sdxl_graphs_have_nemo_names(fp32_export):
     cfg, files = fp32_export
     assert [f.parent.name for f in files] == ["clip1", "clip2", "vae", "unet_xl"]
-    unet = onnx.load(str(graphs.onnx_path(cfg.infer.out_path, "unet_xl")), load_external_data=False)
+    unet = onnx.load(str(onnx_graphs.onnx_path(cfg.infer.out_path, "unet_xl")), load_external_data=False)
     assert [i.name for i in unet.graph.input] == ["x", "timesteps", "context", "y"]
     assert [o.name for o in unet.graph.output] == ["out"]
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in unet.graph.input}
@@ -85,12 +85,12 @@ def test_fp32_graphs_match_pytorch(fp32_export, tiny_pipeline):
         latent = torch.randn(BATCH, 4, LATENT, LATENT)
         image = VaeDecoderGraph(pipe.vae)(latent)
     out = cfg.infer.out_path
-    assert _rel_err(_session(graphs.onnx_path(out, "clip1")).run(None, {"input_ids": ids})[0], clip1) < 1e-5
-    hidden, pooled = _session(graphs.onnx_path(out, "clip2")).run(None, {"input_ids": ids})
+    assert _rel_err(_session(onnx_graphs.onnx_path(out, "clip1")).run(None, {"input_ids": ids})[0], clip1) < 1e-5
+    hidden, pooled = _session(onnx_graphs.onnx_path(out, "clip2")).run(None, {"input_ids": ids})
     assert _rel_err(hidden, clip2[0]) < 1e-5 and _rel_err(pooled, clip2[1]) < 1e-5
-    assert _rel_err(_session(graphs.onnx_path(out, "vae")).run(None, {"latent": latent.numpy()})[0], image) < 1e-5
+    assert _rel_err(_session(onnx_graphs.onnx_path(out, "vae")).run(None, {"latent": latent.numpy()})[0], image) < 1e-5
     feeds = _unet_feeds(pipe.unet)
-    unet_out = _session(graphs.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    unet_out = _session(onnx_graphs.onnx_path(out, "unet_xl")).run(None, feeds)[0]
     assert _rel_err(unet_out, _torch_unet(pipe.unet, feeds)) < 1e-5
 
 
@@ -99,7 +99,7 @@ def test_unet_graph_runs_at_latent_sizes_no_multiple_of_its_upsampling(fp32_expo
     unet = tiny_pipeline().unet
     feeds = _unet_feeds(unet)
     feeds["x"] = np.random.default_rng(2).standard_normal((BATCH, 4, 7, 9)).astype(np.float32)
-    graph = _session(graphs.onnx_path(cfg.infer.out_path, "unet_xl")).run(None, feeds)[0]
+    graph = _session(onnx_graphs.onnx_path(cfg.infer.out_path, "unet_xl")).run(None, feeds)[0]
     assert graph.shape == (BATCH, 4, 7, 9)
     assert _rel_err(graph, _torch_unet(unet, feeds)) < 1e-5
 
@@ -120,7 +120,7 @@ def test_fp16_graphs_are_fp16_and_run(tmp_path, model_cache, tiny_pipeline):
     cfg = _export_cfg(tmp_path)
     run_export(cfg)
     pipe = tiny_pipeline()
-    unet_file = graphs.onnx_path(tmp_path, "unet_xl")
+    unet_file = onnx_graphs.onnx_path(tmp_path, "unet_xl")
     initializers = collections.Counter(i.data_type for i in onnx.load(str(unet_file)).graph.initializer)
     assert initializers[onnx.TensorProto.FLOAT16] > 0 and initializers[onnx.TensorProto.FLOAT] == 0
     feeds = _unet_feeds(pipe.unet, np.float16)
@@ -129,8 +129,8 @@ def test_fp16_graphs_are_fp16_and_run(tmp_path, model_cache, tiny_pipeline):
     # fp16 keeps about three significant digits; the tiny UNet's output is O(1).
     assert _rel_err(result, _torch_unet(pipe.unet, {k: v.astype(np.float32) for k, v in feeds.items()})) < 2e-2
     ids = np.zeros((BATCH, 77), np.int32)
-    assert _session(graphs.onnx_path(tmp_path, "clip2")).run(None, {"input_ids": ids})[0].dtype == np.float16
-    vae = _session(graphs.onnx_path(tmp_path, "vae"))
+    assert _session(onnx_graphs.onnx_path(tmp_path, "clip2")).run(None, {"input_ids": ids})[0].dtype == np.float16
+    vae = _session(onnx_graphs.onnx_path(tmp_path, "vae"))
     assert vae.get_inputs()[0].type == "tensor(float)", "the VAE stays fp32 by default"
 
 
@@ -144,7 +144,7 @@ def test_sd15_graphs(tmp_path, model_cache):
 def test_existing_files_are_reused_unless_forced(tmp_path, model_cache, capsys):
     cfg = _export_cfg(tmp_path, "onnx.precision=fp32")
     run_export(cfg)
-    unet_file = graphs.onnx_path(tmp_path, "unet_xl")
+    unet_file = onnx_graphs.onnx_path(tmp_path, "unet_xl")
     mtime = unet_file.stat().st_mtime_ns
     capsys.readouterr()
     run_export(cfg)
@@ -168,9 +168,9 @@ def test_int8_unet_matches_fake_quant(quantize_cfg, tiny_pipeline, tmp_path):
     run_export(_export_cfg(tmp_path, "onnx.precision=fp32", f"quantized_unet={folder}", model=model))
     reference = tiny_pipeline(model).unet
     quantized = tiny_pipeline(model).unet
-    checkpoint.restore(quantized, folder)
+    checkpoint.restore(quantized, folder, "unet")
     feeds = _unet_feeds(reference)
-    onnx_out = _session(graphs.onnx_path(tmp_path, "unet_xl")).run(None, feeds)[0]
+    onnx_out = _session(onnx_graphs.onnx_path(tmp_path, "unet_xl")).run(None, feeds)[0]
     fake_quant = _torch_unet(quantized, feeds)
     full_precision = _torch_unet(reference, feeds)
     # The graph must agree with the fake-quant model to within a few percent and be no further
@@ -192,10 +192,10 @@ EXCLUDED_NODES = ("/conv_in/", "/conv_out/", "conv_shortcut", "time_embedding", 
 def test_int8_graph_holds_one_qdq_pair_per_quantizer(quantize_cfg, tiny_pipeline, tmp_path, level):
     folder = _quantized_checkpoint(quantize_cfg, f"quantize.quant_level={level}", "quantize.n_steps=2")
     run_export(_export_cfg(tmp_path, f"quantized_unet={folder}"))
-    graph = onnx.load(str(graphs.onnx_path(tmp_path, "unet_xl"))).graph
+    graph = onnx.load(str(onnx_graphs.onnx_path(tmp_path, "unet_xl"))).graph
     ops = collections.Counter(node.op_type for node in graph.node)
     unet = tiny_pipeline().unet
-    checkpoint.restore(unet, folder)
+    checkpoint.restore(unet, folder, "unet")
     assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == _enabled_quantizers(unet)
     dequantized = {o for node in graph.node if node.op_type == "DequantizeLinear" for o in node.output}
     for node in graph.node:
@@ -220,12 +220,12 @@ def test_export_leaves_the_quantized_unet_as_it_was(quantize_cfg, tiny_pipeline,
     # hold its own weights and compute exactly what it did before.
     folder = _quantized_checkpoint(quantize_cfg, "quantize.quant_level=3")
     pipe = tiny_pipeline()
-    checkpoint.restore(pipe.unet, folder)
+    checkpoint.restore(pipe.unet, folder, "unet")
     feeds = _unet_feeds(pipe.unet)
     before, enabled = _torch_unet(pipe.unet, feeds), _enabled_quantizers(pipe.unet)
-    spec = SDXL.graph_specs(pipe, 2, LATENT, torch.float32, torch.float32)[-1]
+    spec = SDXL.graph_specs(pipe, 2, None, LATENT, torch.float32, torch.float32)[-1]
     assert spec.on_meta
-    graphs.export_graph(spec, tmp_path / "unet_xl", 19, {}, torch.float32)
+    onnx_graphs.export_graph(spec, tmp_path / "unet_xl", 19, {}, torch.float32)
     assert not any(t.is_meta for t in (*pipe.unet.parameters(), *pipe.unet.buffers()))
     assert _enabled_quantizers(pipe.unet) == enabled > 0
     assert np.array_equal(_torch_unet(pipe.unet, feeds), before)
@@ -275,26 +275,26 @@ def test_qdq_written_by_the_export_match_modelopts_own(quantize_cfg, tiny_pipeli
     folder = _quantized_checkpoint(quantize_cfg, f"quantize.format={fmt}", f"quantize.quant_level={level}",
                                    "quantize.n_steps=2")
     pipe = tiny_pipeline()
-    checkpoint.restore(pipe.unet, folder)
-    graphs.prepare_quantizers_for_export(pipe.unet, dtype)
-    spec = SDXL.graph_specs(pipe, 2, LATENT, dtype, torch.float32)[-1]
+    checkpoint.restore(pipe.unet, folder, "unet")
+    onnx_graphs.prepare_quantizers_for_export(pipe.unet, dtype)
+    spec = SDXL.graph_specs(pipe, 2, None, LATENT, dtype, torch.float32)[-1]
     assert spec.on_meta
-    graphs.export_graph(spec, tmp_path / "inserted", 19, {}, dtype)
-    graphs.export_graph(dataclasses.replace(spec, on_meta=False), tmp_path / "modelopt", 19, {}, dtype)
-    exported = {name: onnx.load(str(tmp_path / name / graphs.ONNX_FILE)) for name in ("inserted", "modelopt")}
+    onnx_graphs.export_graph(spec, tmp_path / "inserted", 19, {}, dtype)
+    onnx_graphs.export_graph(dataclasses.replace(spec, on_meta=False), tmp_path / "modelopt", 19, {}, dtype)
+    exported = {name: onnx.load(str(tmp_path / name / onnx_graphs.ONNX_FILE)) for name in ("inserted", "modelopt")}
     ops = {name: _op_counts(model) for name, model in exported.items()}
     assert ops["inserted"]["QuantizeLinear" if fmt == "int8" else "TRT_FP8QuantizeLinear"] > 0
     assert ops["inserted"] == ops["modelopt"]
     if fmt == "int8":
         feeds = _unet_feeds(pipe.unet)
-        inserted, modelopt = (_session(tmp_path / name / graphs.ONNX_FILE).run(None, feeds)[0] for name in exported)
+        inserted, modelopt = (_session(tmp_path / name / onnx_graphs.ONNX_FILE).run(None, feeds)[0] for name in exported)
         assert _rel_err(inserted, modelopt) < 1e-5
 
 
 def test_fp8_graph_uses_tensorrt_fp8_qdq(quantize_cfg, tmp_path):
     folder = _quantized_checkpoint(quantize_cfg, "quantize.format=fp8", "quantize.quant_level=4", "quantize.n_steps=2")
     run_export(_export_cfg(tmp_path, f"quantized_unet={folder}"))
-    unet_file = graphs.onnx_path(tmp_path, "unet_xl")
+    unet_file = onnx_graphs.onnx_path(tmp_path, "unet_xl")
     ops = collections.Counter(node.op_type for node in onnx.load(str(unet_file)).graph.node)
     assert ops["TRT_FP8QuantizeLinear"] > 0 and ops["TRT_FP8DequantizeLinear"] > 0
     # ModelOpt writes FP8 Q/DQ as TensorRT's own ops, which only TensorRT runs; the engine

@@ -13,7 +13,7 @@ import onnx
 import pytest
 import torch
 
-from sdquant.export import graphs
+from sdquant.export import onnx_graphs
 from sdquant.load import load_pipeline, resolve_device
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
@@ -91,7 +91,7 @@ def test_levels_quantize_their_layer_groups_and_keep_embedders_and_modulation_hi
 
 
 def test_fp8_attention_ranges_are_what_sdpa_sees(checkpoints):
-    sidecar = json.loads((checkpoints["fp8_l4"] / "unet.json").read_text())
+    sidecar = json.loads((checkpoints["fp8_l4"] / "checkpoint.json").read_text())
     ranges = {name: value for name, value in sidecar["activation_amax"].items() if "_bmm_quantizer" in name}
     assert len(ranges) == 12 and all(0 < value < 1e4 for value in ranges.values())
 
@@ -101,7 +101,7 @@ def test_onnx_graphs_run_as_torch_and_int8_as_fake_quantization(tmp_path, checkp
     run_export(compose_config("sd_xl_export", ["model=tiny_flux", "device=cpu", f"infer.out_path={fp32}",
                                                "onnx.precision=fp32", "run_trt_export=false"]))
     assert {path.parent.name for path in (fp32 / "onnx").glob("*/model.onnx")} == {"clip", "t5", "transformer", "vae"}
-    graph = onnx.load(str(graphs.onnx_path(fp32, "transformer")), load_external_data=False)
+    graph = onnx.load(str(onnx_graphs.onnx_path(fp32, "transformer")), load_external_data=False)
     assert [i.name for i in graph.graph.input] == ["hidden_states", "encoder_hidden_states", "pooled_projections",
                                                    "timestep", "img_ids", "txt_ids", "guidance"]
     ours = _infer(tmp_path / "ort", "backend=onnxruntime", f"+engines.transformer={fp32 / 'plan/transformer.plan'}",
@@ -123,7 +123,7 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
     assert record["transformer"]["fp8"] == recipe.startswith("fp8")
     hidden = record["transformer"]["inputs"]["hidden_states"]["profile"]
     assert hidden == [[1, 16, 64], [1, 16, 64], [2, 16, 64]], "batch 1..2, 16 packed tokens of a 64x64 image"
-    graph = onnx.load(str(graphs.onnx_path(out, "transformer")), load_external_data=False)
+    graph = onnx.load(str(onnx_graphs.onnx_path(out, "transformer")), load_external_data=False)
     kinds = collections.Counter(node.op_type for node in graph.graph.node)
     quantize = "TRT_FP8QuantizeLinear" if recipe.startswith("fp8") else "QuantizeLinear"
     # One Q/DQ per quantized weight and input (34 Linear layers), FP8 attention adds 4 per layer.

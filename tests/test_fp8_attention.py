@@ -11,7 +11,6 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor
 
-from sdquant.quantize import checkpoint
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.flux import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
@@ -19,11 +18,11 @@ from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import reference_attention
-from sdquant.load import empty_backbone
+from sdquant.load import empty_backbones
 from sdquant.quantize.shared_ranges import attention_layers, output_groups, projection_groups
-from sdquant.workflow.settings import restore_quantized_backbone
+from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.workflow.quantize import run_quantize
+from sdquant.workflow.quantize import calibration_of, run_quantize
 from sdquant.families import family_of
 from sdquant.families.sdxl import SDXL
 
@@ -49,8 +48,9 @@ def level4(tmp_path_factory):
 
 def _restored(model: str, folder):
     config = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbone = empty_backbone(config)
-    restore_quantized_backbone(config, "quantized_unet", str(folder), backbone)
+    backbones = empty_backbones(config)
+    restore_quantized_backbones(config, "quantized_unet", str(folder), backbones)
+    (backbone,) = backbones.values()
     return backbone.float().eval()
 
 
@@ -387,8 +387,9 @@ def test_sdxl_level4_quantizes_self_attention_only(level4):
 
 def test_only_the_fp8_checkpoints_the_recipe_changed_get_new_fingerprints():
     def settings(model, fmt, level):
-        return checkpoint.calibration_settings(compose_config("sd_xl_quantize", [
-            f"model={model}", f"quantize.format={fmt}", f"quantize.quant_level={level}"]))
+        cfg = compose_config("sd_xl_quantize", [f"model={model}", f"quantize.format={fmt}",
+                                                f"quantize.quant_level={level}"])
+        return calibration_of(cfg, family_of(cfg.model.family)).settings()
 
     for model, level in (("scenes_sdxl", 1), ("scenes_sdxl", 2), ("scenes_sdxl", 3), ("scenes_flux", 3)):
         assert "recipe" not in settings(model, "int8", level)

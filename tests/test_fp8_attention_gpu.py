@@ -113,12 +113,13 @@ def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape):
 
 def _scene_backbone(model: str, folder):
     from sdquant.families import family_of
-    from sdquant.load import empty_backbone
-    from sdquant.workflow.settings import restore_quantized_backbone
+    from sdquant.load import empty_backbones
+    from sdquant.workflow.settings import restore_quantized_backbones
 
     config = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbone = empty_backbone(config)
-    restore_quantized_backbone(config, "quantized_unet", str(folder), backbone)
+    backbones = empty_backbones(config)
+    restore_quantized_backbones(config, "quantized_unet", str(folder), backbones)
+    (backbone,) = backbones.values()
     dtype = torch.bfloat16 if model == "scenes_flux" else torch.float16
     backbone.to(device=CUDA, dtype=dtype).eval()
     torch_backend.convert_quantized(backbone, family_of(config.family), str(folder), "fp8")

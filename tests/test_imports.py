@@ -72,6 +72,39 @@ def test_the_checker_finds_a_circle():
 
 def test_the_package_has_no_import_circle():
     graph = import_graph()
-    assert "sdquant.families.names" in graph["sdquant.config"], "the checker reads the package's imports"
+    assert "sdquant.errors" in graph["sdquant.config"], "the checker reads the package's imports"
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The package's floors, from the ground up: a module imports only modules on its own floor or below
+# (README: "Where the code is"). The graph vocabulary stands below everything that describes,
+# exports or runs a graph; the families stand on the stages they describe themselves with.
+LAYERS = (
+    # The package's face holds only its version and a warnings filter.
+    ("sdquant", "sdquant.errors", "sdquant.interrupts", "sdquant.progress"),
+    ("sdquant.artifacts", "sdquant.environment", "sdquant.parallel", "sdquant.cuda_graphs", "sdquant.config",
+     "sdquant.lora", "sdquant.cli", "sdquant.graphs"),
+    ("sdquant.quantize",),
+    ("sdquant.export",),
+    ("sdquant.runtime",),
+    ("sdquant.families",),
+    ("sdquant.load", "sdquant.report"),
+    ("sdquant.quality",),
+    ("sdquant.workflow",),
+)
+
+
+def floor(module: str) -> int:
+    """The floor of `module`: that of the longest prefix LAYERS names."""
+    best = max((prefix for layer in LAYERS for prefix in layer
+                 if module == prefix or (module.startswith(prefix + ".") and prefix != "sdquant")), key=len)
+    return next(index for index, layer in enumerate(LAYERS) if best in layer)
+
+
+def test_no_import_runs_back_up():
+    graph = import_graph()
+    upward = sorted(f"{module} -> {name}" for module, names in graph.items() for name in names
+                    if floor(name) > floor(module))
+    assert floor("sdquant.families.flux") > floor("sdquant.graphs.networks"), "the floors are read"
+    assert not upward, "imports that run back up a floor: " + "; ".join(upward)

@@ -13,9 +13,9 @@ from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.int8 import Int8Conv2d, Int8Linear, int8_scales
-from sdquant.load import empty_backbone
+from sdquant.load import empty_backbones
 from sdquant.quantize.quantizers import quantized_inputs
-from sdquant.workflow.settings import restore_quantized_backbone
+from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.families.sdxl import SDXL
 
@@ -44,8 +44,9 @@ def fp8_l3(tmp_path_factory, model_cache):
 
 def _restored(checkpoint) -> torch.nn.Module:
     model = compose_config("sd_xl_quantize", ["model=tiny_sdxl"]).model
-    unet = empty_backbone(model)
-    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), unet)
+    backbones = empty_backbones(model)
+    restore_quantized_backbones(model, "quantized_unet", str(checkpoint), backbones)
+    (unet,) = backbones.values()
     return unet.float().eval()
 
 

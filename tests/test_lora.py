@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdquant.export import engines, graphs, refit
+from sdquant.export import engines, onnx_graphs, refit
 from sdquant.quantize import checkpoint
 from sdquant import lora
 from sdquant.families.encoders import ClipGraph
@@ -154,7 +154,7 @@ def quantized_with_a(lora_files, model_cache, tmp_path_factory):
 
 def test_checkpoint_fingerprint_names_each_adapter_and_scale(quantized_with_a, lora_files):
     cfg, folder = quantized_with_a
-    sidecar = json.loads((folder / checkpoint.SIDECAR_FILE).read_text())
+    sidecar = json.loads((folder / checkpoint.RECORD_FILE).read_text())
     sha_a = lora.adapters([{"path": str(lora_files["a"])}])[0].sha256
     assert sidecar["settings"]["model"]["loras"] == [{"sha256": sha_a, "scale": 0.7}]
     others = [[], [(lora_files["a"], 0.5)], [(lora_files["b"], 0.7)], [(lora_files["a"], 0.7), (lora_files["b"], 1)]]
@@ -183,7 +183,7 @@ def fp32_exports(lora_files, model_cache, tmp_path_factory):
     base = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                            "run_trt_export=false", "onnx.precision=fp32"])
     run_export(base)
-    metas = {name: json.loads((out / "onnx" / name / graphs.META_FILE).read_text())
+    metas = {name: json.loads((out / "onnx" / name / onnx_graphs.META_FILE).read_text())
              for name in SDXL.graph_names()}
     with_a = compose_config("sd_xl_export", ["model=tiny_sdxl", f"infer.out_path={out}", "device=cpu",
                                              "run_trt_export=false", "onnx.precision=fp32",
@@ -196,7 +196,7 @@ def test_fused_onnx_matches_fused_torch_in_onnx_runtime(fp32_exports, lora_files
     out, _ = fp32_exports
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     feeds = _unet_feeds(fused.unet)
-    onnx_out = _session(graphs.onnx_path(out, "unet_xl")).run(None, feeds)[0]
+    onnx_out = _session(onnx_graphs.onnx_path(out, "unet_xl")).run(None, feeds)[0]
     assert _rel_err(onnx_out, _unet_out(fused, feeds)) < 1e-4
     assert _rel_err(onnx_out, _unet_out(_pipeline(), feeds)) > 1e-2
 
@@ -212,7 +212,7 @@ def test_torch_backend_with_the_adapter_matches_its_graphs(fp32_exports, lora_fi
 
 def test_vae_graph_is_reused_across_adapters(fp32_exports):
     out, base_metas = fp32_exports
-    metas = {name: json.loads((out / "onnx" / name / graphs.META_FILE).read_text()) for name in base_metas}
+    metas = {name: json.loads((out / "onnx" / name / onnx_graphs.META_FILE).read_text()) for name in base_metas}
     assert metas["vae"] == base_metas["vae"]
     for name in ("clip1", "clip2", "unet_xl"):
         assert metas[name]["fingerprint"] != base_metas[name]["fingerprint"] and len(metas[name]["loras"]) == 1
@@ -224,7 +224,7 @@ def test_quantized_export_takes_the_adapter_into_the_text_encoders_only(quantize
                  "onnx.precision=fp32", f"quantized_unet={folder}"]
     run_export(compose_config("sd_xl_export", [*overrides, _loras((lora_files["a"], 0.7))]))
     ids = np.random.default_rng(0).integers(0, 200, (2, 77)).astype(np.int32)
-    clip1 = _session(graphs.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
+    clip1 = _session(onnx_graphs.onnx_path(tmp_path, "clip1")).run(None, {"input_ids": ids})[0]
     fused = _pipeline(_loras((lora_files["a"], 0.7)))
     with torch.no_grad():
         expected = ClipGraph(fused.text_encoder, penultimate=True)(torch.from_numpy(ids))
@@ -273,9 +273,9 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
     trt = engines.load_flavour("tensorrt_rtx")
     logger = trt.module.Logger(trt.module.Logger.ERROR)
     pipe_b = _pipeline(_loras((lora_files["b"], 1.0)), dtype=torch.float16)
-    specs = {spec.name: spec for spec in SDXL.graph_specs(pipe_b, 1, 8, torch.float16, torch.float32)}
+    specs = {spec.name: spec for spec in SDXL.graph_specs(pipe_b, 1, None, 8, torch.float16, torch.float32)}
     for name in ("clip1", "clip2", "unet_xl"):
-        onnx_a = graphs.onnx_path(fp16_graphs["a"], name)
+        onnx_a = onnx_graphs.onnx_path(fp16_graphs["a"], name)
         expected = refit.refittable_weights(onnx_a)
         builder = trt.module.Builder(logger)
         network = builder.create_network(trt.network_flags())
@@ -285,9 +285,9 @@ def test_refit_mapping_covers_every_refittable_weight(fp16_graphs, lora_files):
         assert config.get_flag(trt.module.BuilderFlag.REFIT_INDIVIDUAL)
         assert all(network.are_weights_marked_refittable(weight) for weight in expected)
 
-        sources = refit.refit_sources(expected, graphs.graph_weights(specs[name].module))
+        sources = refit.refit_sources(expected, onnx_graphs.graph_weights(specs[name].module))
         assert sources.keys() == expected.keys()
-        graph_b = onnx.load(str(graphs.onnx_path(fp16_graphs["b"], name))).graph.initializer
+        graph_b = onnx.load(str(onnx_graphs.onnx_path(fp16_graphs["b"], name))).graph.initializer
         initializers_b = {t.name: numpy_helper.to_array(t) for t in graph_b if t.name in expected}
         assert initializers_b.keys() == expected.keys()
         assert all(np.array_equal(sources[w].numpy().reshape(initializers_b[w].shape), initializers_b[w])
@@ -311,7 +311,7 @@ def _graphs_of(source, out):
     """A fresh export folder whose ONNX graphs are those in `source`."""
     (out / "onnx").mkdir(parents=True)
     for name in SDXL.graph_names():
-        (out / "onnx" / name).symlink_to(graphs.onnx_path(source, name).parent)
+        (out / "onnx" / name).symlink_to(onnx_graphs.onnx_path(source, name).parent)
     return out
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sdquant.quantize.calibrate import max_abs, quantize_backbone
+from sdquant.quantize.calibrate import max_abs, quantize_backbones
 from sdquant.families.sdxl import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
@@ -55,11 +55,11 @@ class ExampleCalibrator:
 
 
 def _calibrate_beside(pipe, cfg, observe: dict) -> None:
-    """quantize_backbone on `pipe`, with `observe[name](input)` called on each named module's input."""
+    """quantize_backbones on `pipe`, with `observe[name](input)` called on each named module's input."""
     handles = [module.register_forward_pre_hook(lambda _m, args, name=name: observe[name](args[0]))
                for name, module in pipe.unet.named_modules() if name in observe]
     try:
-        quantize_backbone(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
+        quantize_backbones(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
     finally:
         for handle in handles:
             handle.remove()
@@ -156,9 +156,9 @@ def test_fp8_calibrates_with_max_as_modelopts_example_unless_asked(tiny_pipeline
 
 def test_a_checkpoint_of_the_older_recipe_is_refused_in_one_line(quantize_cfg, tmp_path):
     folder = run_quantize(quantize_cfg("quantize.quant_level=1"))
-    sidecar = json.loads((folder / "unet.json").read_text())
+    sidecar = json.loads((folder / "checkpoint.json").read_text())
     del sidecar["settings"]["quantize"]["percentile_layers"]
-    (folder / "unet.json").write_text(json.dumps(sidecar))
+    (folder / "checkpoint.json").write_text(json.dumps(sidecar))
     cfg = quantize_cfg()
     with pytest.raises(UserError, match="calibrated by an sdquant older than NeMo's recipe.*quantize again"):
         checked_checkpoint(cfg.model, "quantized_unet", str(folder))

@@ -147,7 +147,7 @@ def test_calibration_counts_cut_prompts_in_sidecar_and_summary(quantize_cfg, tmp
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join([LONG, SHORT, LONG + " at dawn", SHORT + " at dusk"]) + "\n")
     folder = run_quantize(quantize_cfg(f"prompts_file={prompts}", "quantize.n_steps=2"))
-    sidecar = json.loads((folder / "unet.json").read_text())
+    sidecar = json.loads((folder / "checkpoint.json").read_text())
     assert sidecar["calibration"]["truncated_prompts"] == 2
     captured = capsys.readouterr()
     assert sum(line.startswith("warning: prompt") for line in captured.err.splitlines()) == 2

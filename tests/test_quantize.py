@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdquant.quantize import checkpoint
-from sdquant.quantize.calibrate import activation_amax, quantize_backbone
+from sdquant.quantize.calibrate import activation_amax, quantize_backbones
 from sdquant.families import family_of
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
@@ -19,7 +19,7 @@ from sdquant.workflow.quantize import run_quantize
 def _calibrate(tiny_pipeline, quantize_cfg, *overrides, model="tiny_sdxl"):
     cfg = quantize_cfg(*overrides, model=model)
     pipe = tiny_pipeline(model)
-    quantize_backbone(pipe, family_of(cfg.model.family), load_prompts(None, cfg.quantize.calib_size), cfg.quantize,
+    quantize_backbones(pipe, family_of(cfg.model.family), load_prompts(None, cfg.quantize.calib_size), cfg.quantize,
                       cfg.seed)
     return pipe
 
@@ -86,12 +86,12 @@ def test_checkpoint_restores_identical_output(tiny_pipeline, quantize_cfg, tmp_p
     args, kwargs = _unet_inputs(pipe.unet)
     with torch.no_grad():
         expected = pipe.unet(*args, **kwargs).sample
-    checkpoint.save(pipe.unet, tmp_path / "ckpt", {"fingerprint": "x"})
+    checkpoint.save({"unet": pipe.unet}, tmp_path / "ckpt", {"fingerprint": "x"})
 
     fresh = tiny_pipeline(model).unet
     with torch.no_grad():
         unquantized = fresh(*args, **kwargs).sample
-    checkpoint.restore(fresh, tmp_path / "ckpt")
+    checkpoint.restore(fresh, tmp_path / "ckpt", "unet")
     with torch.no_grad():
         restored = fresh(*args, **kwargs).sample
     assert not torch.equal(unquantized, expected), "quantization must change the output"
@@ -100,9 +100,9 @@ def test_checkpoint_restores_identical_output(tiny_pipeline, quantize_cfg, tmp_p
 
 def test_checkpoint_of_other_model_is_refused(tiny_pipeline, quantize_cfg, tmp_path):
     pipe = _calibrate(tiny_pipeline, quantize_cfg, "quantize.quant_level=1")
-    checkpoint.save(pipe.unet, tmp_path / "ckpt", {"fingerprint": "x"})
+    checkpoint.save({"unet": pipe.unet}, tmp_path / "ckpt", {"fingerprint": "x"})
     with pytest.raises(UserError, match="does not belong to this model"):
-        checkpoint.restore(tiny_pipeline("tiny_sd15").unet, tmp_path / "ckpt")
+        checkpoint.restore(tiny_pipeline("tiny_sd15").unet, tmp_path / "ckpt", "unet")
 
 
 def test_out_of_memory_names_batch_size(tiny_pipeline, quantize_cfg):
@@ -114,7 +114,7 @@ def test_out_of_memory_names_batch_size(tiny_pipeline, quantize_cfg):
 
     pipe.unet.register_forward_pre_hook(exhaust)
     with pytest.raises(UserError, match="lower quantize.batch_size"):
-        quantize_backbone(pipe, family_of(cfg.model.family), load_prompts(None, 4), cfg.quantize, cfg.seed)
+        quantize_backbones(pipe, family_of(cfg.model.family), load_prompts(None, 4), cfg.quantize, cfg.seed)
 
 
 def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
@@ -123,7 +123,7 @@ def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
     # Two runs of four steps under NeMo's divisor: the convolutions' min-mean ranges are halved.
     assert "over 2 runs and divided by n_steps=4, as NeMo does: its ranges are 0.5x the runs' mean" in (
         capsys.readouterr().out)
-    sidecar = json.loads((folder / checkpoint.SIDECAR_FILE).read_text())
+    sidecar = json.loads((folder / checkpoint.RECORD_FILE).read_text())
     assert sidecar["settings"]["quantize"]["quant_level"] == 3.0
     assert sidecar["resolved_config"]["quantize"]["alpha"] == 0.8
     assert sidecar["calibration"]["batches"] == 2
@@ -131,15 +131,15 @@ def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
     assert sidecar["calibration"]["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
     assert sidecar["amax_summary"]["quantizers"] == len(sidecar["activation_amax"]) > 100
     assert "nvidia-modelopt" in sidecar["versions"]
-    mtime = (folder / checkpoint.UNET_FILE).stat().st_mtime_ns
+    mtime = checkpoint.backbone_file(folder, "unet").stat().st_mtime_ns
 
     capsys.readouterr()
     assert run_quantize(cfg) == folder
     assert "reused" in capsys.readouterr().out
-    assert (folder / checkpoint.UNET_FILE).stat().st_mtime_ns == mtime
+    assert checkpoint.backbone_file(folder, "unet").stat().st_mtime_ns == mtime
 
     run_quantize(OmegaConf.merge(cfg, {"force": True}))
-    assert (folder / checkpoint.UNET_FILE).stat().st_mtime_ns != mtime
+    assert checkpoint.backbone_file(folder, "unet").stat().st_mtime_ns != mtime
     capsys.readouterr()
     run_quantize(OmegaConf.merge(cfg, {"quantize": {"mean_divisor": "runs"}}))
     assert "as NeMo does" not in capsys.readouterr().out

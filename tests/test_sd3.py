@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 
-from sdquant.export.graphs import onnx_path
+from sdquant.export.onnx_graphs import onnx_path
 from sdquant.load import load_pipeline
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
@@ -164,13 +164,14 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
 def _transformer(checkpoint, kernels: bool, level: float):
     """The checkpoint's transformer, in fake quantization or converted to the FP8 kernels (their CPU twins)."""
     from sdquant.families.sd3 import SD3
-    from sdquant.load import empty_backbone
+    from sdquant.load import empty_backbones
     from sdquant.runtime import torch_backend
-    from sdquant.workflow.settings import restore_quantized_backbone
+    from sdquant.workflow.settings import restore_quantized_backbones
 
     model = compose_config("sd_xl_quantize", ["model=tiny_sd3"]).model
-    transformer = empty_backbone(model)
-    restore_quantized_backbone(model, "quantized_unet", str(checkpoint), transformer)
+    backbones = empty_backbones(model)
+    restore_quantized_backbones(model, "quantized_unet", str(checkpoint), backbones)
+    (transformer,) = backbones.values()
     transformer.to(torch.float32)
     conversion = torch_backend.convert_quantized(transformer, SD3, "quantized_unet", "fp8", "auto", level) \
         if kernels else None

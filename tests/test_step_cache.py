@@ -12,7 +12,7 @@ from sdquant.families.deep_cache import FullPass, ShallowPass
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
 from sdquant.load import load_pipeline
-from sdquant.families.flux import TINY as TINY_FLUX
+from sdquant.families.flux import BLOCK_STACKS, TINY as TINY_FLUX
 from sdquant.workflow.infer_trt import run_infer
 
 from conftest import compose_config, infer_stages
@@ -245,7 +245,7 @@ def test_predicting_only_the_last_block_draws_what_predicting_every_block_draws(
         for layer in getattr(transformer, stack).modules():
             if isinstance(layer, torch.nn.Linear):
                 layer.register_forward_hook(lambda *_: block_gemms.append(1))
-    ours = _hooked_velocities(transformer, HookCache("taylorseer_blocks", 2, 0.0).config(transformer))
+    ours = _hooked_velocities(transformer, HookCache("taylorseer_blocks", 2, 0.0, BLOCK_STACKS).config(transformer))
     ours_gemms = len(block_gemms)
     every_block = _hooked_velocities(transformer, TaylorSeerCacheConfig(
         cache_interval=2, cache_identifiers=[r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"]))

@@ -157,7 +157,7 @@ def test_stage_timer_measures_the_engine(engines):
 
 def test_shape_outside_the_profile_is_one_clear_error(engines):
     """Finding 4: set_input_shape's refusal is an error naming engine, input, shape and profile."""
-    from sdquant.families.networks import BATCH, Network
+    from sdquant.graphs.networks import BATCH, Network
     from sdquant.runtime.trt_stages import check_within_profiles
 
     stage = trt_stages(*_one(engines), ())["unet"]

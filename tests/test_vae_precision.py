@@ -12,7 +12,7 @@ import torch
 
 from sdquant.errors import UserError
 from sdquant.families.encoders import VaeDecoderGraph
-from sdquant.families.networks import VAE
+from sdquant.graphs.networks import VAE
 from sdquant.load import decoder_dtype, load_pipeline, model_configs
 from sdquant.runtime.stages import TorchStage
 from sdquant.workflow.infer_trt import run_infer

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..artifacts import atomic_path, read_json, write_json
 from ..errors import UserError
 from ..interrupts import interrupts_deferred
-from ..families.networks import BATCH, Network, Role
+from ..graphs.networks import BATCH, Network, Role
 
 PLAN_DIR = "plan"
 ENGINES_FILE = "engines.json"
@@ -186,6 +186,24 @@ def engine_record(plan: Path) -> dict:
 
 def built_by(record: dict) -> str:
     return f"{record['flavour']} {record.get('version') or '(version not recorded)'}"
+
+
+def deserialize(flavour: Flavour, runtime, plan: Path):
+    """The engine at `plan`, loaded by `flavour`'s runtime; refused in one line where that TensorRT
+    or this GPU cannot load it."""
+    import torch
+
+    if not plan.is_file():
+        raise UserError(f"engine {plan} does not exist or cannot be read: build it with export_trt.py")
+    engine = runtime.deserialize_cuda_engine(plan.read_bytes())
+    if engine is None:
+        record = engine_record(plan)
+        maker = f"it was built by {built_by(record)}" if record.get("flavour") else \
+            "it was built by another TensorRT version"
+        raise UserError(f"engine {plan} cannot be loaded by {flavour.name} {flavour.version} on "
+                        f"{torch.cuda.get_device_name()}: {maker}, or for another GPU; rebuild it with "
+                        "export_trt.py force=true")
+    return engine
 
 
 def engine_flavour(plan: Path) -> Flavour:

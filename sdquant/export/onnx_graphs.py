@@ -18,7 +18,6 @@ import contextlib
 import time
 import types
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +25,8 @@ import torch
 from ..artifacts import atomic_folder, read_json, write_json
 from ..errors import UserError
 from .insert_qdq import insert_qdq, module_path
-from ..families.networks import Network
+from ..graphs.networks import Network
+from ..graphs.specs import GraphSpec
 
 ONNX_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = "model.onnx.data"
@@ -43,28 +43,6 @@ def graph_files(onnx_file: Path) -> list[Path]:
     """The graph and, for one past protobuf's limit, its external-data file."""
     data = onnx_file.parent / EXTERNAL_DATA_FILE
     return [onnx_file, data] if data.is_file() else [onnx_file]
-
-
-@dataclass
-class GraphSpec:
-    network: Network
-    module: torch.nn.Module
-    args: tuple
-    # Traced on the meta device; the text encoders and VAE build masks and positions on their
-    # inputs' device while tracing, so they are traced on their own tensors (they are small).
-    on_meta: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.network.name
-
-    @property
-    def input_names(self) -> list[str]:
-        return self.network.input_names
-
-    @property
-    def output_names(self) -> list[str]:
-        return self.network.output_names
 
 
 def prepare_quantizers_for_export(unet, dtype: torch.dtype) -> None:
@@ -84,10 +62,14 @@ def _convolution_as_traced_op(input, weight, bias, stride, padding, dilation, tr
                                                output_padding, groups, False, False, True, True)
 
 
-def _swap_tensors(root: torch.nn.Module, replace) -> list[tuple[dict, str, torch.Tensor]]:
-    """Replaces every parameter and buffer of `root` by replace(tensor); returns the originals."""
+def _swap_tensors(root: torch.nn.Module, replace, kept: tuple = ()) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replaces every parameter and buffer of `root` but those of the modules `kept` (and theirs) by
+    replace(tensor); returns the originals."""
     originals = []
+    skipped = {id(module) for each in kept for module in each.modules()}
     for module in root.modules():
+        if id(module) in skipped:
+            continue
         for store in (module._parameters, module._buffers):
             for key, tensor in store.items():
                 if tensor is not None:
@@ -129,7 +111,8 @@ def _traced_on_meta(spec: GraphSpec):
             library.impl("convolution", _convolution_as_traced_op, "Meta", allow_override=True)
         for quantizer in enabled:
             quantizer.disable()
-        originals = _swap_tensors(spec.module, lambda t: t.to("meta"))
+        # A host module computes on the host with its own tensors (a rotary table's buffers).
+        originals = _swap_tensors(spec.module, lambda t: t.to("meta"), tuple(spec.module.host_modules()) if host else ())
         yield args
     finally:
         for store, key, tensor in originals:

@@ -21,6 +21,7 @@ import torch
 from ..artifacts import atomic_path
 from ..errors import UserError
 from ..lora import describe
+from . import engines
 
 # The weights a refit can replace, by ONNX TensorProto element type and TensorRT DataType name.
 ONNX_FLOAT_TYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
@@ -74,11 +75,9 @@ def refit_sources(expected: dict[str, tuple[torch.dtype, int]],
 def refit_engine(flavour, plan: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Writes `tensors` into the engine at `plan` with TensorRT's Refitter and saves it in place;
     returns how many weights were refitted. Needs the GPU the engine was built for."""
-    from ..runtime.trt_stages import deserialize
-
     trt = flavour.module
     logger = trt.Logger(trt.Logger.WARNING)
-    engine = deserialize(flavour, trt.Runtime(logger), plan)
+    engine = engines.deserialize(flavour, trt.Runtime(logger), plan)
     refitter = trt.Refitter(engine, logger)
     prototypes = {name: refitter.get_weights_prototype(name) for name in refitter.get_all_weights()}
     sources = refit_sources({name: (TRT_FLOAT_TYPES[str(p.dtype).split(".")[-1]], p.size)

@@ -3,7 +3,7 @@ inputs and engine profiles; tokenizers; the backbones the 8 bits go into), its r
 text-to-image data flow, its architectures and its scene-training loss. The stages and scripts ask
 `family_of(model.family)` and never test a family's name.
 
-Adding a family is one module here with a `ModelFamily` subclass, its name in `names.Family` and in
+Adding a family is one module here with a `ModelFamily` subclass, its name in `config.Family` and in
 `_registry` below, and a model config in conf/model/ (README: "Adding a model family").
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import cache
 
 from .base import ModelFamily
-from .names import Family
+from ..config import Family
 
 
 @cache

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .networks import Network
+from ..errors import UserError
+from ..graphs.networks import Network
 
 if TYPE_CHECKING:
     from ..quantize.recipe import LevelTable
@@ -53,11 +54,24 @@ class ModelFamily:
     # Its quantization levels: which layer groups each adds, what stays in high precision
     # (sdquant.quantize.recipe.LevelTable).
     level_table: LevelTable
+    # What its pipeline draws, which decides how samples are written and scored: image or video.
+    output = "image"
 
     @property
-    def backbone(self) -> Backbone:
-        """The backbone of a family that has one (every family here so far)."""
+    def backbone_attributes(self) -> tuple[str, ...]:
+        """Each backbone's attribute on the pipeline: its folder in a diffusers model and its file in a
+        checkpoint."""
+        return tuple(backbone.attribute for backbone in self.backbones)
+
+    @property
+    def configs_backbone(self) -> Backbone:
+        """The backbone whose config the stages read for the latents' shape (channels, sample size,
+        patches): every backbone of a family denoises the same latents."""
         return self.backbones[0]
+
+    def backbone_modules(self, pipe) -> dict:
+        """The pipeline's backbone modules, by attribute."""
+        return {backbone.attribute: getattr(pipe, backbone.attribute) for backbone in self.backbones}
 
     def pipeline_class(self):
         raise NotImplementedError
@@ -80,8 +94,13 @@ class ModelFamily:
         return tuple(network.name for network in self.networks())
 
     def backbone_graphs(self) -> tuple[str, ...]:
-        """The graphs that run a backbone: its own and those of its cached passes."""
-        raise NotImplementedError
+        """The graphs that run a backbone: each backbone's own and those of its cached passes."""
+        return (*(backbone.graph for backbone in self.backbones), *self.cached_graphs())
+
+    def cached_graphs(self) -> tuple[str, ...]:
+        """The graphs of a step cache's passes of a backbone (DeepCache's full and shallow UNet),
+        exported beside the backbone's own where the engines are for that cache."""
+        return ()
 
     def carries_adapters(self, graph: str) -> bool:
         """Whether an exported graph holds LoRA weights (diffusers loads them into the backbone and
@@ -118,20 +137,53 @@ class ModelFamily:
         so that calibration and training's check see the inputs the graphs will."""
         return {}
 
+    def calibration_call_kwargs(self, block) -> dict:
+        """What calibration's call of the diffusers pipeline takes from the settled quantize block
+        besides prompts, steps, guidance and size (a video's frames)."""
+        return {}
+
+    # --- the sample's geometry and guidance -----------------------------------------------------
+
+    def settled_frames(self, asked: int | None, key: str, model) -> int:
+        """The frames of a sample, from config `key` (null: the model's own); an image model draws
+        one and refuses any other count."""
+        if asked not in (None, 1):
+            raise UserError(f"{key}={asked}: model={model.name} draws images: leave {key} unset (or 1)")
+        return 1
+
+    def settled_fps(self, asked: int | None, key: str, model) -> int | None:
+        """The frames per second a written video plays at; an image model has none."""
+        if asked is not None:
+            raise UserError(f"{key}={asked}: model={model.name} draws images, which have no frame rate: leave it unset")
+        return None
+
+    def check_guidance(self, second_scale: float | None, key: str) -> None:
+        """Refuses a second expert's guidance scale for a family with one backbone."""
+        if second_scale is not None and len(self.backbones) == 1:
+            raise UserError(f"{key}={second_scale}: {self.name} models have one backbone; the second guidance scale is "
+                            "a two-expert model's (Wan2.2-T2V-A14B): leave it unset")
+
     # --- export and engines --------------------------------------------------------------------
 
-    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        """What to trace for each graph (sdquant.export.GraphSpec), the backbone last."""
+    def graph_specs(self, pipe, batch: int, geometry, trace_latent: int, dtype, vae_dtype, cache=None) -> list:
+        """What to trace for each graph (sdquant.graphs.specs.GraphSpec), the backbones last: graphs
+        with dynamic sizes traced at latents `trace_latent` a side, and any whose sizes are fixed at
+        the engines' `geometry` (sdquant.graphs.geometry.SampleGeometry)."""
         raise NotImplementedError
 
-    def export_sizes(self, pipe) -> dict:
+    def export_sizes(self, pipe, geometry) -> dict:
         """The sequence lengths the model fixes (a T5 tokenizer's length), which each graph's export
         record keeps for its engine's profile."""
         return {}
 
-    def profile_axis_sizes(self, graph: str, height: int, width: int, record: dict, trt) -> list[dict[str, int]]:
-        """The (min, opt, max) size of every dynamic axis but the batch of `graph`'s engine, for images
-        of height x width; `record`: the graph's export record (export_sizes, the VAE's scale, a cached
+    def traced_geometry_record(self, graph: str, geometry) -> dict:
+        """What a graph's fingerprint records of the geometry it was traced at: nothing for a graph
+        whose sizes stay dynamic."""
+        return {}
+
+    def profile_axis_sizes(self, graph: str, geometry, record: dict, trt) -> list[dict[str, int]]:
+        """The (min, opt, max) size of every dynamic axis but the batch of `graph`'s engine, for samples
+        of `geometry`; `record`: the graph's export record (export_sizes, the VAE's scale, a cached
         pass's settings); `trt`: the build's settings (trt.max_prompt_chunks)."""
         raise NotImplementedError
 
@@ -147,11 +199,17 @@ class ModelFamily:
         raise NotImplementedError
 
     def backbone_stage(self, backbone, dtype):
-        """A backbone module as its graph's stage (evaluate.py's quantized variants)."""
+        """The backbone module of a family of one as its graph's stage."""
         raise NotImplementedError
 
-    def cache_stages(self, backbone, dtype, cache) -> dict:
-        """The backbone's stages under a step cache, by graph name."""
+    def backbone_stages(self, modules: dict, dtype) -> dict:
+        """The backbone modules (by attribute) as their graphs' stages, by graph (evaluate.py's
+        quantized variants)."""
+        (backbone,) = self.backbones  # a family of several backbones says which graph each runs
+        return {backbone.graph: self.backbone_stage(modules[backbone.attribute], dtype)}
+
+    def cache_stages(self, modules: dict, dtype, cache) -> dict:
+        """The backbones' stages under a step cache (the modules by attribute), by graph name."""
         raise NotImplementedError
 
     def release_cache(self, backbone) -> None:
@@ -188,8 +246,24 @@ class ModelFamily:
         reads the same from a model's folder without its weights)."""
         return {"tokenizers": [getattr(pipe, name) for name in self.tokenizer_folders],
                 "scheduler_config": dict(pipe.scheduler.config),
-                "backbone_config": dict(getattr(pipe, self.backbone.attribute).config),
+                "backbone_config": dict(getattr(pipe, self.configs_backbone.attribute).config),
                 "vae_config": dict(pipe.vae.config)}
+
+    def decoder_dtype(self, vae_config, dtype: torch.dtype) -> torch.dtype:
+        """What the VAE decodes in for a pipeline in `dtype`: that dtype, except where the VAE's config
+        says force_upcast (its activations overflow fp16, as SDXL's own VAE's do) and the pipeline runs
+        fp16: then bf16, which has fp32's range and runs as fast as fp16 (diffusers decodes such a VAE
+        in fp32, which on Hopper runs its convolutions at half the rate)."""
+        return torch.bfloat16 if dtype == torch.float16 and vae_config.get("force_upcast", False) else dtype
+
+    def vae_scale(self, vae_config) -> int:
+        """Image pixels per latent pixel along each side, from the VAE's config."""
+        return vae_scale_factor(vae_config)
+
+    def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
+        """(height, width) the model draws when none is asked: diffusers' own default for it."""
+        side = self.native_image_size(configs, vae_scale)
+        return side, side
 
     def native_image_size(self, configs: dict, vae_scale: int) -> int:
         """The side the model was trained at, as diffusers' pipelines default to it: the backbone's

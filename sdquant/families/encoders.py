@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .networks import BATCH, TEXT_TOKENS, Network
+from ..graphs.networks import BATCH, TEXT_TOKENS, Network
 
 
 def clip_network(name: str, hidden: bool = True, pooled: bool = False) -> Network:

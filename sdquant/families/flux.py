@@ -22,7 +22,7 @@ from ..quantize.recipe import LayerGroup, LevelTable
 from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
-from .networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
+from ..graphs.networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, t5_dropped_words
 from ..runtime.step_modulations import MODULATIONS
 
@@ -460,9 +460,14 @@ def flux_scheduler():
                                            max_shift=1.15, shift=3.0, use_dynamic_shifting=True)
 
 
+TRANSFORMER = Backbone("transformer", "transformer")
+# The transformer's block lists, in the order its forward runs them: double-stream, then single.
+BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")
+
+
 class FluxFamily(ModelFamily):
     name = "flux"
-    backbones = (Backbone("transformer", "transformer"),)
+    backbones = (TRANSFORMER,)
     cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     components = ("text_encoder", "text_encoder_2", "transformer", "vae")
@@ -492,9 +497,6 @@ class FluxFamily(ModelFamily):
     def network(self, name: str) -> Network:
         return {network.name: network for network in self.networks()}[name]
 
-    def backbone_graphs(self) -> tuple[str, ...]:
-        return (self.backbone.graph,)
-
     def carries_adapters(self, graph: str) -> bool:
         """diffusers' Flux LoRA loader writes into the transformer and CLIP, never into T5."""
         return graph in ("transformer", "clip")
@@ -510,11 +512,11 @@ class FluxFamily(ModelFamily):
 
     # --- export and engines --------------------------------------------------------------------
 
-    def export_sizes(self, pipe) -> dict:
+    def export_sizes(self, pipe, geometry) -> dict:
         return {"text_tokens": text_tokens(pipe.tokenizer_2)}
 
-    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        from ..export.graphs import GraphSpec
+    def graph_specs(self, pipe, batch: int, geometry, latent: int, dtype, vae_dtype, cache=None) -> list:
+        from ..graphs.specs import GraphSpec
         from ..quantize.quantizers import unsupported_quantizers
 
         transformer = pipe.transformer.to(dtype)
@@ -537,11 +539,12 @@ class FluxFamily(ModelFamily):
                       on_meta=not unsupported_quantizers(transformer)),
         ]
 
-    def profile_axis_sizes(self, graph: str, height: int, width: int, record: dict, trt) -> list[dict[str, int]]:
+    def profile_axis_sizes(self, graph: str, geometry, record: dict, trt) -> list[dict[str, int]]:
         """T5's tokens as the export recorded them (every Flux graph exported before the length was
         recorded took diffusers' 512)."""
         scale = record.get("vae_scale_factor", 8)
-        sizes = flux_axis_sizes(height // scale, width // scale, record.get("text_tokens") or T5_TOKENS)
+        sizes = flux_axis_sizes(geometry.height // scale, geometry.width // scale,
+                                record.get("text_tokens") or T5_TOKENS)
         return [sizes] * 3
 
     # --- running it ----------------------------------------------------------------------------
@@ -549,7 +552,8 @@ class FluxFamily(ModelFamily):
     def step_cache(self, block):
         from ..runtime.cache_hooks import HookCache
 
-        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold)
+        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
+                                                             BLOCK_STACKS)
 
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
         from ..runtime.stages import TorchStage
@@ -560,7 +564,7 @@ class FluxFamily(ModelFamily):
                   "transformer": self.backbone_stage(pipe.transformer, dtype),
                   "vae": TorchStage(VaeDecoderGraph(pipe.vae), VAE, next(pipe.vae.parameters()).dtype)}
         if cache is not None:
-            stages.update(self.cache_stages(pipe.transformer, dtype, cache))
+            stages.update(self.cache_stages(self.backbone_modules(pipe), dtype, cache))
         return stages
 
     def backbone_stage(self, backbone, dtype):
@@ -568,10 +572,11 @@ class FluxFamily(ModelFamily):
 
         return TorchStage(TransformerGraph(backbone), transformer_network(backbone.config.guidance_embeds), dtype)
 
-    def cache_stages(self, backbone, dtype, cache) -> dict:
+    def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.cache_hooks import HookedStage
 
-        return {self.backbone.graph: HookedStage(self.backbone_stage(backbone, dtype), backbone, cache)}
+        backbone = modules[TRANSFORMER.attribute]
+        return {TRANSFORMER.graph: HookedStage(self.backbone_stage(backbone, dtype), backbone, cache)}
 
     def release_cache(self, backbone) -> None:
         if backbone.is_cache_enabled:

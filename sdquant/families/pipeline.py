@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
-from .networks import TOKENS
+from ..graphs.geometry import SampleGeometry
+from ..graphs.networks import TOKENS
 
 if TYPE_CHECKING:
     from ..runtime.stages import StageTimer
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "dpmpp_2m": "DPMSolverMultistepScheduler", "ddim": "DDIMScheduler",
               "heun": "HeunDiscreteScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler",
-              "flow_euler": "FlowMatchEulerDiscreteScheduler"}
+              "flow_euler": "FlowMatchEulerDiscreteScheduler", "unipc": "UniPCMultistepScheduler"}
 
 
 def make_scheduler(name: str, config: dict):
@@ -38,8 +39,8 @@ def make_scheduler(name: str, config: dict):
 
 @dataclass
 class SamplingSettings:
-    """One pipeline call: its prompts and `images_per_prompt` images of each, image k of the call
-    seeded `seed + k`, so that each image is what a call for it alone with its seed gives."""
+    """One pipeline call: its prompts and `images_per_prompt` images (or videos) of each, image k of
+    the call seeded `seed + k`, so that each image is what a call for it alone with its seed gives."""
 
     prompts: list[str]
     negative_prompt: str
@@ -55,6 +56,15 @@ class SamplingSettings:
     # The family's step cache (DeepCache, a diffusers cache hook), or None: the whole backbone at
     # every step.
     cache: object | None = None
+    # A video's frames (1: an image), its frame rate in the written file, and a two-expert model's
+    # guidance for its second expert (None: guidance_scale).
+    frames: int = 1
+    fps: int | None = None
+    guidance_scale_2: float | None = None
+
+    @property
+    def geometry(self) -> SampleGeometry:
+        return SampleGeometry(self.frames, self.height, self.width)
 
     @property
     def image_prompts(self) -> list[str]:
@@ -132,11 +142,17 @@ def say_truncated(tokenizers: list, prompts: list[str], told: set[str], keep_the
 class TextToImage:
     """The base of every family's data flow over stages: the parts each family's __call__ shares.
 
-    A family's subclass names its backbone stage (`backbone`), says what each stage sees per call
-    (`stage_batches`) and how large each dynamic axis is in a run (`axis_sizes`), and draws the
-    latents it denoises (`latent_shape`)."""
+    A family's subclass names its backbone stage (`backbone`; a flow of several backbones, each
+    expert's, names them all in `backbones`), says what each stage sees per call (`stage_batches`)
+    and how large each dynamic axis is in a run (`axis_sizes`), and draws the latents it denoises
+    (`latent_shape`)."""
 
     backbone: str
+
+    @property
+    def backbones(self) -> tuple[str, ...]:
+        """The stages that run a backbone at each step: one, or each expert's."""
+        return (self.backbone,)
 
     def __init__(self, stages: dict, tokenizers: list, scheduler, backbone_config, vae_scale: int,
                  device: torch.device):

@@ -17,7 +17,7 @@ from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .deep_cache import DEEP, FULL, SHALLOW, DeepCache, deep_sizes
 from .encoders import ClipGraph, VaeDecoderGraph, clip_network
-from .networks import BATCH, CONTEXT, HEIGHT, LATENT, TOKENS, VAE, WIDTH, Network, Role
+from ..graphs.networks import BATCH, CONTEXT, HEIGHT, LATENT, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
 
 # Layers whose ranges are too wide, or whose error spreads to every pixel, for 8 bits.
@@ -322,8 +322,12 @@ class StableDiffusionFamily(ModelFamily):
     def text_networks(self) -> list[Network]:
         return [dataclasses.replace(clip_network("clip1"), guided=True)]
 
+    @property
+    def unet_graph(self) -> str:
+        return self.backbones[0].graph
+
     def unet(self) -> Network:
-        return unet_network(self.backbone.graph, self.pooled_input)
+        return unet_network(self.unet_graph, self.pooled_input)
 
     def cached_passes(self) -> tuple[Network, Network]:
         from .deep_cache import passes
@@ -337,8 +341,8 @@ class StableDiffusionFamily(ModelFamily):
     def network(self, name: str) -> Network:
         return {each.name: each for each in (*self.text_networks(), VAE, self.unet(), *self.cached_passes())}[name]
 
-    def backbone_graphs(self) -> tuple[str, ...]:
-        return (self.backbone.graph, *(network.name for network in self.cached_passes()))
+    def cached_graphs(self) -> tuple[str, ...]:
+        return tuple(network.name for network in self.cached_passes())
 
     # --- quantization --------------------------------------------------------------------------
 
@@ -348,7 +352,7 @@ class StableDiffusionFamily(ModelFamily):
     # --- export and engines --------------------------------------------------------------------
 
     def text_graph_specs(self, pipe, ids: torch.Tensor, dtype) -> list:
-        from ..export.graphs import GraphSpec
+        from ..graphs.specs import GraphSpec
 
         return [GraphSpec(self.text_networks()[0], ClipGraph(pipe.text_encoder.to(dtype), penultimate=False), (ids,))]
 
@@ -359,8 +363,8 @@ class StableDiffusionFamily(ModelFamily):
             args.append(torch.randn(batch, unet.config.projection_class_embeddings_input_dim, dtype=dtype))
         return tuple(args)
 
-    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        from ..export.graphs import GraphSpec
+    def graph_specs(self, pipe, batch: int, geometry, latent: int, dtype, vae_dtype, cache=None) -> list:
+        from ..graphs.specs import GraphSpec
         from ..quantize.quantizers import unsupported_quantizers
         from .deep_cache import FullPass, ShallowPass
 
@@ -380,12 +384,12 @@ class StableDiffusionFamily(ModelFamily):
                       GraphSpec(shallow, ShallowPass(unet, cache.branch), (*args, deep), on_meta=on_meta)]
         return specs
 
-    def profile_axis_sizes(self, graph: str, height: int, width: int, record: dict, trt) -> list[dict[str, int]]:
+    def profile_axis_sizes(self, graph: str, geometry, record: dict, trt) -> list[dict[str, int]]:
         """Context from one CLIP window up to trt.max_prompt_chunks of them (long prompts encoded window
         by window); a cached pass's feature from the branch its export recorded."""
         scale = record["vae_scale_factor"]
         branch = record.get("deep_cache_branch")
-        return [unet_axis_sizes(height // scale, width // scale, windows, branch)
+        return [unet_axis_sizes(geometry.height // scale, geometry.width // scale, windows, branch)
                 for windows in (1, 1, trt.max_prompt_chunks)]
 
     # --- running it ----------------------------------------------------------------------------
@@ -410,9 +414,9 @@ class StableDiffusionFamily(ModelFamily):
         stages = {network.name: TorchStage(graph, network, dtype)
                   for network, graph in self.text_graphs(pipe)}
         stages["vae"] = TorchStage(VaeDecoderGraph(pipe.vae), VAE, next(pipe.vae.parameters()).dtype)
-        stages[self.backbone.graph] = self.backbone_stage(pipe.unet, dtype)
+        stages[self.unet_graph] = self.backbone_stage(pipe.unet, dtype)
         if cache is not None:
-            stages.update(self.cache_stages(pipe.unet, dtype, cache))
+            stages.update(self.cache_stages(self.backbone_modules(pipe), dtype, cache))
         return stages
 
     def text_graphs(self, pipe) -> list[tuple[Network, torch.nn.Module]]:
@@ -423,10 +427,11 @@ class StableDiffusionFamily(ModelFamily):
 
         return TorchStage(UNetGraph(backbone), self.unet(), dtype)
 
-    def cache_stages(self, backbone, dtype, cache) -> dict:
+    def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.stages import TorchStage
         from .deep_cache import FullPass, ShallowPass
 
+        backbone = modules[self.backbones[0].attribute]
         full, shallow = self.cached_passes()
         return {full.name: TorchStage(FullPass(backbone, cache.branch), full, dtype),
                 shallow.name: TorchStage(ShallowPass(backbone, cache.branch), shallow, dtype)}
@@ -434,7 +439,7 @@ class StableDiffusionFamily(ModelFamily):
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         return self.text_to_image_class(stages, parts["tokenizers"], scheduler,
                                         types.SimpleNamespace(**parts["backbone_config"]),
-                                        vae_scale_factor(parts["vae_config"]), device, self.backbone.graph)
+                                        vae_scale_factor(parts["vae_config"]), device, self.unet_graph)
 
     # --- its architectures ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from . import components
 from .base import SEED, Backbone, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from .flux import calculate_shift
-from .networks import BATCH, HEIGHT, LATENT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
+from ..graphs.networks import BATCH, HEIGHT, LATENT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, shortened, t5_dropped_words
 from ..runtime.step_modulations import MODULATIONS
 
@@ -334,9 +334,6 @@ class SD3Family(ModelFamily):
     def network(self, name: str) -> Network:
         return {network.name: network for network in NETWORKS}[name]
 
-    def backbone_graphs(self) -> tuple[str, ...]:
-        return (self.backbone.graph,)
-
     def carries_adapters(self, graph: str) -> bool:
         """diffusers' SD3 LoRA loader writes into the transformer and both CLIP encoders, never T5."""
         return graph in ("transformer", "clip_l", "clip_g")
@@ -352,11 +349,11 @@ class SD3Family(ModelFamily):
 
     # --- export and engines --------------------------------------------------------------------
 
-    def export_sizes(self, pipe) -> dict:
+    def export_sizes(self, pipe, geometry) -> dict:
         return {"text_tokens": text_tokens(pipe.tokenizer_3)}
 
-    def graph_specs(self, pipe, batch: int, latent: int, dtype, vae_dtype, cache=None) -> list:
-        from ..export.graphs import GraphSpec
+    def graph_specs(self, pipe, batch: int, geometry, latent: int, dtype, vae_dtype, cache=None) -> list:
+        from ..graphs.specs import GraphSpec
         from ..quantize.quantizers import unsupported_quantizers
 
         transformer = pipe.transformer.to(dtype)
@@ -377,10 +374,10 @@ class SD3Family(ModelFamily):
                       on_meta=not unsupported_quantizers(transformer)),
         ]
 
-    def profile_axis_sizes(self, graph: str, height: int, width: int, record: dict, trt) -> list[dict[str, int]]:
+    def profile_axis_sizes(self, graph: str, geometry, record: dict, trt) -> list[dict[str, int]]:
         """The latent's sides of this image size and T5's tokens as the export recorded them."""
         scale = record.get("vae_scale_factor", 8)
-        return [sd3_axis_sizes(height // scale, width // scale, record["text_tokens"])] * 3
+        return [sd3_axis_sizes(geometry.height // scale, geometry.width // scale, record["text_tokens"])] * 3
 
     # --- running it ----------------------------------------------------------------------------
 

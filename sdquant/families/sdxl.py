@@ -12,7 +12,7 @@ import torch
 from . import components
 from .base import SEED, Backbone
 from .encoders import ClipGraph, clip_network
-from .networks import Network
+from ..graphs.networks import Network
 from .pipeline import SamplingSettings
 from .sd import SDTextToImage, StableDiffusionFamily, UNetSizes, build_unet, sd_scheduler, unet_vae
 
@@ -134,7 +134,7 @@ class SDXLFamily(StableDiffusionFamily):
                 (second, ClipGraph(pipe.text_encoder_2, penultimate=True, pooled=True))]
 
     def text_graph_specs(self, pipe, ids: torch.Tensor, dtype) -> list:
-        from ..export.graphs import GraphSpec
+        from ..graphs.specs import GraphSpec
 
         first, second = self.text_networks()
         return [GraphSpec(first, ClipGraph(pipe.text_encoder.to(dtype), penultimate=True), (ids,)),

@@ -13,11 +13,13 @@ from enum import Enum
 # CLIP's window: every CLIP text encoder graph takes this many token ids per sample.
 TOKENS = 77
 
-# Axis labels several families share, as the ONNX graphs carry them: the batch, the latent's height
-# and width, a UNet's CLIP context (one window per prompt chunk) and a text encoder's tokens. A
-# family names its own others (a DiT's packed image tokens, a cached pass's feature).
-BATCH, HEIGHT, WIDTH, CONTEXT, TEXT_TOKENS = "B", "H", "W", "S", "T"
+# Axis labels several families share, as the ONNX graphs carry them: the batch, the latent's frames,
+# height and width, a UNet's CLIP context (one window per prompt chunk) and a text encoder's tokens.
+# A family names its own others (a DiT's packed image tokens, a cached pass's feature).
+BATCH, FRAMES, HEIGHT, WIDTH, CONTEXT, TEXT_TOKENS = "B", "F", "H", "W", "S", "T"
 LATENT = {0: BATCH, 2: HEIGHT, 3: WIDTH}
+# A video's latent: (batch, channels, frames, height, width).
+VIDEO_LATENT = {0: BATCH, 2: FRAMES, 3: HEIGHT, 4: WIDTH}
 
 
 class Role(str, Enum):

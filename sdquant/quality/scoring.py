@@ -44,27 +44,31 @@ def prediction(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class RecordingStage:
-    """Passes backbone calls through and keeps each call's inputs and prediction."""
+    """Passes one backbone's calls through and keeps each call's graph, inputs and prediction in
+    `calls`, a list the pipeline's backbones share, so it holds their calls in the order they ran."""
 
-    def __init__(self, stage):
+    def __init__(self, stage, graph: str, calls: list):
         self.stage = stage
-        self.calls: list[tuple[dict, torch.Tensor]] = []
+        self.graph = graph
+        self.calls = calls
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         outputs = self.stage(**inputs)
-        self.calls.append((dict(inputs), prediction(outputs)))
+        self.calls.append((self.graph, dict(inputs), prediction(outputs)))
         return outputs
 
 
 @torch.no_grad()
-def teacher_forced_errors(calls: list[tuple[dict, torch.Tensor]], predict) -> list[float]:
-    """Per backbone call of the reference run (one per scheduler timestep), the relative L2 error
-    ||eps_variant - eps_ref|| / ||eps_ref|| of the variant's prediction on the same input;
-    `predict(step, inputs)` is the variant's (with a step cache, its full or shallow pass)."""
-    errors = []
-    for step, (inputs, reference) in enumerate(calls):
+def teacher_forced_errors(calls: list[tuple[str, dict, torch.Tensor]], predict) -> list[float]:
+    """Per backbone call of the reference run (one per scheduler timestep for a backbone that sees
+    both guidance halves at once), the relative L2 error ||eps_variant - eps_ref|| / ||eps_ref|| of
+    the variant's prediction on the same input; `predict(index, inputs)` is the variant's, index
+    counting that backbone's calls (with a step cache, its full or shallow pass)."""
+    errors, seen = [], {}
+    for graph, inputs, reference in calls:
+        index = seen[graph] = seen.get(graph, -1) + 1
         reference = reference.float()
-        difference = predict(step, inputs).float() - reference
+        difference = predict(index, inputs).float() - reference
         errors.append(float(difference.norm() / reference.norm().clamp_min(torch.finfo(torch.float32).tiny)))
     return errors
 
@@ -189,14 +193,25 @@ class VariantScores:
     source: str
     per_prompt: list[dict] = field(default_factory=list)
     step_errors: list[list[float]] = field(default_factory=list)
+    # The backbone of each call the step errors are of (each expert's, for a video model).
+    step_graphs: list[str] = field(default_factory=list)
     adherence: list[dict] = field(default_factory=list)
 
     def step_error(self) -> list[float]:
         """Per step, the mean over prompt batches."""
         return [statistics.fmean(column) for column in zip(*self.step_errors)]
 
+    def step_error_by_backbone(self) -> dict[str, list[float]]:
+        """step_error split by the backbone each call ran, where several did (a video model's experts)."""
+        errors = self.step_error()
+        graphs = dict.fromkeys(self.step_graphs)
+        if len(graphs) < 2:
+            return {}
+        return {graph: [error for error, ran in zip(errors, self.step_graphs) if ran == graph] for graph in graphs}
+
     def means(self) -> dict[str, float]:
-        keys = [key for key in ("psnr", "ssim", "lpips", "clip") if self.per_prompt and key in self.per_prompt[0]]
+        keys = [key for key in ("psnr", "ssim", "lpips", "clip", "temporal_psnr")
+                if self.per_prompt and key in self.per_prompt[0]]
         means = {key: statistics.fmean(row[key] for row in self.per_prompt) for key in keys}
         if self.step_errors:
             means["step_error"] = statistics.fmean(self.step_error())
@@ -215,6 +230,65 @@ def score_images(reference: torch.Tensor, candidate: torch.Tensor, prompts: list
         for row, value in zip(rows, metric.score(reference, candidate, prompts)):
             row[metric.name] = value
     return rows
+
+
+def temporal_psnr(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """PSNR in dB of a video's frame-to-frame changes (F, 3, H, W) against the reference's: motion the
+    reference does not have (flicker, an object moving another way) lowers it where every frame alone
+    may still score well. inf for identical changes; a one-frame video has none (nan)."""
+    if len(reference) < 2:
+        return float("nan")
+    changes = [video[1:].double() - video[:-1].double() for video in (reference, candidate)]
+    error = float(((changes[1] - changes[0]) ** 2).mean())
+    return float("inf") if error == 0 else 10 * math.log10(4 / error)  # changes span [-1, 1]: peak 2
+
+
+def score_videos(reference: torch.Tensor, candidate: torch.Tensor, prompts: list[str],
+                 optional: list[OptionalMetric]) -> list[dict]:
+    """Per video of a batch (N, F, 3, H, W): each image score's mean over its frames, and the PSNR of
+    its frame-to-frame changes against the reference's (temporal_psnr)."""
+    rows = []
+    for video_reference, video, prompt in zip(reference, candidate, prompts):
+        frames = score_images(video_reference, video, [prompt] * len(video), optional)
+        rows.append({"prompt": prompt, **{key: statistics.fmean(frame[key] for frame in frames)
+                                          for key in frames[0] if key != "prompt"},
+                     "temporal_psnr": temporal_psnr(video_reference, video)})
+    return rows
+
+
+class ImageScores:
+    """How an image family's samples (N, 3, H, W) are scored: adherence read by the scene detector,
+    PSNR/SSIM and the optional metrics per image, and the grid's cell (the image)."""
+
+    def adherence(self, samples: torch.Tensor, prompts: list[str]) -> list[dict]:
+        return adherence(samples, prompts)
+
+    def score(self, reference: torch.Tensor, candidate: torch.Tensor, prompts: list[str],
+              optional: list[OptionalMetric]) -> list[dict]:
+        return score_images(reference, candidate, prompts, optional)
+
+    def cells(self, samples: torch.Tensor) -> torch.Tensor:
+        return samples
+
+
+class VideoScores(ImageScores):
+    """A video family's samples (N, F, 3, H, W): PSNR/SSIM and the optional metrics over every frame,
+    the temporal PSNR, and the middle frame as the grid's cell. The scene detector reads images: no
+    prompt of a video is scored for adherence (not scorable)."""
+
+    def adherence(self, samples: torch.Tensor, prompts: list[str]) -> list[dict]:
+        return [{"prompt": prompt, "scorable": False} for prompt in prompts]
+
+    def score(self, reference: torch.Tensor, candidate: torch.Tensor, prompts: list[str],
+              optional: list[OptionalMetric]) -> list[dict]:
+        return score_videos(reference, candidate, prompts, optional)
+
+    def cells(self, samples: torch.Tensor) -> torch.Tensor:
+        return samples[:, samples.shape[1] // 2]
+
+
+# How each family's output is scored (ModelFamily.output).
+SCORES = {"image": ImageScores(), "video": VideoScores()}
 
 
 def image_grid(columns: list[torch.Tensor]) -> "Image.Image":
@@ -250,7 +324,9 @@ def build_report(variants: dict[str, VariantScores], reference_clip: list[float]
     return {
         "reference": {"name": reference, "clip": reference_clip},
         "variants": {name: {"source": scores.source, "mean": scores.means(), "per_prompt": scores.per_prompt,
-                            "step_error": scores.step_error()} for name, scores in variants.items()},
+                            "step_error": scores.step_error(),
+                            **({"step_error_by_backbone": scores.step_error_by_backbone()}
+                               if scores.step_error_by_backbone() else {})} for name, scores in variants.items()},
         "adherence": adherence_by_model,
         "notes": notes,
         "settings": settings,
@@ -319,6 +395,15 @@ def markdown(report: dict) -> str:
         mean = variant["mean"]
         lines.append(f"| {name} | `{variant['source']}` | " + " | ".join(
             _cell(mean.get(key)) for key in ("psnr", "ssim", "lpips", "clip", "step_error")) + " |")
+    if any("temporal_psnr" in variant["mean"] for variant in report["variants"].values()):
+        lines += ["", "Videos: PSNR, SSIM, LPIPS and CLIP are means over every frame; the PSNR of the frame-to-frame "
+                  "changes against the reference's (motion or flicker the reference does not have lowers it): "
+                  + ", ".join(f"{name} {_cell(variant['mean'].get('temporal_psnr'))} dB"
+                              for name, variant in report["variants"].items()) + "."]
+        for name, variant in report["variants"].items():
+            for graph, errors in variant.get("step_error_by_backbone", {}).items():
+                lines.append(f"- {name}, {graph}: step error mean {_cell(statistics.fmean(errors))} over "
+                             f"{len(errors)} calls")
     lines += ["", "## Per prompt (PSNR dB / SSIM)", "", "| prompt | " + " | ".join(names) + " |",
               "| --- |" + " --- |" * len(names)]
     for index, row in enumerate(report["variants"][names[0]]["per_prompt"]):

@@ -238,12 +238,12 @@ SCENE_TOKENIZERS = {"clip": scene_tokenizer, "t5": scene_t5_tokenizer}
 def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     """Trains the scene pipeline of cfg.family at cfg.architecture's sizes and saves it (fp16,
     safetensors) to cfg.out_dir; returns the folder and the training record, which is also
-    written into it."""
+    written into it. `cfg`: the settled training settings (config.TrainSceneApp)."""
     out = Path(cfg.out_dir).expanduser()
     if out.exists() and not cfg.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
     family = family_of(cfg.family)
-    backbone = family.backbone.attribute
+    backbone = "+".join(family.backbone_attributes)
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
@@ -261,7 +261,7 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
 
     phase_start = time.perf_counter()
     with stage(f"the {backbone}'s training"):
-        train_denoiser([getattr(pipe, backbone), pipe.text_encoder, pipe.text_encoder_2],
+        train_denoiser([*family.backbone_modules(pipe).values(), pipe.text_encoder, pipe.text_encoder_2],
                        family.scene_loss(pipe, latents, data, cfg.denoiser, generator), len(latents), cfg.denoiser,
                        generator, log, backbone)
     seconds[backbone] = time.perf_counter() - phase_start
@@ -273,13 +273,13 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
                                        family.pipeline_call_kwargs(pipe)) if prompts else {}
     record = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True),
         "family": plain(cfg.family),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "final_loss": {"vae": log.final("vae"), backbone: log.final(backbone)},
         "parameters": {name: sum(p.numel() for p in getattr(pipe, name).parameters())
-                       for name in (backbone, "vae", "text_encoder", "text_encoder_2")},
+                       for name in (*family.backbone_attributes, "vae", "text_encoder", "text_encoder_2")},
         "held_out_adherence": {"prompts": len(prompts), "steps": cfg.eval_steps,
                                "guidance_scale": cfg.guidance_scale, **adherence},
         "held_out_combinations": sorted(map(list, scenes.held_out_combinations())),

@@ -1,19 +1,22 @@
 """Calibration stage: Percentile Quant over denoising steps, driven by the diffusers pipeline.
 
 The real pipeline runs over the calibration prompts while plain forward hooks record, per
-denoising step, the amax each quantizable layer sees. The step comes from a StepClock that reads
-the timestep the backbone (UNet or DiT) is called with, so it is right however many calls a step
-takes (guidance batched or not, second-order schedulers). ModelOpt then inserts its quantizers,
-and a PercentileCalibrator on each activation quantizer turns the recorded statistics into its
-amax: where Percentile Quant covers the quantizer (quantize.percentile_layers), a statistic over
-the first ``int(n_steps * percentile)`` steps chosen by the collect method, else the plain max:
+denoising step, the amax each quantizable layer sees. Each backbone (the UNet or DiT, or each expert
+of a two-expert video model) has its own StepClock, which reads the timestep it is called with, so
+the step is right however many calls a step takes (guidance batched or not, second-order
+schedulers) and a backbone's statistics hold only the steps it serves. ModelOpt then inserts its
+quantizers into each backbone, and a PercentileCalibrator on each activation quantizer turns the
+recorded statistics into its amax: where Percentile Quant covers the quantizer
+(quantize.percentile_layers), a statistic over the first ``int(served * percentile)`` of the steps
+the backbone served (all n_steps for a single backbone) chosen by the collect method, else the
+plain max:
 
 ===========  ===============================  ==============
 method       per step, over calibration runs  over steps
 ===========  ===============================  ==============
 global_min   min                              min
 min-max      max                              min
-min-mean     sum / n_steps (or the runs)      min
+min-mean     sum / steps served (or runs)   min
 mean-max     max                              mean
 max          max                              max (ModelOpt's plain max calibration)
 ===========  ===============================  ==============
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QuantizeBlock
-from ..runtime.cuda_graphs import CapturedGraph, clone_tensors
+from ..cuda_graphs import CapturedGraph, clone_tensors
 from ..errors import UserError
 from ..parallel import World, combine, shard, sum_over_ranks
 from ..progress import Progress
@@ -65,14 +68,15 @@ class StepClock:
         return int(self.step)
 
 
-def attach_clock(pipe, family, clock: StepClock):
-    """Keeps `clock` on the step of every backbone call of `pipe`; returns the hook handle."""
+def attach_clock(pipe, family, backbone, clock: StepClock):
+    """Keeps `clock` on the step of every call of `backbone`, a module of `pipe`; returns the hook
+    handle."""
 
     def before_backbone(_module, args, kwargs):
         # The schedule is read at each call since the pipeline sets it at the start of each run.
         clock.observe(family.scheduler_timestep(args, kwargs), pipe.scheduler.timesteps)
 
-    return getattr(pipe, family.backbone.attribute).register_forward_pre_hook(before_backbone, with_kwargs=True)
+    return backbone.register_forward_pre_hook(before_backbone, with_kwargs=True)
 
 
 class StepStatistics:
@@ -81,14 +85,15 @@ class StepStatistics:
     A single running value per step (sum, max or min) combines across calibration runs and
     across processes with one reduction. Sums are kept in float64: adding fp32 values there is
     exact in any order, so splitting the runs over processes cannot change the result. The amax
-    is taken over the first `steps_used` steps; a mean divides each step's sum by `divisor`
-    (NeMo's n_steps) or, when None, by the runs that step was seen in.
+    is taken over the first `share` of the steps the backbone served (at least one); a mean divides
+    each step's sum by the steps served (NeMo's n_steps, for a backbone that serves every step) or,
+    with `per_run`, by the runs that step was seen in.
     """
 
-    def __init__(self, collect_method: str, steps_used: int, divisor: int | None = None):
+    def __init__(self, collect_method: str, share: float = 1.0, per_run: bool = False):
         self.collect_method = collect_method
-        self.steps_used = steps_used
-        self.divisor = divisor
+        self.share = share
+        self.per_run = per_run
         self.values: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {}
 
@@ -105,14 +110,17 @@ class StepStatistics:
 
     def per_step(self, step: int) -> torch.Tensor:
         value = self.values[step]
-        return (value / (self.divisor or self.counts[step])).float() if self.reduction == "sum" else value
+        if self.reduction != "sum":
+            return value
+        return (value / (self.counts[step] if self.per_run else len(self.values))).float()
 
     def final_amax(self) -> torch.Tensor | None:
-        """The amax over the first `steps_used` steps; None when none of them was observed."""
-        observed = [self.per_step(step) for step in range(self.steps_used) if step in self.values]
-        if not observed:
+        """The amax over the first `share` of the steps observed; None when none was."""
+        served = sorted(self.values)
+        used = served[:max(1, int(len(served) * self.share))]
+        if not used:
             return None
-        stacked = torch.stack(observed)
+        stacked = torch.stack([self.per_step(step) for step in used])
         if self.collect_method == "mean-max":
             return stacked.mean(dim=0)
         if self.collect_method == "max":
@@ -122,11 +130,11 @@ class StepStatistics:
 
 def statistics_for(block: QuantizeBlock, percentile: bool) -> StepStatistics:
     """What a quantizer's range is taken from: Percentile Quant's statistic over the first
-    n_steps * percentile steps where it covers the quantizer, else the max over every step."""
+    percentile of the steps its backbone serves where it covers the quantizer, else the max over
+    every step."""
     if not percentile:
-        return StepStatistics("max", block.n_steps)
-    divisor = block.n_steps if block.mean_divisor == "n_steps" else None
-    return StepStatistics(block.collect_method, int(block.n_steps * block.percentile), divisor)
+        return StepStatistics("max")
+    return StepStatistics(block.collect_method, block.percentile, per_run=block.mean_divisor == "runs")
 
 
 _FOREACH_UPDATE = {"sum": torch._foreach_add_, "max": torch._foreach_maximum_,
@@ -434,6 +442,8 @@ class CalibrationResult:
     algorithm: dict
     # Quantizer statistics that are means over the calibration runs (Percentile Quant's min-mean).
     mean_statistics: int = 0
+    # The denoising steps each backbone served, by attribute (every step for a single backbone).
+    steps_served: dict | None = None
 
     def range_scale(self, block: QuantizeBlock) -> float:
         """What NeMo's divisor makes of the mean ranges: the runs over n_steps (1.6 at NeMo's 32
@@ -448,7 +458,7 @@ def calibration_batches(prompts: list[str], batch_size: int) -> list[list[str]]:
 
 
 def run_calibration_prompts(pipe, family, batches: list[tuple[int, list[str]]], block: QuantizeBlock, seed: int,
-                            progress: bool = True) -> int:
+                            progress: bool = True, call_kwargs: dict | None = None) -> int:
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
     device = pipe.device
@@ -456,56 +466,68 @@ def run_calibration_prompts(pipe, family, batches: list[tuple[int, list[str]]], 
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
              height=block.height, width=block.width, generator=generator, output_type="latent",
-             **family.pipeline_call_kwargs(pipe))
+             **family.pipeline_call_kwargs(pipe), **(call_kwargs or {}))
     return len(batches)
 
 
-def quantize_backbone(pipe, family, prompts: list[str], block: QuantizeBlock, seed: int,
-                      world: World = World(), cuda_graph: bool = True) -> CalibrationResult:
-    """Records activation statistics, then inserts ModelOpt quantizers into the pipeline's backbone
-    (its UNet or transformer) and sets their ranges (and SmoothQuant's scales) from those
-    statistics, in place. Under torchrun each process records its share of the batches and the
-    statistics are combined first. On a GPU the backbone runs as a CUDA graph unless `cuda_graph`
-    is false."""
+def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, seed: int,
+                       world: World = World(), cuda_graph: bool = True,
+                       call_kwargs: dict | None = None) -> CalibrationResult:
+    """Records activation statistics of every backbone of the pipeline (its UNet or transformer, or
+    each expert of a two-expert model, each on the steps it serves) in one pass of the pipeline
+    over the prompts, then inserts ModelOpt quantizers into each and sets their ranges (and
+    SmoothQuant's scales) from those statistics, in place. Under torchrun each process records its
+    share of the batches and the statistics are combined first. On a GPU each backbone runs as a
+    CUDA graph unless `cuda_graph` is false. `call_kwargs`: what the pipeline call needs besides the
+    block's settings (a video's frames)."""
     import modelopt.torch.quantization as mtq
 
-    backbone = getattr(pipe, family.backbone.attribute)
+    modules = {backbone.attribute: getattr(pipe, backbone.attribute) for backbone in family.backbones}
     entries = family.quant_cfg_entries(block.format, block.quant_level)
-    clock = StepClock()
-    recorder = ActivationRecorder(backbone, entries, block, clock)
-    captured = CapturedBackbone(backbone, recorder) if cuda_graph and backbone.device.type == "cuda" else None
-    backbone_calls = []
-    hooks = [attach_clock(pipe, family, clock),
-             backbone.register_forward_pre_hook(lambda *_: backbone_calls.append(1))]
+    recorders, captured, hooks, backbone_calls = {}, [], [], []
+    for attribute, module in modules.items():
+        clock = StepClock()
+        recorders[attribute] = ActivationRecorder(module, entries, block, clock)
+        if cuda_graph and module.device.type == "cuda":
+            captured.append(CapturedBackbone(module, recorders[attribute]))
+        hooks += [attach_clock(pipe, family, module, clock),
+                  module.register_forward_pre_hook(lambda *_: backbone_calls.append(1))]
     start = time.perf_counter()
     try:
         batches = run_calibration_prompts(pipe, family, shard(calibration_batches(prompts, block.batch_size), world),
-                                          block, seed, progress=world.is_main)
+                                          block, seed, progress=world.is_main, call_kwargs=call_kwargs)
     except torch.OutOfMemoryError as error:
         raise UserError(
             f"the GPU ran out of memory while calibrating with quantize.batch_size="
             f"{block.batch_size}: lower quantize.batch_size"
         ) from error
     finally:
-        if captured is not None:
-            captured.remove()
-        recorder.remove()
+        for each in captured:
+            each.remove()
+        # Last in, first out: each recorder put its attention recording over the one before it.
+        for recorder in reversed(recorders.values()):
+            recorder.remove()
         for hook in hooks:
             hook.remove()
 
-    combine(recorder.all_statistics(), world)
-    batches = sum_over_ranks(batches, world, backbone.device)
-    calls = sum_over_ranks(len(backbone_calls), world, backbone.device)
+    statistics = [stats for recorder in recorders.values() for stats in recorder.all_statistics()]
+    device = next(iter(modules.values())).device
+    combine(statistics, world)
+    batches = sum_over_ranks(batches, world, device)
+    calls = sum_over_ranks(len(backbone_calls), world, device)
     record_seconds = time.perf_counter() - start
-    mtq.quantize(backbone, {"quant_cfg": entries, "algorithm": None})
-    install_percentile_calibrators(backbone, recorder)
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
-    # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
-    mtq.calibrate(backbone, algorithm, forward_loop=lambda _backbone: None)
-    # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.quantize.shared_ranges).
-    tie_fp8_ranges(backbone)
-    means = sum(stats.reduction == "sum" for stats in recorder.all_statistics())
-    return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm, means)
+    for attribute, module in modules.items():
+        mtq.quantize(module, {"quant_cfg": entries, "algorithm": None})
+        install_percentile_calibrators(module, recorders[attribute])
+        # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
+        mtq.calibrate(module, algorithm, forward_loop=lambda _backbone: None)
+        # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.quantize.shared_ranges).
+        tie_fp8_ranges(module)
+    means = sum(stats.reduction == "sum" for stats in statistics)
+    served = {attribute: sorted({step for stats in recorder.all_statistics() for step in stats.values})
+              for attribute, recorder in recorders.items()}
+    return CalibrationResult(time.perf_counter() - start, record_seconds, batches, calls, algorithm, means, served)
 
 
 def activation_amax(backbone) -> dict[str, float]:

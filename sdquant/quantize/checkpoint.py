@@ -1,7 +1,10 @@
-"""The quantized UNet on disk: ModelOpt's save/restore file plus a JSON sidecar.
+"""The quantized backbones on disk: one folder per calibration run, holding ModelOpt's save/restore
+file of each backbone, named by its attribute on the pipeline (unet.mto, transformer.mto,
+transformer_2.mto), and a JSON record.
 
-The sidecar is written last, so its presence marks a complete checkpoint; its ``fingerprint``
-identifies the settings that produced it, so a rerun with the same settings reuses it.
+The record is written last, so its presence marks a complete checkpoint; its ``fingerprint``
+identifies the settings that produced it, so a rerun with the same settings reuses it. Folders
+written before a family could have several backbones hold unet.mto and unet.json; they still load.
 """
 
 from __future__ import annotations
@@ -9,19 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-
-from omegaconf import OmegaConf
 
 from .. import lora
 from ..artifacts import atomic_path, read_json, write_json
 from ..config import plain
 from ..errors import UserError
-from ..families import family_of
-from ..load import calibration_prompts_file
 
-UNET_FILE = "unet.mto"
-SIDECAR_FILE = "unet.json"
+RECORD_FILE = "checkpoint.json"
+# What a folder of a one-backbone family held before the files were named by backbone.
+OLDER_BACKBONE_FILE, OLDER_RECORD_FILE = "unet.mto", "unet.json"
+BACKBONE_SUFFIX = ".mto"
 
 
 def model_identity(model, with_loras: bool = True) -> dict:
@@ -34,83 +36,132 @@ def model_identity(model, with_loras: bool = True) -> dict:
     return {**identity, "loras": adapters} if adapters else identity
 
 
-def calibration_settings(cfg) -> dict:
-    """Everything that changes the calibrated result, and nothing that does not."""
-    settings = {
-        "quantize": OmegaConf.to_container(cfg.quantize, resolve=True),
-        "model": model_identity(cfg.model),
-        "prompts_file": calibration_prompts_file(cfg),
-        "seed": cfg.seed,
-    }
-    # Only where the recipe changed, so the fingerprints of the checkpoints it did not change hold.
-    revisions = family_of(cfg.model.family).recipe_revisions(cfg.quantize.format, cfg.quantize.quant_level)
-    return {**settings, "recipe": revisions} if revisions else settings
-
-
 def fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def checkpoint_name(cfg) -> str:
-    """The usual sweep keys, readable, then the settings' fingerprint: unique per setting, so
-    sweep jobs never write into each other's folders whatever they sweep."""
-    q = cfg.quantize
-    return (f"{q.exp_name}_{cfg.model.name}_{plain(q.format)}"
-            f"_l{q.quant_level:g}_a{q.alpha:g}_{q.collect_method}_p{q.percentile:g}"
-            f"_s{q.n_steps}_c{q.calib_size}_b{q.batch_size}_seed{cfg.seed}"
-            f"_{fingerprint(calibration_settings(cfg))[:8]}")
+@dataclass(frozen=True)
+class Calibration:
+    """Everything that changes a calibration's result, and nothing that does not: the quantize
+    block (plain values), the model's identity, the prompts file, the seed and what the recipe
+    calibrates differently from older sdquant (only where it does, so older fingerprints hold)."""
+
+    quantize: dict
+    model: dict
+    model_name: str
+    prompts_file: str | None
+    seed: int
+    revisions: dict
+
+    def settings(self) -> dict:
+        settings = {"quantize": self.quantize, "model": self.model, "prompts_file": self.prompts_file,
+                    "seed": self.seed}
+        return {**settings, "recipe": self.revisions} if self.revisions else settings
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.settings())
+
+    def folder_name(self) -> str:
+        """The usual sweep keys, readable, then the settings' fingerprint: unique per setting, so
+        sweep jobs never write into each other's folders whatever they sweep."""
+        q = self.quantize
+        return (f"{q['exp_name']}_{self.model_name}_{plain(q['format'])}"
+                f"_l{q['quant_level']:g}_a{q['alpha']:g}_{q['collect_method']}_p{q['percentile']:g}"
+                f"_s{q['n_steps']}_c{q['calib_size']}_b{q['batch_size']}_seed{self.seed}_{self.fingerprint()[:8]}")
 
 
-def is_complete(folder: Path, expected_fingerprint: str) -> bool:
-    sidecar = read_json(folder / SIDECAR_FILE)
-    return (sidecar is not None and sidecar.get("fingerprint") == expected_fingerprint
-            and (folder / UNET_FILE).is_file())
+def backbone_file(folder: Path, attribute: str) -> Path:
+    """The file of backbone `attribute` in a checkpoint folder: <attribute>.mto, or in a folder of
+    the one-backbone layout before it, unet.mto."""
+    named = folder / f"{attribute}{BACKBONE_SUFFIX}"
+    older = folder / OLDER_BACKBONE_FILE
+    return older if not named.is_file() and older.is_file() and (folder / OLDER_RECORD_FILE).is_file() else named
 
 
-def save(unet, folder: Path, sidecar: dict) -> list[Path]:
+def record_file(folder: Path) -> Path:
+    older = folder / OLDER_RECORD_FILE
+    return older if not (folder / RECORD_FILE).is_file() and older.is_file() else folder / RECORD_FILE
+
+
+def is_complete(folder: Path, expected_fingerprint: str, attributes: tuple[str, ...]) -> bool:
+    record = read_json(record_file(folder))
+    return (record is not None and record.get("fingerprint") == expected_fingerprint
+            and all(backbone_file(folder, attribute).is_file() for attribute in attributes))
+
+
+def save(backbones: dict[str, object], folder: Path, record: dict) -> list[Path]:
+    """Writes each backbone (by attribute) to its file, then the record; returns the files."""
     import modelopt.torch.opt as mto
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / SIDECAR_FILE).unlink(missing_ok=True)
-    with atomic_path(folder / UNET_FILE) as temp:
-        mto.save(unet, temp)
-    write_json(folder / SIDECAR_FILE, sidecar)
-    return [folder / UNET_FILE, folder / SIDECAR_FILE]
+    for stale in (folder / RECORD_FILE, folder / OLDER_RECORD_FILE):
+        stale.unlink(missing_ok=True)
+    written = []
+    for attribute, module in backbones.items():
+        path = folder / f"{attribute}{BACKBONE_SUFFIX}"
+        with atomic_path(path) as temp:
+            mto.save(module, temp)
+        written.append(path)
+    write_json(folder / RECORD_FILE, {**record, "backbones": list(backbones)})
+    return [*written, folder / RECORD_FILE]
 
 
-def check_readable(path: Path, key: str) -> dict:
-    """Refuses, before any work, a checkpoint (folder or unet.mto) that is missing, cut short or
-    without its sidecar; returns the sidecar. The file's zip directory sits at its end, so a
-    truncated file is caught without reading the weights."""
-    folder = path if path.is_dir() else path.parent
-    checkpoint = folder / UNET_FILE if path.is_dir() else path
-    if not checkpoint.is_file():
-        raise UserError(f"{key}={path}: {checkpoint} does not exist: run quantize.py first")
-    if not zipfile.is_zipfile(checkpoint):
-        raise UserError(f"{key}={path}: {checkpoint} is truncated or corrupt: run quantize.py again with force=true")
-    sidecar = read_json(folder / SIDECAR_FILE)
-    if not isinstance(sidecar, dict) or "fingerprint" not in sidecar:
-        raise UserError(f"{key}={path}: its record {folder / SIDECAR_FILE} is missing or unreadable: run "
+def checkpoint_folder(path: Path, key: str, attributes: tuple[str, ...]) -> Path:
+    """The folder config `key` names: itself, or the folder of a backbone file it names (NeMo's
+    quantized_unet=<folder>/unet.mto), which names all of a one-backbone family's checkpoint."""
+    if path.is_dir() or not path.suffix == BACKBONE_SUFFIX:
+        return path
+    if len(attributes) > 1:
+        raise UserError(f"{key}={path} names one backbone's file, but the model has {len(attributes)} "
+                        f"({', '.join(attributes)}): give the checkpoint folder, {path.parent}")
+    return path.parent
+
+
+def read_record(path: Path, key: str, attributes: tuple[str, ...]) -> dict:
+    """The record of the checkpoint config `key` names, refused in one line where it is missing or
+    unreadable (which also says whether a checkpoint is there at all)."""
+    folder = checkpoint_folder(path, key, attributes)
+    record = read_json(record_file(folder)) if folder.is_dir() else None
+    if not isinstance(record, dict) or "fingerprint" not in record:
+        if not folder.is_dir() or not any(folder.glob(f"*{BACKBONE_SUFFIX}")):
+            raise UserError(f"{key}={path}: no quantize.py checkpoint there: run quantize.py first")
+        raise UserError(f"{key}={path}: its record {record_file(folder)} is missing or unreadable: run "
                         "quantize.py again with force=true")
-    return sidecar
+    return record
 
 
-def restore(unet, folder: Path):
-    """Puts the quantizers, calibrated ranges and (smoothed) weights from `folder` into `unet`.
+def check_backbone_files(path: Path, key: str, attributes: tuple[str, ...]) -> None:
+    """Refuses, before any work, a checkpoint without one of the model's backbones (`attributes`) or
+    with one cut short. A file's zip directory sits at its end, so a truncated file is caught without
+    reading the weights."""
+    folder = checkpoint_folder(path, key, attributes)
+    for attribute in attributes:
+        checkpoint = backbone_file(folder, attribute)
+        if not checkpoint.is_file():
+            held = sorted(p.name for p in folder.glob(f"*{BACKBONE_SUFFIX}"))
+            holds = f"it holds {', '.join(held)}" if held else "no backbone file is there"
+            raise UserError(f"{key}={path}: {checkpoint} does not exist ({holds}): give a quantize.py checkpoint "
+                            "of this model, or run quantize.py first")
+        if not zipfile.is_zipfile(checkpoint):
+            raise UserError(f"{key}={path}: {checkpoint} is truncated or corrupt: run quantize.py again with force=true")
 
-    `unet` may be built on the meta device: the checkpoint holds every weight, which are then
+
+def restore(backbone, folder: Path, attribute: str):
+    """Puts the quantizers, calibrated ranges and (smoothed) weights of backbone `attribute` in
+    `folder` into `backbone`.
+
+    `backbone` may be built on the meta device: the checkpoint holds every weight, which are then
     taken from the memory-mapped file instead of being copied over weights loaded for nothing.
     """
     import modelopt.torch.opt as mto
     from modelopt.torch.opt.conversion import safe_load
 
-    folder = Path(folder)
-    checkpoint = folder / UNET_FILE if folder.is_dir() else folder
+    checkpoint = backbone_file(Path(folder), attribute)
     if not checkpoint.is_file():
         raise UserError(f"quantized checkpoint {checkpoint} does not exist: run quantize.py first")
     try:
         saved = safe_load(str(checkpoint), map_location="cpu", mmap=True)
-        restored = mto.restore_from_modelopt_state(unet, saved["modelopt_state"])
+        restored = mto.restore_from_modelopt_state(backbone, saved["modelopt_state"])
         restored.load_state_dict(saved["model_state_dict"], assign=True)
         return restored
     except (RuntimeError, KeyError, ValueError, AssertionError) as error:

@@ -10,21 +10,20 @@ from dataclasses import dataclass
 from ..errors import UserError
 
 TAYLORSEER_METHODS = ("taylorseer", "taylorseer_blocks")
-# The transformer's block stacks, in the order its forward runs them (Flux: double-stream, then single).
-BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")
 
 
-def stacked_blocks(transformer) -> list[str]:
-    """The module names of the transformer's blocks, first to last."""
-    return [f"{stack}.{index}" for stack in BLOCK_STACKS for index in range(len(getattr(transformer, stack, ())))]
+def stacked_blocks(transformer, stacks: tuple[str, ...]) -> list[str]:
+    """The module names of the transformer's blocks, first to last; `stacks`: its block lists in
+    the order its forward runs them (the family's: Flux's double-stream, then single-stream)."""
+    return [f"{stack}.{index}" for stack in stacks for index in range(len(getattr(transformer, stack, ())))]
 
 
-def whole_block_identifiers(transformer) -> dict[str, list[str]]:
+def whole_block_identifiers(transformer, stacks: tuple[str, ...]) -> dict[str, list[str]]:
     """TaylorSeer's module patterns for predicting whole blocks: the last block predicted, every
     other one skipped. A predicted block ignores its input, so only the last block's prediction
     reaches the output: this draws what predicting every block draws, without keeping and
     extrapolating Taylor factors for the blocks whose predictions nothing reads."""
-    *earlier, last = stacked_blocks(transformer)
+    *earlier, last = stacked_blocks(transformer, stacks)
     return {"cache_identifiers": [re.escape(last)], "skip_predict_identifiers": [re.escape(name) for name in earlier]}
 
 
@@ -35,6 +34,8 @@ class HookCache:
     method: str
     interval: int
     threshold: float
+    # The transformer's block lists, in the order its forward runs them (the family's).
+    block_stacks: tuple[str, ...]
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
@@ -45,7 +46,8 @@ class HookCache:
             return FirstBlockCacheConfig(threshold=self.threshold)
         # At its defaults diffusers' TaylorSeer predicts only the attention modules, so every
         # block's feed-forward GEMMs still run on a predicted step.
-        identifiers = whole_block_identifiers(transformer) if self.method == "taylorseer_blocks" else {}
+        identifiers = (whole_block_identifiers(transformer, self.block_stacks) if self.method == "taylorseer_blocks"
+                       else {})
         return TaylorSeerCacheConfig(cache_interval=self.interval, **identifiers)
 
     def check(self, backbone_config, key: str) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..export.graphs import check_graph_file
-from ..families.networks import Network
+from ..export.onnx_graphs import check_graph_file
+from ..graphs.networks import Network
 
 
 class OnnxRuntimeStage:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_persistent_rows, use_sigmoid_gelu
-from .cuda_graphs import CapturedGraph, signature
+from ..cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
 from .kernels.conv8 import takes
 from .kernels.fp8_geglu import fuse_geglus
@@ -217,7 +217,7 @@ class InSlices(torch.nn.Module):
 def decode_in_slices(family, stages: dict, images: int) -> dict:
     """`stages` with the decoder's run on `images` images at a time (0: the whole batch), in place;
     returns them. At 1024x1024 the decoder's activations of a batch dwarf the backbone's."""
-    from ..families.networks import Role
+    from ..graphs.networks import Role
 
     if images:
         for name in stages:
@@ -268,7 +268,7 @@ def compile_settings(block) -> dict:
 
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
-    from ..families.networks import Role
+    from ..graphs.networks import Role
 
     # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
     # stages that run every step or on every image.

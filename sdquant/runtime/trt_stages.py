@@ -15,27 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..export.engines import Flavour, built_by, engine_record
-from .cuda_graphs import CapturedGraph, signature
+from ..export.engines import Flavour, deserialize
+from ..cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
-from ..families.networks import BATCH, CONTEXT, TOKENS, Network
+from ..graphs.networks import BATCH, CONTEXT, TOKENS, Network
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64,
                  "BF16": torch.bfloat16, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
-
-
-def deserialize(flavour: Flavour, runtime, plan: Path):
-    if not plan.is_file():
-        raise UserError(f"engine {plan} does not exist or cannot be read: build it with export_trt.py")
-    engine = runtime.deserialize_cuda_engine(plan.read_bytes())
-    if engine is None:
-        record = engine_record(plan)
-        maker = f"it was built by {built_by(record)}" if record.get("flavour") else \
-            "it was built by another TensorRT version"
-        raise UserError(f"engine {plan} cannot be loaded by {flavour.name} {flavour.version} on "
-                        f"{torch.cuda.get_device_name()}: {maker}, or for another GPU; rebuild it with "
-                        "export_trt.py force=true")
-    return engine
 
 
 def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple, network: Network | None = None) -> str:

@@ -14,16 +14,16 @@ import torch
 from ..export import engines
 from .. import parallel, report
 from ..quality import scoring
-from ..export.graphs import check_graph_file
+from ..export.onnx_graphs import check_graph_file
 from ..families import family_of
 from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
-from ..load import compute_dtype, empty_backbone, load_pipeline, resolve_device
+from ..load import compute_dtype, empty_backbones, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..runtime.stages import OnnxRuntimeStage, StageTimer
-from .settings import Sampling, checked_cache, checked_checkpoint, restore_quantized_backbone, settle_sampling
+from .settings import Sampling, checked_cache, checked_checkpoint, restore_quantized_backbones, settle_sampling
 
 
 def run_evaluate(cfg) -> dict:
@@ -58,7 +58,7 @@ def run_evaluate(cfg) -> dict:
                 print(f"shard {cfg.shard.index} of {cfg.shard.count} done; the last shard to finish writes the report")
                 return {}
         scores, reference_clip, reference_adherence, columns = _merged(batches, sources)
-        settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+        settings = {"model": cfg.model.name, "sampling": OmegaConf.to_container(sampling.block, resolve=True),
                     "device": report.device_name(device), "dtype": str(dtype), "versions": library_versions(),
                     "processes": part.size}
         result = scoring.build_report(scores, reference_clip, reference_adherence, notes, settings,
@@ -87,29 +87,31 @@ def _part_results(cfg, sampling: Sampling, kinds: dict, caches: dict, mine: list
         pipeline = sampling.pipeline(stages, device)
         lpips, clip = (scoring.lpips_metric(cfg.metrics.lpips_net, device),
                        scoring.clip_metric(cfg.metrics.clip_model, device))
-    reference_backbone = pipeline.stages[family.backbone.graph]
+    reference_backbones = {graph: pipeline.stages[graph] for graph in pipeline.backbones}
     with stage("the unquantized reference runs"):
         references = _reference_runs(pipeline, [settings for _, settings in mine], device,
                                      scoring.reference_name(dtype))
+    scores = scoring.SCORES[family.output]
     batches = {}
     for (index, _), (settings, _, images, _) in zip(mine, references):
         batches[index] = {"reference": {
-            "images": images.cpu(), "adherence": scoring.adherence(images, settings.image_prompts),
-            "clip": clip.score(None, images, settings.image_prompts) if clip.score else None}, "variants": {}}
+            "images": scores.cells(images).cpu(), "adherence": scores.adherence(images, settings.image_prompts),
+            "clip": clip.score(None, scores.cells(images), settings.image_prompts) if clip.score else None},
+            "variants": {}}
     sources = {}
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
-            backbone, module = _variant_backbone(cfg, name, kind, reference_backbone,
-                                                 getattr(pipe, family.backbone.attribute), device, dtype)
+            backbones, modules = _variant_backbones(cfg, name, kind, reference_backbones,
+                                                    family.backbone_modules(pipe), device, dtype)
             if caches[name] is not None:
-                cached = family.cache_stages(module, dtype, caches[name])
+                cached = family.cache_stages(modules, dtype, caches[name])
                 # A cache hook runs the backbone's own stage under it; DeepCache adds its passes.
-                backbone = cached.pop(family.backbone.graph, backbone)
+                backbones.update({graph: cached.pop(graph) for graph in list(cached) if graph in backbones})
                 pipeline.stages.update(cached)
             source = str(cfg.variants[name] or "the unquantized backbone again (self-check)")
             sources[name] = source if caches[name] is None else f"{source}, cached ({caches[name].describe()})"
-            runs = _variant_runs(pipeline, name, backbone, caches[name], references, [lpips, clip], device)
-            if module is not None:
+            runs = _variant_runs(pipeline, name, backbones, caches[name], references, [lpips, clip], scores, device)
+            for module in modules.values():
                 family.release_cache(module)
             for (index, _), batch in zip(mine, runs):
                 batches[index]["variants"][name] = batch
@@ -139,6 +141,7 @@ def _merged(batches: dict, sources: dict) -> tuple[dict, list | None, list, list
         for name, variant in batch["variants"].items():
             scores[name].per_prompt += variant["per_prompt"]
             scores[name].step_errors.append(variant["step_errors"])
+            scores[name].step_graphs = variant["step_graphs"]
             scores[name].adherence += variant["adherence"]
     clip = [value for batch in ordered for value in batch["reference"]["clip"]] \
         if ordered[0]["reference"]["clip"] is not None else None
@@ -149,34 +152,35 @@ def _merged(batches: dict, sources: dict) -> tuple[dict, list | None, list, list
 
 
 def _reference_runs(pipeline, runs: list, device: torch.device, name: str) -> list[tuple]:
-    """Per pipeline call: its settings, initial latents, the unquantized backbone's images and its
-    recorded calls."""
-    reference_backbone = pipeline.stages[pipeline.backbone]
+    """Per pipeline call: its settings, initial latents, the unquantized backbones' images and their
+    recorded calls, in the order they ran."""
+    reference_backbones = {graph: pipeline.stages[graph] for graph in pipeline.backbones}
     references = []
     for settings in Progress(runs, name, "prompt batches"):
         latents = pipeline.initial_latents(settings)
-        recorder = scoring.RecordingStage(reference_backbone)
-        pipeline.stages[pipeline.backbone] = recorder
-        references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents),
-                           recorder.calls))
-    pipeline.stages[pipeline.backbone] = reference_backbone
+        calls = []
+        pipeline.stages.update({graph: scoring.RecordingStage(stage, graph, calls)
+                                for graph, stage in reference_backbones.items()})
+        references.append((settings, latents, pipeline(settings, StageTimer(device), latents=latents), calls))
+    pipeline.stages.update(reference_backbones)
     return references
 
 
-def _variant_runs(pipeline, name: str, backbone, cache, references: list[tuple], metrics: list,
+def _variant_runs(pipeline, name: str, backbones: dict, cache, references: list[tuple], metrics: list, scores,
                   device: torch.device) -> list[dict]:
     """Per reference run, one variant's images and scores from the same initial latents; with a
     step cache (whose stages the pipeline holds), teacher forcing runs the cached passes too."""
-    pipeline.stages[pipeline.backbone] = backbone
+    pipeline.stages.update(backbones)
     batches = []
     for settings, latents, reference, calls in Progress(references, name, "prompt batches"):
         settings = dataclasses.replace(settings, cache=cache)
         images = pipeline(settings, StageTimer(device), latents=latents)
         batches.append({
-            "images": images.cpu(), "adherence": scoring.adherence(images, settings.image_prompts),
-            "per_prompt": scoring.score_images(reference, images, settings.image_prompts, metrics),
+            "images": scores.cells(images).cpu(), "adherence": scores.adherence(images, settings.image_prompts),
+            "per_prompt": scores.score(reference, images, settings.image_prompts, metrics),
             "step_errors": scoring.teacher_forced_errors(
-                calls, lambda step, inputs: pipeline.predict(settings, step, inputs, StageTimer(device)))})
+                calls, lambda step, inputs: pipeline.predict(settings, step, inputs, StageTimer(device))),
+            "step_graphs": [graph for graph, _, _ in calls]})
     return batches
 
 
@@ -195,9 +199,15 @@ def _variant_kind(model, name: str, source: str | None) -> str:
     if path.is_dir() or path.suffix == ".mto":
         checked_checkpoint(model, f"variants.{name}", source)
         return "checkpoint"
+    if path.suffix in (".onnx", *ENGINE_SUFFIXES):
+        family = family_of(model.family)
+        if len(family.backbones) > 1:
+            raise UserError(f"variants.{name}={source} is one graph, but model={model.name} has "
+                            f"{len(family.backbones)} backbones ({', '.join(family.backbone_attributes)}): give a "
+                            "quantize.py checkpoint folder, which holds them all")
     if path.suffix == ".onnx":
         family = family_of(model.family)
-        check_graph_file(path, f"variants.{name}", family.network(family.backbone.graph))
+        check_graph_file(path, f"variants.{name}", family.network(family.backbones[0].graph))
         return "onnx"
     if path.suffix in ENGINE_SUFFIXES:
         return "engine"
@@ -205,29 +215,32 @@ def _variant_kind(model, name: str, source: str | None) -> str:
                     f"or a TensorRT engine ({', '.join(ENGINE_SUFFIXES)})")
 
 
-def _variant_backbone(cfg, name: str, kind: str, reference_backbone, reference_module, device: torch.device,
-                      dtype: torch.dtype):
-    """The backbone stage a variant runs, and its module where it runs one (for a step cache)."""
+def _variant_backbones(cfg, name: str, kind: str, reference_backbones: dict, reference_modules: dict,
+                       device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The backbone stages a variant runs, by graph, and its modules, by attribute, where it runs
+    modules (for a step cache)."""
     source = cfg.variants[name]
     family = family_of(cfg.model.family)
     if kind == "unquantized":
-        return reference_backbone, reference_module
-    if kind == "onnx":
-        return OnnxRuntimeStage(Path(source).expanduser(), list(cfg.onnx_providers), f"variants.{name}",
-                                family.network(family.backbone.graph)), None
-    if kind == "engine":
+        return dict(reference_backbones), reference_modules
+    if kind in ("onnx", "engine"):
+        # One graph: a family of one backbone (_variant_kind refuses a file for several).
+        (graph,) = reference_backbones
+        file = Path(source).expanduser()
+        if kind == "onnx":
+            return {graph: OnnxRuntimeStage(file, list(cfg.onnx_providers), f"variants.{name}",
+                                            family.network(graph))}, {}
         from ..runtime.trt_stages import trt_stages
 
-        plan = Path(source).expanduser()
-        graph = family.backbone.graph
-        return trt_stages(engines.engine_flavour(plan), {graph: plan}, ())[graph], None
-    backbone = empty_backbone(cfg.model)
-    sidecar = restore_quantized_backbone(cfg.model, f"variants.{name}", source, backbone)
-    backbone.to(device=device, dtype=dtype)
+        return {graph: trt_stages(engines.engine_flavour(file), {graph: file}, ())[graph]}, {}
+    modules = empty_backbones(cfg.model)
+    record = restore_quantized_backbones(cfg.model, f"variants.{name}", source, modules)
     kernels = cfg.torch_backend
-    if kernels.quantized != "fake":
-        from ..runtime import torch_backend
+    for module in modules.values():
+        module.to(device=device, dtype=dtype)
+        if kernels.quantized != "fake":
+            from ..runtime import torch_backend
 
-        torch_backend.convert_quantized(backbone, family, f"variants.{name}={source}", kernels.quantized,
-                                        kernels.attention, sidecar["settings"]["quantize"]["quant_level"])
-    return family.backbone_stage(backbone, dtype), backbone
+            torch_backend.convert_quantized(module, family, f"variants.{name}={source}", kernels.quantized,
+                                            kernels.attention, record["settings"]["quantize"]["quant_level"])
+    return family.backbone_stages(modules, dtype), modules

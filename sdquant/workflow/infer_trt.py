@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import torch
 
-from ..export import engines, graphs
+from ..export import engines, onnx_graphs
 from .. import parallel, report
 from ..cli import stage
 from ..config import quantized_backbone, validate_infer
@@ -20,7 +20,7 @@ from ..families.pipeline import SamplingSettings
 from ..load import compute_dtype, load_pipeline, resolve_device
 from ..report import library_versions, print_summary
 from ..runtime.stages import OnnxRuntimeStage, StageTimer
-from .settings import Sampling, checked_checkpoint, restore_quantized_backbone, settle_sampling
+from .settings import Sampling, checked_checkpoint, restore_quantized_backbones, settle_sampling
 
 # NeMo's engine keys, kept beside engines.<graph>: unet_xl names the backbone's engine whatever the
 # family calls its graph; the others name the graphs of their own names.
@@ -63,6 +63,7 @@ def run_infer(cfg) -> dict:
             check_format(f"{checkpoint_key}={checkpoint}", sidecar["settings"]["quantize"]["format"],
                          cfg.torch_backend.quantized)
     sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
+    report.require_writer(sampling.family.output, cfg.model.name)
     files = stage_files(cfg, sampling)
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)
@@ -74,19 +75,20 @@ def run_infer(cfg) -> dict:
         with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
             batches, timings, images_per_run = _images_and_timings(
                 cfg, sampling, files, device, parallel.share_of(world, cfg.shard))
-        latency = report.latency_report(timings, images_per_run, cfg.sampling.steps, sampling.family.backbone.graph)
+        latency = report.latency_report(timings, images_per_run, cfg.sampling.steps,
+                                        [backbone.graph for backbone in sampling.family.backbones])
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
         # over a timed run is what a user waits once per process and shape.
         latency["first_call_seconds"] = batches.first_call_seconds
         latency["after_first_batch"] = report.after_first_batch(batches.later_images, batches.later_seconds)
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
-        latency.update({"backend": cfg.backend, "device": report.device_name(device),
+        latency.update({"backend": cfg.backend, "device": report.device_name(device), "output": sampling.family.output,
                         "images_written": len(batches.written), "nonfinite_values": batches.nonfinite_values})
         latencies, written = parallel.gather(latency, world), sum(parallel.gather(batches.written, world), [])
         if not world.is_main:
             return latency
         merged = latencies[0] if len(latencies) == 1 else report.merged_latency(latencies)
-        merged.update({"versions": library_versions(), "settings": _run_settings(cfg, files)})
+        merged.update({"versions": library_versions(), "settings": _run_settings(cfg, sampling, files)})
         out = Path(cfg.out_path).expanduser()
         if cfg.shard.count > 1:
             written.append(report.write_report(out, merged, f"latency.shard{cfg.shard.index}of{cfg.shard.count}.json"))
@@ -100,10 +102,11 @@ def run_infer(cfg) -> dict:
         parallel.stop(world)
 
 
-def _run_settings(cfg, files: dict[str, StageFile]) -> dict:
-    """The settled config as the report records it: the files each stage ran from, not the keys
-    that may name them."""
-    settings = OmegaConf.to_container(cfg, resolve=True)
+def _run_settings(cfg, sampling: Sampling, files: dict[str, StageFile]) -> dict:
+    """The settled config as the report records it: the sampling as settled, the files each stage
+    ran from, not the keys that may name them."""
+    settings = {**OmegaConf.to_container(cfg, resolve=True),
+                "sampling": OmegaConf.to_container(sampling.block, resolve=True)}
     for key in (*NEMO_ENGINE_KEYS, "engines", "engine_dir"):
         settings.pop(key, None)
     if cfg.backend != "torch":
@@ -117,7 +120,12 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
     cache=... builds them. Names a key for a graph the model does not have."""
     family = sampling.family
     graphs = family.graph_names()
-    aliases = {"unet_xl": family.backbone.graph, "clip1": "clip1", "clip2": "clip2", "vae": "vae"}
+    backbones = [backbone.graph for backbone in family.backbones]
+    if cfg.unet_xl and len(backbones) > 1:
+        raise UserError(f"unet_xl={cfg.unet_xl}: model={cfg.model.name} has {len(backbones)} backbones; name each "
+                        "engine as " + " ".join(f"+engines.{graph}=<file>" for graph in backbones))
+    # unet_xl names the backbone's engine, whatever the family calls its graph.
+    aliases = {"unet_xl": backbones[0], "clip1": "clip1", "clip2": "clip2", "vae": "vae"}
     given = {aliases[key]: StageFile(key, Path(cfg[key]).expanduser()) for key in NEMO_ENGINE_KEYS if cfg[key]}
     given.update({graph: StageFile(f"engines.{graph}", Path(path).expanduser()) for graph, path in cfg.engines.items()})
     for graph, file in given.items():
@@ -126,9 +134,11 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
                             f"{', '.join(graphs)} (+engines.<graph>=<file>)")
     files = {graph: given.get(graph, StageFile("engine_dir", Path(cfg.engine_dir).expanduser() / f"{graph}.plan"))
              for graph in graphs}
-    backbone = files[family.backbone.graph]
     for network in family.networks(sampling.cache):
         if network.name not in files:
+            # A step cache's passes lie beside the engine of the backbone they run (a family whose
+            # backbone has such passes has one backbone).
+            backbone = files[backbones[0]]
             files[network.name] = StageFile(backbone.key, backbone.path.with_name(f"{network.name}{backbone.path.suffix}"))
     return files
 
@@ -143,7 +153,7 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
     engines = {name: str(file.path) for name, file in files.items()}
-    with report.ImageWriter(Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
+    with report.WRITERS[sampling.family.output](Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
         batches = _prompt_batches(pipeline, mine, len(sampling.runs), writer, device)
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
@@ -187,7 +197,7 @@ def _onnx_file(file: StageFile) -> Path:
             raise UserError(f"{file.key}={file.path}: no such ONNX file; give an .onnx file or the engine path of an "
                             "export_trt.py output folder")
         return file.path
-    onnx_file = graphs.onnx_path(file.path.parent.parent, file.path.stem)
+    onnx_file = onnx_graphs.onnx_path(file.path.parent.parent, file.path.stem)
     if not onnx_file.is_file():
         raise UserError(f"{file.key}={file.path}: backend=onnxruntime runs the ONNX graph export_trt.py writes beside "
                         f"that engine, {onnx_file}, which does not exist: export it (export_trt.py "
@@ -211,7 +221,7 @@ def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: to
     for name, file in files.items():
         if not file.path.is_file():
             how = (f"export_trt.py cache.method={cfg.sampling.cache.method} cache.branch={cfg.sampling.cache.branch}"
-                   if name in family.backbone_graphs()[1:] else "export_trt.py")
+                   if name in family.cached_graphs() else "export_trt.py")
             raise UserError(f"{file.key}={file.path}: no such engine; build it with {how}")
     flavours = {name: engines.engine_flavour(file.path) for name, file in files.items()}
     replayed = family.backbone_graphs() if cfg.cuda_graph else ()
@@ -226,15 +236,16 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
     family = sampling.family
     dtype = compute_dtype(device, gpu_dtype=family.gpu_dtype)
     pipe = load_pipeline(cfg.model, device, dtype)
-    backbone = getattr(pipe, family.backbone.attribute)
+    backbones = family.backbone_modules(pipe)
     checkpoint_key, checkpoint = quantized_backbone(cfg)
     if checkpoint:
-        sidecar = restore_quantized_backbone(cfg.model, checkpoint_key, checkpoint, backbone)
-        backbone.to(device=device, dtype=dtype)
-        if cfg.torch_backend.quantized != "fake":
-            torch_backend.convert_quantized(backbone, family, f"{checkpoint_key}={checkpoint}",
-                                            cfg.torch_backend.quantized, cfg.torch_backend.attention,
-                                            sidecar["settings"]["quantize"]["quant_level"])
+        record = restore_quantized_backbones(cfg.model, checkpoint_key, checkpoint, backbones)
+        for backbone in backbones.values():
+            backbone.to(device=device, dtype=dtype)
+            if cfg.torch_backend.quantized != "fake":
+                torch_backend.convert_quantized(backbone, family, f"{checkpoint_key}={checkpoint}",
+                                                cfg.torch_backend.quantized, cfg.torch_backend.attention,
+                                                record["settings"]["quantize"]["quant_level"])
     stages = family.torch_stages(pipe, dtype, sampling.cache)
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 

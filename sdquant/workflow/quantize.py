@@ -1,107 +1,185 @@
-"""quantize.py: calibrates and quantizes the UNet, then exports and builds it when NeMo's switches ask."""
+"""quantize.py: calibrates and quantizes the model's backbones, then exports and builds them when
+NeMo's switches ask. The config is settled once (settle_quantize) into a Quantize, with the export
+of its checkpoint settled beside it as export_trt.py settles its own (an Export): two settled steps,
+run one after the other."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from ..quantize import checkpoint
 from .. import parallel
 from ..artifacts import read_json
-from ..quantize.calibrate import activation_amax, amax_summary, quantize_backbone
+from ..quantize.calibrate import activation_amax, amax_summary, quantize_backbones
 from ..cli import stage
-from ..config import ExportApp, validate_export, validate_image_size, validate_quantize_block, validate_steps
+from ..config import validate_image_size, validate_quantize_block, validate_steps
 from ..errors import UserError
 from ..families import family_of
-from ..load import calibration_prompts_file, compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
-from ..families.networks import TOKENS
+from ..families.base import ModelFamily
+from ..graphs.geometry import SampleGeometry
+from ..load import compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
+from ..graphs.networks import TOKENS
 from ..families.pipeline import say_truncated
 from ..quantize.recipe import uses_smoothquant
 from ..report import library_versions, print_summary
-from .settings import settled_image_size
-from .export_trt import run_export
+from .export_trt import Export, export, settle_export
+from .settings import frozen, settled_geometry
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """quantize.py's config settled: the model and its family, the calibration (what makes the
+    checkpoint, and its folder), the quantize block with the geometry filled in (read-only; a null
+    size stays null in the calibration, as in the checkpoints made before), the prompts, the run's
+    switches and the export of the checkpoint, where the switches ask for one."""
+
+    model: object
+    family: ModelFamily
+    calibration: checkpoint.Calibration
+    folder: Path
+    block: object
+    geometry: SampleGeometry | None
+    prompts_file: str | None
+    config: dict
+    force: bool
+    device: str
+    dtype: str
+    cuda_graph: bool
+    cpu_offload: bool
+    run_quantization: bool
+    export: Export | None
+
+
+def calibration_of(cfg, family: ModelFamily) -> checkpoint.Calibration:
+    """What identifies the checkpoint `cfg` makes. A video model's keys (frames, the second expert's
+    guidance) are absent while null, so that image checkpoints keep their fingerprints."""
+    block = {key: value for key, value in OmegaConf.to_container(cfg.quantize, resolve=True).items()
+             if value is not None or key not in ("num_frames", "guidance_scale_2")}
+    return checkpoint.Calibration(
+        quantize=block, model=checkpoint.model_identity(cfg.model), model_name=cfg.model.name,
+        prompts_file=cfg.prompts_file or cfg.model.calib_prompts, seed=cfg.seed,
+        revisions=family.recipe_revisions(cfg.quantize.format, cfg.quantize.quant_level))
 
 
 def quantized_checkpoint_dir(cfg) -> Path:
-    return Path(cfg.out_dir).expanduser() / checkpoint.checkpoint_name(cfg)
+    """The folder the calibration `cfg` asks for is saved in."""
+    return Path(cfg.out_dir).expanduser() / calibration_of(cfg, family_of(cfg.model.family)).folder_name()
+
+
+def settle_quantize(cfg) -> Quantize:
+    """quantize.py's config, every value checked before any work: the recipe, the geometry (from the
+    model's configs where a diffusers folder states them), the steps and, where the switches ask for
+    the export, the export of the checkpoint into infer.out_path (a relative one inside the
+    checkpoint's folder, so sweep jobs never export into one another's)."""
+    family = family_of(cfg.model.family)
+    validate_quantize_block(cfg.quantize, family)
+    family.check_guidance(cfg.quantize.guidance_scale_2, "quantize.guidance_scale_2")
+    if cfg.cpu_offload and resolve_device(cfg.device).type != "cuda":
+        raise UserError(f"cpu_offload=true keeps the networks a GPU is not running in host memory, but device="
+                        f"{cfg.device} runs on the CPU: set cpu_offload=false")
+    calibration = calibration_of(cfg, family)
+    folder = quantized_checkpoint_dir(cfg)
+    configs = model_configs(cfg.model)
+    geometry = settled_geometry(cfg.quantize, "quantize", cfg.model, configs) if configs else None
+    if configs:
+        validate_steps(cfg.quantize.n_steps, "quantize.n_steps", configs["scheduler_config"])
+    # A null size stays null in the calibration (and so in the checkpoint's fingerprint), but the
+    # pipeline is handed the size settled here: diffusers' own default is not always the model's
+    # (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
+    block = frozen(cfg.quantize, **({} if geometry is None else
+                                    {"height": geometry.height, "width": geometry.width, "num_frames": geometry.frames}))
+    settled_export = None
+    if cfg.run_onnx_export or cfg.run_trt_export:
+        out_path = Path(cfg.infer.out_path).expanduser()
+        infer = frozen(cfg.infer, out_path=str(out_path if out_path.is_absolute() else folder / out_path))
+        settled_export = settle_export(cfg.model, infer, cfg.trt, cfg.onnx, "quantized_backbone", str(folder), None,
+                                       cfg.force, cfg.device, cfg.run_onnx_export, cfg.run_trt_export,
+                                       checkpoint_to_come=True)
+    return Quantize(frozen(cfg.model), family, calibration, folder, block, geometry,
+                    calibration.prompts_file, OmegaConf.to_container(cfg, resolve=True), cfg.force, cfg.device,
+                    cfg.dtype, cfg.cuda_graph, cfg.cpu_offload, cfg.run_quantization, settled_export)
 
 
 def run_quantize(cfg) -> Path:
-    """quantize.py: calibrates and quantizes the backbone, then exports and builds it when the
+    """quantize.py: calibrates and quantizes the backbones, then exports and builds them when the
     switches ask; returns the checkpoint folder."""
+    settled = settle_quantize(cfg)
+    quantize(settled)
+    if settled.export is not None and parallel.current_world().is_main:
+        export(settled.export)
+    return settled.folder
+
+
+def quantize(settled: Quantize) -> None:
+    """The settled calibration: reused where a checkpoint of the same settings is complete."""
     start = time.perf_counter()
-    validate_quantize_block(cfg.quantize, family_of(cfg.model.family))
-    folder = quantized_checkpoint_dir(cfg)
-    export_cfg = _chained_export_config(cfg, folder) if cfg.run_onnx_export or cfg.run_trt_export else None
-    if export_cfg is not None:
-        validate_export(export_cfg)
-        export_cfg.infer.height, export_cfg.infer.width = settled_image_size(export_cfg.infer, "infer", cfg.model)
-    fingerprint = checkpoint.fingerprint(checkpoint.calibration_settings(cfg))
-    if not cfg.force and checkpoint.is_complete(folder, fingerprint):
-        print_summary("quantize", [], time.perf_counter() - start, reused=[folder / checkpoint.UNET_FILE])
-    elif cfg.run_quantization:
-        _say_older_recipe(folder)
-        _calibrate_and_save(cfg, folder, fingerprint, start)
+    fingerprint = settled.calibration.fingerprint()
+    attributes = settled.family.backbone_attributes
+    if not settled.force and checkpoint.is_complete(settled.folder, fingerprint, attributes):
+        print_summary("quantize", [], time.perf_counter() - start,
+                      reused=[checkpoint.backbone_file(settled.folder, attribute) for attribute in attributes])
+    elif settled.run_quantization:
+        _say_older_recipe(settled.folder)
+        _calibrate_and_save(settled, fingerprint, start)
     else:
-        raise UserError(f"run_quantization=false but {folder} holds no checkpoint for these settings: "
+        raise UserError(f"run_quantization=false but {settled.folder} holds no checkpoint for these settings: "
                         "run with run_quantization=true first")
-    if export_cfg is not None and parallel.current_world().is_main:
-        run_export(export_cfg)
-    return folder
 
 
 def _say_older_recipe(folder: Path) -> None:
-    """Names a checkpoint of the same readable settings made before NeMo's recipe (its sidecar has
+    """Names a checkpoint of the same readable settings made before NeMo's recipe (its record has
     no percentile_layers): its fingerprint differs, so it is calibrated again, not reused."""
     prefix = folder.name.rsplit("_", 1)[0]
     for older in sorted(folder.parent.glob(f"{prefix}_*")):
-        settings = (read_json(older / checkpoint.SIDECAR_FILE) or {}).get("settings", {})
+        settings = (read_json(checkpoint.record_file(older)) or {}).get("settings", {})
         if older != folder and "quantize" in settings and "percentile_layers" not in settings["quantize"]:
             print(f"note: {older} was calibrated before NeMo's recipe (Percentile Quant on every layer); "
                   f"calibrating again into {folder}", flush=True)
 
 
-def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> None:
+def _calibrate_and_save(settled: Quantize, fingerprint: str, start: float) -> None:
     """Calibration proper; under torchrun every process calibrates its share and rank 0 saves."""
     world = parallel.current_world()
-    prompts = load_prompts(calibration_prompts_file(cfg), cfg.quantize.calib_size)
-    configs = model_configs(cfg.model)
-    block = cfg.quantize
-    if configs:
-        validate_steps(cfg.quantize.n_steps, "quantize.n_steps", configs["scheduler_config"])
-        # A null size stays null in the settings (and so in the checkpoint's fingerprint), but the
-        # pipeline is handed the size settled here: diffusers' own default is not always the
-        # model's (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
-        height, width = settled_image_size(cfg.quantize, "quantize", cfg.model, configs)
-        block = OmegaConf.merge(cfg.quantize, {"height": height, "width": width})
-    device = parallel.rank_device(resolve_device(cfg.device), world)
+    family, block = settled.family, settled.block
+    prompts = load_prompts(settled.prompts_file, block.calib_size)
+    device = parallel.rank_device(resolve_device(settled.device), world)
     parallel.start(world, device)
-    family = family_of(cfg.model.family)
     try:
-        dtype = compute_dtype(device, cfg.dtype, family.gpu_dtype)
+        dtype = compute_dtype(device, settled.dtype, family.gpu_dtype)
         with stage("loading the model"):
-            pipe = load_pipeline(cfg.model, device, dtype)
+            pipe = load_pipeline(settled.model, torch.device("cpu") if settled.cpu_offload else device, dtype)
+            if settled.cpu_offload:
+                pipe.enable_model_cpu_offload(device=device)
         # A single file's VAE is known now.
-        validate_image_size(cfg.quantize, "quantize", family.size_multiple(pipe.vae_scale_factor), family.size_reason)
+        validate_image_size(block, "quantize", family.size_multiple(family.vae_scale(pipe.vae.config)), family.size_reason)
         # diffusers' pipeline, which calibration runs, cuts prompts to CLIP's window, as inference does.
         tokenizers = [getattr(pipe, name) for name in family.clip_tokenizers]
         already_told = set() if world.is_main else set(prompts)  # under torchrun, one process says it
         truncated = say_truncated(tokenizers, prompts, already_told, "calibration encodes them cut, as diffusers does")
         with stage("calibration"):
-            result = quantize_backbone(pipe, family, prompts, block, cfg.seed, world, cfg.cuda_graph)
-        backbone = getattr(pipe, family.backbone.attribute)
+            # Offloading moves the backbones between calls, which a captured graph cannot follow.
+            result = quantize_backbones(pipe, family, prompts, block, settled.calibration.seed, world,
+                                        settled.cuda_graph and not settled.cpu_offload,
+                                        family.calibration_call_kwargs(block))
+        backbones = family.backbone_modules(pipe)
         if world.is_main:
-            amax = activation_amax(backbone)
-            sidecar = {
+            amax = {attribute: activation_amax(module) for attribute, module in backbones.items()}
+            record = {
                 "fingerprint": fingerprint,
-                "settings": checkpoint.calibration_settings(cfg),
-                "resolved_config": OmegaConf.to_container(cfg, resolve=True),
+                "settings": settled.calibration.settings(),
+                "resolved_config": settled.config,
                 "versions": library_versions(),
                 "device": str(device),
                 "dtype": str(dtype),
+                "cpu_offload": settled.cpu_offload,
+                **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+                   if device.type == "cuda" else {}),
                 "job": {"processes": world.size, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID")},
                 "calibration": {
@@ -109,21 +187,23 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
                     "record_seconds": round(result.record_seconds, 3),
                     "batches": result.batches,
                     "backbone_calls": result.backbone_calls,
+                    "steps_served": result.steps_served,
                     "algorithm": result.algorithm,
-                    "smoothquant": uses_smoothquant(cfg.quantize.format, cfg.quantize.quant_level),
+                    "smoothquant": uses_smoothquant(block.format, block.quant_level),
                     "truncated_prompts": truncated,
                 },
-                "amax_summary": amax_summary(amax),
-                "activation_amax": amax,
+                # A one-backbone family's ranges as before, by quantizer; several, by backbone first.
+                "amax_summary": _per_backbone(amax, amax_summary),
+                "activation_amax": _per_backbone(amax, lambda ranges: ranges),
             }
-            with stage(f"saving the checkpoint {folder}"):
-                written = checkpoint.save(backbone, folder, sidecar)
+            with stage(f"saving the checkpoint {settled.folder}"):
+                written = checkpoint.save(backbones, settled.folder, record)
             notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
                      "were cut (named above)"] if truncated else []
-            scale = result.range_scale(cfg.quantize)
+            scale = result.range_scale(block)
             if scale != 1.0:
                 notes.append(f"min-mean summed each step's ranges over {result.batches} runs and divided by "
-                             f"n_steps={cfg.quantize.n_steps}, as NeMo does: its ranges are {scale:.2g}x the runs' mean "
+                             f"n_steps={block.n_steps}, as NeMo does: its ranges are {scale:.2g}x the runs' mean "
                              "(quantize.mean_divisor=runs takes the mean; README: Percentile Quant)")
             print_summary("quantize", written, time.perf_counter() - start, notes=notes)
     finally:
@@ -131,14 +211,8 @@ def _calibrate_and_save(cfg, folder: Path, fingerprint: str, start: float) -> No
         parallel.stop(world)
 
 
-def _chained_export_config(cfg, folder: Path):
-    """export_trt.py's config for the checkpoint in `folder`, from quantize.py's own blocks."""
-    out_path = Path(cfg.infer.out_path).expanduser()
-    export_cfg = OmegaConf.structured(ExportApp)
-    export_cfg.merge_with({
-        "infer": {**OmegaConf.to_container(cfg.infer), "out_path": str(out_path if out_path.is_absolute()
-                                                                        else folder / out_path)},
-        "trt": cfg.trt, "onnx": cfg.onnx, "model": cfg.model, "quantized_backbone": str(folder),
-        "force": cfg.force, "device": cfg.device,
-        "run_onnx_export": cfg.run_onnx_export, "run_trt_export": cfg.run_trt_export})
-    return export_cfg
+def _per_backbone(amax: dict[str, dict], summarize) -> dict:
+    """`summarize` of each backbone's ranges: the one backbone's alone, or by backbone."""
+    if len(amax) == 1:
+        return summarize(next(iter(amax.values())))
+    return {attribute: summarize(ranges) for attribute, ranges in amax.items()}

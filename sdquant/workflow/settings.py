@@ -1,6 +1,8 @@
-"""The scripts' configs settled once, at their start, into the values the stages take: the model's
-family and parts, the image size, the scheduler, the step cache and the prompt batches of
-infer_trt.py and evaluate.py, and a quantize.py checkpoint checked and restored into a backbone."""
+"""The scripts' configs settled once, at their start, into what the stages take: the model's family
+and parts, the sample geometry (frames, height, width), the scheduler, the step cache and the
+prompt batches of infer_trt.py and evaluate.py, quantize.py's calibration and export_trt.py's
+export, and a quantize.py checkpoint checked and restored into the backbones. Every settled value is
+a new read-only object: nothing below the scripts' workflow reads the raw config or changes it."""
 
 from __future__ import annotations
 
@@ -8,55 +10,98 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from ..quantize import checkpoint
 from .. import load, lora
 from ..config import plain, validate_image_size, validate_steps
 from ..errors import UserError
 from ..families import family_of
-from ..families.base import ModelFamily, vae_scale_factor
+from ..families.base import ModelFamily
 from ..families.pipeline import SamplingSettings, make_scheduler
+from ..graphs.geometry import SampleGeometry
+
+
+def frozen(block, **settled):
+    """A read-only copy of config block `block` with the `settled` values put in."""
+    copy = OmegaConf.merge(block, settled)
+    OmegaConf.set_readonly(copy, True)
+    return copy
 
 
 def checked_checkpoint(model, key: str, value: str) -> dict:
     """Refuses, before any work, a quantize.py checkpoint that config `key` names if it is missing,
-    truncated, or made from another model or other LoRA adapters; returns its sidecar."""
+    truncated, without one of the model's backbones, or made from another model or other LoRA
+    adapters; returns its record."""
+    family = family_of(model.family)
     path = Path(value).expanduser()
-    sidecar = checkpoint.check_readable(path, key)
-    made_for = sidecar.get("settings", {}).get("model", {}).get("family")
+    record = checkpoint.read_record(path, key, family.backbone_attributes)
+    made_for = record.get("settings", {}).get("model", {}).get("family")
     if made_for is not None and made_for != plain(model.family):
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({plain(model.family)}): choose its own model")
-    if "percentile_layers" not in sidecar.get("settings", {}).get("quantize", {}):
+    checkpoint.check_backbone_files(path, key, family.backbone_attributes)
+    if "percentile_layers" not in record.get("settings", {}).get("quantize", {}):
         raise UserError(f"{key}={path} was calibrated by an sdquant older than NeMo's recipe (Percentile Quant "
                         "then covered every activation quantizer, and its means divided by the runs): quantize "
                         "again (quantize.percentile_layers=all quantize.mean_divisor=runs reproduces the old recipe)")
-    made_with = sidecar.get("settings", {}).get("model", {}).get("loras", [])
+    made_with = record.get("settings", {}).get("model", {}).get("loras", [])
     named = lora.identities(model.loras)
     if made_with != named:
         raise UserError(f"{key}={path} was calibrated with {lora.describe(made_with)}, but model.loras gives "
                         f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
-    return sidecar
+    return record
 
 
-def restore_quantized_backbone(model, key: str, value: str, backbone) -> dict:
-    """Loads the quantize.py checkpoint that config `key` names into `backbone`; returns its sidecar."""
-    sidecar = checked_checkpoint(model, key, value)
-    restored = checkpoint.restore(backbone, Path(value).expanduser())
-    if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
-        raise UserError(f"{key}={value} does not hold every weight of the backbone: quantize the model again")
-    return sidecar
+def restore_quantized_backbones(model, key: str, value: str, backbones: dict) -> dict:
+    """Loads the quantize.py checkpoint that config `key` names into `backbones` (the modules, by
+    attribute); returns its record."""
+    family = family_of(model.family)
+    record = checked_checkpoint(model, key, value)
+    folder = checkpoint.checkpoint_folder(Path(value).expanduser(), key, family.backbone_attributes)
+    for attribute, backbone in backbones.items():
+        restored = checkpoint.restore(backbone, folder, attribute)
+        if any(t.is_meta for t in (*restored.parameters(), *restored.buffers())):
+            raise UserError(f"{key}={value} does not hold every weight of the {attribute}: quantize the model again")
+    return record
 
 
-@dataclass
+def settled_geometry(block, prefix: str, model, configs: dict | None = None) -> SampleGeometry:
+    """The geometry `block` asks for (its height, width and, where it has one, num_frames), a null
+    value taking the model's own as diffusers does; refuses, before any work, a size or a frame count
+    the model cannot make, and says the size used. `configs`: the model's configs where the caller
+    has them already."""
+    family = family_of(model.family)
+    configs = load.model_configs(model) if configs is None else configs
+    frames = family.settled_frames(block.get("num_frames"), f"{prefix}.num_frames", model)
+    asked = {key: block[key] for key in ("height", "width")}
+    if not configs:
+        if None in asked.values():
+            raise UserError(f"{prefix}.height and {prefix}.width: model.source={model.source} is a single file, which "
+                            "does not state the model's native size: set both (1024 for SDXL, 512 for SD 1.5), or "
+                            "set model.single_file_config")
+        validate_image_size(block, prefix)
+        return SampleGeometry(frames, asked["height"], asked["width"])
+    vae_scale = family.vae_scale(configs["vae_config"])
+    native = dict(zip(("height", "width"), family.native_size(model, configs, vae_scale)))
+    size = {key: native[key] if value is None else value for key, value in asked.items()}
+    validate_image_size(size, prefix, family.size_multiple(vae_scale), family.size_reason)
+    geometry = SampleGeometry(frames, size["height"], size["width"])
+    note = " (the model's native size)" if None in asked.values() else ""
+    print(f"{'video' if frames > 1 else 'image'} size: {geometry.describe()}{note}", flush=True)
+    return geometry
+
+
+@dataclass(frozen=True)
 class Sampling:
     """sampling.* settled against the model: its family and parts (tokenizers, configs), the block
-    with the image size and scheduler filled in, the step cache and one SamplingSettings per
-    pipeline call."""
+    with the geometry and scheduler filled in (read-only), the step cache and one SamplingSettings
+    per pipeline call."""
 
     family: ModelFamily
     parts: dict
     block: object
+    geometry: SampleGeometry
     cache: object | None
     runs: list[SamplingSettings]
 
@@ -68,29 +113,35 @@ class Sampling:
 
 def settle_sampling(cfg, runs_on: str = "modules", cuda_graph: bool = False) -> Sampling:
     """sampling.* and model.* as the pipelines take them, every value checked against the model
-    before any work: the size (a null one the model's native size), the scheduler (a null one the
-    family's), the steps, the step cache for what it `runs_on` (check_cache), the prompt batches."""
+    before any work: the geometry (a null size the model's native one), the scheduler (a null one
+    the family's), the steps, the second expert's guidance, the step cache for what it `runs_on`
+    (check_cache), the prompt batches."""
     family = family_of(cfg.model.family)
     parts = load.pipeline_parts(cfg.model)
-    cfg.sampling.height, cfg.sampling.width = settled_image_size(cfg.sampling, "sampling", cfg.model, parts)
-    cfg.sampling.scheduler = cfg.sampling.scheduler or family.default_scheduler
-    validate_steps(cfg.sampling.steps, "sampling.steps", parts["scheduler_config"])
-    cache = checked_cache(cfg.sampling.cache, "sampling.cache", cfg.model, parts, runs_on, cuda_graph)
-    runs = sampling_runs(cfg.sampling, cfg.model, cache)
-    if cfg.sampling.long_prompts == "error":
+    geometry = settled_geometry(cfg.sampling, "sampling", cfg.model, parts)
+    family.check_guidance(cfg.sampling.guidance_scale_2, "sampling.guidance_scale_2")
+    block = frozen(cfg.sampling, height=geometry.height, width=geometry.width, num_frames=geometry.frames,
+                   fps=family.settled_fps(cfg.sampling.fps, "sampling.fps", cfg.model),
+                   scheduler=cfg.sampling.scheduler or family.default_scheduler)
+    validate_steps(block.steps, "sampling.steps", parts["scheduler_config"])
+    cache = checked_cache(block.cache, "sampling.cache", cfg.model, parts, runs_on, cuda_graph)
+    runs = sampling_runs(block, cfg.model, cache)
+    if block.long_prompts == "error":
         family.text_to_image({}, parts, None, torch.device("cpu")).refuse_cut_prompts(runs)
-    return Sampling(family, parts, cfg.sampling, cache, runs)
+    return Sampling(family, parts, block, geometry, cache, runs)
 
 
 def sampling_runs(sampling, model, cache=None) -> list[SamplingSettings]:
-    """One pipeline call per batch of sampling.batch_size prompts, each prompt's images
-    sampling.num_images_per_prompt; the run's k-th image, counted over all calls, seeded seed + k."""
+    """One pipeline call per batch of sampling.batch_size prompts, each prompt's images (or videos)
+    sampling.num_images_per_prompt; the run's k-th sample, counted over all calls, seeded seed + k.
+    `sampling`: a settled block (its size and frames filled in)."""
     batches = _prompt_batches(sampling, model)
     per_batch = sampling.batch_size * sampling.num_images_per_prompt
     return [SamplingSettings(prompts=prompts, negative_prompt=sampling.negative_prompt, steps=sampling.steps,
                              guidance_scale=sampling.guidance_scale, height=sampling.height, width=sampling.width,
                              seed=sampling.seed + index * per_batch, images_per_prompt=sampling.num_images_per_prompt,
-                             long_prompts=sampling.long_prompts, cache=cache)
+                             long_prompts=sampling.long_prompts, cache=cache, frames=sampling.num_frames or 1,
+                             guidance_scale_2=sampling.guidance_scale_2, fps=sampling.fps)
             for index, prompts in enumerate(batches)]
 
 
@@ -101,8 +152,9 @@ def checked_cache(block, key: str, model, parts: dict, runs_on: str, cuda_graph:
     evaluate.py variant's graph or engine)."""
     family = family_of(model.family)
     if block.method not in family.cache_methods:
-        raise UserError(f"{key}.method={block.method}: model={model.name}'s {family.backbone.attribute} takes "
-                        f"{' or '.join(family.cache_methods)}")
+        takes = "takes" if len(family.backbones) == 1 else "take"
+        raise UserError(f"{key}.method={block.method}: model={model.name}'s {' and '.join(family.backbone_attributes)} "
+                        f"{takes} {' or '.join(family.cache_methods)}")
     cache = family.step_cache(block)
     if cache is None:
         return None
@@ -135,26 +187,3 @@ def _prompt_batches(sampling, model) -> list[list[str]]:
     if not prompts:
         raise UserError("no prompts: set sampling.prompts or sampling.prompts_file")
     return [prompts[i:i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
-
-
-def settled_image_size(block, prefix: str, model, configs: dict | None = None) -> tuple[int, int]:
-    """The (height, width) that `block` asks for, a null one taking the model's native size as
-    diffusers does; refuses, before any work, a size the model's VAE cannot make, and says the
-    size used. `configs`: the model's configs where the caller has them already."""
-    configs = load.model_configs(model) if configs is None else configs
-    asked = {key: block[key] for key in ("height", "width")}
-    if not configs:
-        if None in asked.values():
-            raise UserError(f"{prefix}.height and {prefix}.width: model.source={model.source} is a single file, which "
-                            "does not state the model's native size: set both (1024 for SDXL, 512 for SD 1.5), or "
-                            "set model.single_file_config")
-        validate_image_size(block, prefix)
-        return asked["height"], asked["width"]
-    family = family_of(model.family)
-    vae_scale = vae_scale_factor(configs["vae_config"])
-    native = family.native_image_size(configs, vae_scale)
-    size = {key: native if value is None else value for key, value in asked.items()}
-    validate_image_size(size, prefix, family.size_multiple(vae_scale), family.size_reason)
-    note = " (the model's native size)" if None in asked.values() else ""
-    print(f"image size: {size['width']}x{size['height']}{note}", flush=True)
-    return size["height"], size["width"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from ..config import validate_train_scene
 from ..load import resolve_device
 from ..report import print_summary
@@ -16,7 +18,8 @@ def run_train_scene_model(cfg) -> Path:
 
     start = time.perf_counter()
     validate_train_scene(cfg)
-    out, record = train_scene_model(cfg, resolve_device(cfg.device))
+    # The settled config: the schema's own typed objects, which nothing changes.
+    out, record = train_scene_model(OmegaConf.to_object(cfg), resolve_device(cfg.device))
     adherence = record["held_out_adherence"]
     if adherence["prompts"]:
         print(f"held-out prompts, all attributes right: one object {adherence['one_object']:.1%}, two objects "
