@@ -29,6 +29,8 @@ class Family(str, Enum):
     sd2 = "sd2"
     flux = "flux"
     sd3 = "sd3"
+    wan = "wan"
+    wan_ti2v = "wan_ti2v"
 
 
 class QuantFormat(str, Enum):

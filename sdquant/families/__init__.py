@@ -21,8 +21,10 @@ def _registry() -> dict[Family, ModelFamily]:
     from .sd import SD
     from .sd3 import SD3
     from .sdxl import SDXL
+    from .wan import WAN, WAN_TI2V
 
-    return {Family.sdxl: SDXL, Family.sd15: SD, Family.sd2: SD, Family.flux: FLUX, Family.sd3: SD3}
+    return {Family.sdxl: SDXL, Family.sd15: SD, Family.sd2: SD, Family.flux: FLUX, Family.sd3: SD3,
+            Family.wan: WAN, Family.wan_ti2v: WAN_TI2V}
 
 
 def family_of(family) -> ModelFamily:

@@ -1,0 +1,318 @@
+"""Wan2.2 text-to-video as model families: Wan2.2-T2V-A14B (two experts split at a noise boundary,
+`wan`) and Wan2.2-TI2V-5B (one transformer whose timestep is expanded per token, a VAE of 48
+channels that scales 16x, `wan_ti2v`), with their graphs, levels, data flow and architectures."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import UserError
+from ...graphs.geometry import SampleGeometry
+from ...quantize.recipe import LayerGroup, LevelTable
+from .. import components
+from ..base import SEED, Backbone, ModelFamily
+from .flow import WanTextToVideo, latent_frames, text_tokens
+from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
+
+# WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
+UMT5_TOKENS = 512
+# Frames a latent frame stands for after the first, the VAE's temporal factor.
+TEMPORAL_SCALE = 4
+# The experts' levels: every layer of their blocks is a Linear (the patch embedding, a Conv3d, stays
+# in 16 bits), so there is no level 1: 2 the feed-forward layers; 2.5 + the q/k/v projections of the
+# self- and cross-attention; 3 + the rest (attention outputs); 4 = 3 + FP8 self-attention (attn1, over
+# the video's 75,600 tokens at 720p: 1.44x bf16 attention in cuDNN's FP8 kernel on an H100); the
+# cross-attention over UMT5's 512 tokens stays 16-bit. High precision, as ModelOpt's Wan filter
+# keeps them: the patch, text and time embedders (condition_embedder), the output projection, and
+# the first and last three of the A14B's 40 blocks (a 30-block TI2V-5B keeps its first three, as
+# ModelOpt's literal block numbers do); the norms (which ModelOpt leaves to its default config).
+HIGH_PRECISION = ("patch_embedding*", "condition_embedder*", "proj_out*", "*norm*",
+                  *(f"blocks.{index}.*" for index in (0, 1, 2, 37, 38, 39)))
+LEVELS = LevelTable(
+    levels=(2.0, 2.5, 3.0, 4.0),
+    groups=(LayerGroup(2.0, "*.ffn.net.*", "nn.Linear"), LayerGroup(2.5, "*.attn[12].to_[qkv].", "nn.Linear"),
+            LayerGroup(3.0, "*", "nn.Linear")),
+    high_precision=HIGH_PRECISION,
+    qkv_level=2.5,
+    attention_scope="*.attn1.",
+)
+
+
+@dataclass(frozen=True)
+class WanSizes:
+    """A Wan architecture: UMT5, each expert, the Wan VAE, and the scheduler's flow shift."""
+
+    text_width: int
+    text_layers: int
+    text_heads: int
+    text_head_width: int
+    text_ff: int
+    heads: int
+    head_dim: int
+    ffn: int
+    layers: int
+    latent_channels: int
+    freq_dim: int
+    rope_max_tokens: int
+    # AutoencoderKLWan's arguments (lists where it takes lists), as (name, value) pairs.
+    vae: tuple
+    flow_shift: float
+    # The tokenizer's length, which the UMT5 sequence takes (WanPipeline's 512 for the real models).
+    text_tokens: int = UMT5_TOKENS
+
+
+TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width=8, text_ff=64, heads=2, head_dim=16,
+                ffn=64, layers=5, latent_channels=16, freq_dim=32, rope_max_tokens=64, flow_shift=3.0, text_tokens=64,
+                vae=(("base_dim", 8), ("z_dim", 16), ("dim_mult", [1, 1, 1, 1]), ("num_res_blocks", 1),
+                     ("temperal_downsample", [False, True, True])))
+# Wan2.2-T2V-A14B: each expert 40 blocks of 40 heads of 128 (14.3 B parameters), UMT5-XXL, the Wan2.1 VAE
+# (AutoencoderKLWan's defaults), UniPC with diffusers' flow shift of 3.
+FULL = WanSizes(text_width=4096, text_layers=24, text_heads=64, text_head_width=64, text_ff=10240, heads=40,
+                head_dim=128, ffn=13824, layers=40, latent_channels=16, freq_dim=256, rope_max_tokens=1024,
+                flow_shift=3.0, vae=())
+# The Wan2.2 VAE's 48 latent channels as random weights take them (a trained VAE's folder states its
+# own per-channel mean and std).
+UNIT_STATISTICS_48 = (("latents_mean", [0.0] * 48), ("latents_std", [1.0] * 48))
+# Wan2.2-TI2V-5B: 30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2 VAE (16x, residual,
+# 2x2 pixel patches), flow shift 5.
+TI2V_FULL = WanSizes(text_width=4096, text_layers=24, text_heads=64, text_head_width=64, text_ff=10240, heads=24,
+                     head_dim=128, ffn=14336, layers=30, latent_channels=48, freq_dim=256, rope_max_tokens=1024,
+                     flow_shift=5.0,
+                     vae=(("base_dim", 160), ("decoder_base_dim", 256), ("z_dim", 48), ("is_residual", True),
+                          ("in_channels", 12), ("out_channels", 12), ("patch_size", 2), ("scale_factor_spatial", 16),
+                          *UNIT_STATISTICS_48))
+TI2V_TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width=8, text_ff=64, heads=2, head_dim=16,
+                     ffn=64, layers=5, latent_channels=48, freq_dim=32, rope_max_tokens=64, flow_shift=5.0,
+                     text_tokens=64,
+                     vae=(("base_dim", 8), ("decoder_base_dim", 12), ("z_dim", 48), ("is_residual", True),
+                          ("in_channels", 12), ("out_channels", 12), ("patch_size", 2), ("scale_factor_spatial", 16),
+                          ("dim_mult", [1, 1, 1, 1]), ("num_res_blocks", 1),
+                          ("temperal_downsample", [False, True, True]), *UNIT_STATISTICS_48))
+
+
+def umt5_encoder(tokenizer, sizes: WanSizes):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=sizes.text_width, d_kv=sizes.text_head_width, d_ff=sizes.text_ff,
+        num_layers=sizes.text_layers, num_heads=sizes.text_heads, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, use_cache=False))
+
+
+def expert(sizes: WanSizes):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+        in_channels=sizes.latent_channels, out_channels=sizes.latent_channels, text_dim=sizes.text_width,
+        freq_dim=sizes.freq_dim, ffn_dim=sizes.ffn, num_layers=sizes.layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=sizes.rope_max_tokens)
+
+
+EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "transformer_2"))
+
+
+class WanFamily(ModelFamily):
+    """Wan2.2 text-to-video: UMT5, one or two experts, the Wan VAE, UniPC over flow sigmas. Each
+    model kind is a subclass that says its experts, timestep and defaults."""
+
+    tokenizer_folders = ("tokenizer",)
+    clip_tokenizers = ()
+    gpu_dtype = torch.bfloat16
+    default_scheduler = "unipc"
+    size_reason = "the VAE's spatial scale factor times the experts' 2x2 patches"
+    level_table = LEVELS
+    output = "video"
+    # Its pipeline's switch to the second expert (a fraction of the training timesteps; None: one
+    # expert throughout), whether its timestep is one per latent token, and its own geometry.
+    boundary_ratio: float | None = None
+    expand_timesteps = False
+    default_frames: int
+    default_fps: int
+    default_size: tuple[int, int]
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return ("text_encoder", *self.backbone_attributes, "vae")
+
+    def pipeline_class(self):
+        from diffusers import WanPipeline
+
+        return WanPipeline
+
+    def backbone_class(self):
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel
+
+    # --- its networks -------------------------------------------------------------------------
+
+    def networks(self, cache=None) -> list:
+        return [UMT5, VIDEO_VAE, *(expert_network(backbone.graph) for backbone in self.backbones)]
+
+    def network(self, name: str):
+        return {network.name: network for network in self.networks()}[name]
+
+    def carries_adapters(self, graph: str) -> bool:
+        """diffusers' Wan LoRA loader writes into the transformers only."""
+        return graph in self.backbone_graphs()
+
+    # --- quantization --------------------------------------------------------------------------
+
+    def scheduler_timestep(self, args: tuple, kwargs: dict):
+        # WanPipeline hands each expert the scheduler's own timestep (per token where it expands it).
+        return kwargs["timestep"]
+
+    def pipeline_call_kwargs(self, pipe) -> dict:
+        return {"max_sequence_length": text_tokens(pipe.tokenizer, UMT5_TOKENS)}
+
+    def calibration_call_kwargs(self, block) -> dict:
+        second = {} if block.guidance_scale_2 is None else {"guidance_scale_2": block.guidance_scale_2}
+        return {"num_frames": block.num_frames, **second}
+
+    # --- the sample's geometry and guidance -----------------------------------------------------
+
+    def settled_frames(self, asked: int | None, key: str, model) -> int:
+        """4k + 1 frames (the VAE keeps the first frame alone and packs 4 a latent frame after it), the
+        model's own where none is asked."""
+        frames = asked if asked is not None else (model.num_frames or self.default_frames)
+        if frames < 1 or (frames - 1) % TEMPORAL_SCALE:
+            near = max(1, (frames - 1) // TEMPORAL_SCALE * TEMPORAL_SCALE + 1)
+            raise UserError(f"{key}={frames}: model={model.name}'s VAE takes 4k + 1 frames (1, 5, 9, ..., 81): "
+                            f"choose {near} or {near + TEMPORAL_SCALE}")
+        return frames
+
+    def settled_fps(self, asked: int | None, key: str, model) -> int:
+        fps = asked if asked is not None else (model.fps or self.default_fps)
+        if fps < 1:
+            raise UserError(f"{key}={fps}: give the frames per second the video plays at, 1 or more "
+                            f"({model.name}'s own: {model.fps or self.default_fps})")
+        return fps
+
+    def check_guidance(self, second_scale: float | None, key: str) -> None:
+        if second_scale is not None and len(self.backbones) == 1:
+            raise UserError(f"{key}={second_scale}: {self.name} models have one transformer; the second scale guides "
+                            "a two-expert model's low-noise expert (Wan2.2-T2V-A14B): leave it unset")
+
+    def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
+        """A Wan folder states no size: the model config's, else the family's (diffusers' 480x832
+        for the A14B experts, the TI2V-5B's 704x1280)."""
+        return (model.height or self.default_size[0], model.width or self.default_size[1])
+
+    def decoder_dtype(self, vae_config, dtype: torch.dtype) -> torch.dtype:
+        """fp32 wherever the pipeline runs in half precision, as WanPipeline's documentation and
+        MLPerf's reference load the Wan VAE (model.vae_dtype=bf16 decodes faster)."""
+        return torch.float32
+
+    def vae_scale(self, vae_config) -> int:
+        return vae_config["scale_factor_spatial"]
+
+    def size_multiple(self, vae_scale: int) -> int:
+        return vae_scale * 2
+
+    # --- export and engines --------------------------------------------------------------------
+
+    def graph_specs(self, pipe, batch: int, geometry: SampleGeometry, trace_latent: int, dtype, vae_dtype,
+                    cache=None) -> list:
+        """Every graph at the engines' geometry and batch (the experts' and the VAE's sizes are fixed
+        when traced): UMT5 over the model's text length, each expert on both guidance halves."""
+        from ...graphs.specs import GraphSpec
+        from ...quantize.quantizers import unsupported_quantizers
+
+        scale = pipe.vae_scale_factor_spatial
+        shape = (latent_frames(geometry.frames, TEMPORAL_SCALE), geometry.height // scale, geometry.width // scale)
+        text = text_tokens(pipe.tokenizer, UMT5_TOKENS)
+        samples = 2 * batch
+        specs = [GraphSpec(UMT5, Umt5Graph(pipe.text_encoder.to(dtype)),
+                           (torch.zeros(samples, text, dtype=torch.int32), torch.ones(samples, text, dtype=torch.int32))),
+                 GraphSpec(VIDEO_VAE, VideoDecoderGraph(pipe.vae.to(vae_dtype)),
+                           (torch.randn(batch, pipe.vae.config.z_dim, *shape, dtype=vae_dtype),))]
+        for backbone in self.backbones:
+            module = getattr(pipe, backbone.attribute).to(dtype)
+            latent = torch.randn(samples, module.config.in_channels, *shape, dtype=dtype)
+            tokens = shape[0] * (shape[1] // 2) * (shape[2] // 2)
+            timestep = torch.full((samples, tokens) if self.expand_timesteps else (samples,), 500.0)
+            specs.append(GraphSpec(expert_network(backbone.graph), ExpertGraph(module),
+                                   (latent, timestep, torch.randn(samples, text, module.config.text_dim, dtype=dtype)),
+                                   on_meta=not unsupported_quantizers(module)))
+        return specs
+
+    def traced_geometry_record(self, graph: str, geometry) -> dict:
+        return {"traced_geometry": [geometry.frames, geometry.height, geometry.width]}
+
+    def profile_axis_sizes(self, graph: str, geometry, record: dict, trt) -> list[dict[str, int]]:
+        """Every axis is fixed in these graphs: nothing to size."""
+        return [{}] * 3
+
+    # --- running it ----------------------------------------------------------------------------
+
+    def torch_stages(self, pipe, dtype, cache=None) -> dict:
+        from ...runtime.stages import TorchStage
+
+        return {"umt5": TorchStage(Umt5Graph(pipe.text_encoder), UMT5, dtype),
+                **self.backbone_stages(self.backbone_modules(pipe), dtype),
+                "vae": TorchStage(VideoDecoderGraph(pipe.vae), VIDEO_VAE, next(pipe.vae.parameters()).dtype)}
+
+    def backbone_stages(self, modules: dict, dtype) -> dict:
+        from ...runtime.stages import TorchStage
+
+        return {backbone.graph: TorchStage(ExpertGraph(modules[backbone.attribute]), expert_network(backbone.graph),
+                                           dtype) for backbone in self.backbones}
+
+    def fp8_attention_processor(self, attn):
+        """The processor for text-to-video attention layers diffusers runs with its WanAttnProcessor."""
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        plain = type(attn.processor) is WanAttnProcessor and getattr(attn, "add_k_proj", None) is None
+        return WanTorchAttnProcessor() if plain else None
+
+    def text_to_image(self, stages: dict, parts: dict, scheduler, device):
+        return WanTextToVideo(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
+                              parts["vae_config"], device, tuple(backbone.graph for backbone in self.backbones),
+                              self.boundary_ratio if len(self.backbones) > 1 else None, self.expand_timesteps,
+                              UMT5_TOKENS)
+
+    # --- its architectures ---------------------------------------------------------------------
+
+    def build_pipeline(self, sizes: WanSizes, tokenizers: dict | None = None):
+        """UMT5, the experts and the Wan VAE at `sizes`, with UniPC over flow sigmas."""
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+        torch.manual_seed(SEED)
+        tokenizer = (tokenizers or {}).get("t5") or components.char_t5_tokenizer(sizes.text_tokens)
+        experts = {backbone.attribute: expert(sizes) for backbone in self.backbones}
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=1000, flow_shift=sizes.flow_shift)
+        boundary = {"boundary_ratio": self.boundary_ratio} if len(self.backbones) > 1 else {}
+        return WanPipeline(tokenizer=tokenizer, text_encoder=umt5_encoder(tokenizer, sizes),
+                           vae=AutoencoderKLWan(**dict(sizes.vae)), scheduler=scheduler,
+                           expand_timesteps=self.expand_timesteps, **experts, **boundary)
+
+
+class WanT2VFamily(WanFamily):
+    """Wan2.2-T2V-A14B: two experts split at diffusers' boundary (0.875 of the training timesteps),
+    MLPerf's text-to-video geometry by default (720x1280, 81 frames at 16 fps)."""
+
+    name = "wan"
+    backbones = EXPERTS
+    sizes = {"tiny": TINY, "full": FULL}
+    boundary_ratio = 0.875
+    default_frames, default_fps, default_size = 81, 16, (720, 1280)
+
+
+class WanTI2VFamily(WanFamily):
+    """Wan2.2-TI2V-5B: one transformer whose timestep is one per latent token (704x1280, 121 frames
+    at 24 fps by default)."""
+
+    name = "wan_ti2v"
+    backbones = EXPERTS[:1]
+    sizes = {"tiny": TI2V_TINY, "full": TI2V_FULL}
+    expand_timesteps = True
+    default_frames, default_fps, default_size = 121, 24, (704, 1280)
+
+
+WAN = WanT2VFamily()
+WAN_TI2V = WanTI2VFamily()

@@ -1,0 +1,261 @@
+"""Wan2.2 text-to-video through every script on the tiny models: tiny_wan (two WanTransformer3DModel
+experts of five blocks split at the A14B's boundary, a tiny UMT5 and Wan VAE) and tiny_wan_ti2v (one
+transformer with its timestep per token, the 48-channel Wan2.2 VAE): videos equal diffusers'
+WanPipeline's, each expert calibrated on the steps it serves, the levels against ModelOpt's Wan
+filter, ONNX graphs equal to torch, TensorRT-RTX builds, the FP8 kernels, MP4s with their settings,
+evaluate.py's video scores, and the refusals of frames, sizes and checkpoints that do not fit."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from sdquant.load import load_pipeline
+from sdquant.runtime.stages import StageTimer
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.export_trt import run_export
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
+from sdquant.workflow.settings import settle_sampling
+
+from conftest import compose_config, enabled_quantizers, refused_in_one_line
+
+CPU = torch.device("cpu")
+PROMPTS = ["a red fox runs through the snow", "a paper boat on a pond"]
+STEPS = 4
+GUIDANCE = ["sampling.guidance_scale=4.0", "sampling.negative_prompt='blurry, static'"]
+QUICK = ["model=tiny_wan", "device=cpu", "quantize.n_steps=4", "quantize.calib_size=2", "quantize.batch_size=2"]
+GRAPHS = {"umt5", "transformer", "transformer_2", "vae"}
+
+
+def _sampling(model: str, *overrides):
+    return compose_config("sd_xl_trt_inference", [
+        f"model={model}", "device=cpu", "backend=torch", f"sampling.prompts={json.dumps(PROMPTS)}",
+        f"sampling.steps={STEPS}", *GUIDANCE, *overrides])
+
+
+def _ours(model: str, *overrides) -> tuple[torch.Tensor, object]:
+    """Our torch stages' videos (B, F, 3, H, W) of the run's first prompt batch, and its settings."""
+    cfg = _sampling(model, "sampling.batch_size=2", *overrides)
+    sampling = settle_sampling(cfg)
+    pipe = load_pipeline(cfg.model, CPU, torch.float32)
+    pipeline = sampling.pipeline(sampling.family.torch_stages(pipe, torch.float32), CPU)
+    return pipeline(sampling.runs[0], StageTimer(CPU), progress=False), sampling
+
+
+@pytest.mark.parametrize("model, second", [("tiny_wan", 3.0), ("tiny_wan_ti2v", None)])
+def test_torch_stages_draw_diffusers_wan_pipelines_videos(model_cache, model, second):
+    """Two experts with their own guidance (or one with its timestep per token), the guidance halves
+    as one batch where WanPipeline runs them one after the other: the same videos."""
+    overrides = [] if second is None else [f"sampling.guidance_scale_2={second}"]
+    ours, sampling = _ours(model, *overrides)
+    geometry = sampling.geometry
+    reference = load_pipeline(compose_config("sd_xl_quantize", [f"model={model}"]).model, CPU, torch.float32)(
+        prompt=PROMPTS, negative_prompt="blurry, static", num_inference_steps=STEPS, guidance_scale=4.0,
+        **({} if second is None else {"guidance_scale_2": second}), height=geometry.height, width=geometry.width,
+        num_frames=geometry.frames, max_sequence_length=64, output_type="pt",
+        generator=[torch.Generator().manual_seed(42 + i) for i in range(len(PROMPTS))]).frames
+    assert ours.shape == reference.shape == (2, geometry.frames, 3, geometry.height, geometry.width)
+    assert (ours - reference).abs().max() < 1e-4 and reference.std() > 0.01
+
+
+def test_the_vae_decodes_in_fp32_as_wanpipelines_documentation_loads_it(model_cache):
+    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
+    pipe = load_pipeline(model, CPU, torch.bfloat16)
+    assert pipe.transformer.dtype == pipe.transformer_2.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
+    faster = compose_config("sd_xl_quantize", ["model=tiny_wan", "model.vae_dtype=bf16"]).model
+    assert load_pipeline(faster, CPU, torch.bfloat16).vae.dtype == torch.bfloat16
+
+
+def test_infer_writes_each_video_with_its_settings_and_a_poster(tmp_path, model_cache):
+    import av
+    from PIL import Image
+
+    out = tmp_path / "videos"
+    run_infer(_sampling("tiny_wan", f"out_path={out}", "num_warmup_runs=0", "sampling.fps=12",
+                        "sampling.num_frames=13", "sampling.guidance_scale_2=3.0"))
+    names = sorted(path.name for path in out.iterdir())
+    assert names == ["latency.json", "video_000_00.mp4", "video_000_00.png", "video_001_00.mp4", "video_001_00.png"]
+    with av.open(str(out / "video_001_00.mp4")) as video:
+        frames = [frame.to_ndarray(format="rgb24") for frame in video.decode(video=0)]
+        stream = video.streams.video[0]
+        assert (len(frames), stream.average_rate, stream.width) == (13, 12, 32)
+        assert video.metadata["prompt"] == PROMPTS[1] and video.metadata["seed"] == "43"
+        assert video.metadata["guidance_scale_2"] == "3.0" and video.metadata["frames"] == "13"
+    poster = np.asarray(Image.open(out / "video_001_00.png")).astype(int)
+    # H.264 (constant quality 17, colour at half resolution) keeps the first frame of this noisy tiny
+    # video within a few levels of the lossless poster (3.3 on average).
+    assert np.abs(poster - frames[0].astype(int)).mean() < 8
+    latency = json.loads((out / "latency.json").read_text())
+    assert latency["output"] == "video" and latency["nonfinite_values"] == 0
+    # Each expert serves its own steps: 2 and 2 of 4 at UniPC's flow shift of 3.
+    assert latency["stage_calls"]["transformer"] == latency["stage_calls"]["transformer_2"] == 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("wan_quantized")
+    recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
+               "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
+               "int8_l3": ["quantize.quant_level=3"]}
+    return {name: run_quantize(compose_config("sd_xl_quantize", [*QUICK, f"out_dir={out}", *recipe]))
+            for name, recipe in recipes.items()}
+
+
+def test_each_expert_is_calibrated_on_the_steps_it_serves(checkpoints):
+    folder = checkpoints["fp8_l4"]
+    assert {path.name for path in folder.iterdir()} == {"transformer.mto", "transformer_2.mto", "checkpoint.json"}
+    record = json.loads((folder / "checkpoint.json").read_text())
+    assert record["backbones"] == ["transformer", "transformer_2"]
+    assert record["calibration"]["steps_served"] == {"transformer": [0, 1], "transformer_2": [2, 3]}
+    assert set(record["activation_amax"]) == {"transformer", "transformer_2"}
+
+
+def _enabled(checkpoint) -> collections.Counter:
+    """Enabled quantizers of each expert, by their block and layer group."""
+    counts = collections.Counter()
+    for attribute in ("transformer", "transformer_2"):
+        def group(owner: str) -> str:
+            stack, _, rest = owner.partition(".")
+            index, _, layer = rest.partition(".")
+            return f"block {index}: {layer}" if stack == "blocks" else f"top: {owner}"
+
+        counts.update(enabled_quantizers("tiny_wan", checkpoint, group, attribute))
+    return counts
+
+
+def test_levels_keep_modelopts_wan_filter_in_high_precision(checkpoints):
+    level3 = _enabled(checkpoints["fp8_l3"])
+    # ModelOpt's filter: the embedders, proj_out and the first three (and last three of 40) blocks.
+    assert not [group for group in level3 if group.startswith(("top", "block 0", "block 1", "block 2"))]
+    layers = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+              "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    # Blocks 3 and 4 of both experts, a weight and an input quantizer a layer.
+    assert level3 == {f"block {index}: {layer}": 4 for index in (3, 4) for layer in layers}
+    assert _enabled(checkpoints["int8_l3"]) == level3
+    level4 = _enabled(checkpoints["fp8_l4"])
+    # FP8 attention: q, k and v of the attention in each of blocks 3 and 4 of both experts...
+    assert {group: n for group, n in level4.items() if "bmm" in group} == {
+        f"{role}_bmm_quantizer": 2 * 2 for role in "qkv"}
+    # ... which is the self-attention (attn1): the cross-attention over the text stays 16-bit.
+    assert _fp8_attention_layers(checkpoints["fp8_l4"]) == {f"blocks.{index}.attn1" for index in (3, 4)}
+
+
+def _fp8_attention_layers(checkpoint) -> set[str]:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from sdquant.load import empty_backbones
+    from sdquant.workflow.settings import restore_quantized_backbones
+
+    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
+    backbones = empty_backbones(model)
+    restore_quantized_backbones(model, "quantized_backbone", str(checkpoint), backbones)
+    return {name.rsplit(".", 1)[0] for module in backbones.values() for name, quantizer in module.named_modules()
+            if isinstance(quantizer, TensorQuantizer) and quantizer.is_enabled and name.endswith("q_bmm_quantizer")}
+
+
+def test_onnx_graphs_run_as_torch_and_build_with_tensorrt_rtx(tmp_path, model_cache):
+    out = tmp_path / "export"
+    run_export(compose_config("sd_xl_export", ["model=tiny_wan", "device=cpu", f"infer.out_path={out}",
+                                               "onnx.precision=fp32", "infer.batch_size=1",
+                                               "trt.backend=tensorrt_rtx"]))
+    record = json.loads((out / "plan" / "engines.json").read_text())
+    assert set(record) == GRAPHS
+    # Fixed at the engines' geometry: both guidance halves of one 9-frame 32x32 video (3 latent frames).
+    assert record["transformer_2"]["inputs"]["hidden_states"]["profile"] == [[2, 16, 3, 4, 4]] * 3
+    run = ["num_warmup_runs=0", "sampling.prompts=['a red fox runs through the snow']",
+           "sampling.guidance_scale_2=3.0"]
+    run_infer(_sampling("tiny_wan", *run, "backend=onnxruntime", f"engine_dir={out / 'plan'}",
+                        f"out_path={tmp_path / 'ort'}"))
+    run_infer(_sampling("tiny_wan", *run, f"out_path={tmp_path / 'torch'}"))
+    from PIL import Image
+
+    graphs, modules = (np.asarray(Image.open(tmp_path / name / "video_000_00.png")).astype(int)
+                       for name in ("ort", "torch"))
+    assert np.abs(graphs - modules).max() <= 1 and modules.std() > 1
+
+
+@pytest.mark.parametrize("recipe, level, attention, tolerance", [("fp8_l3", 3.0, 0, 1e-5), ("fp8_l4", 4.0, 2, 2e-2)])
+def test_fp8_kernels_compute_what_fake_quantization_does(checkpoints, recipe, level, attention, tolerance):
+    from sdquant.families.wan import WAN
+    from sdquant.load import empty_backbones
+    from sdquant.runtime import torch_backend
+    from sdquant.workflow.settings import restore_quantized_backbones
+
+    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
+    experts = []
+    for kernels in (False, True):
+        backbones = empty_backbones(model)
+        restore_quantized_backbones(model, "quantized_backbone", str(checkpoints[recipe]), backbones)
+        expert = backbones["transformer_2"].to(torch.float32)
+        if kernels:
+            conversion = torch_backend.convert_quantized(expert, WAN, "quantized_backbone", "fp8", "auto", level)
+            # Blocks 3 and 4: ten Linear layers each; their self-attention in FP8 at level 4.
+            assert (conversion.layers, conversion.attention) == (20, attention)
+        experts.append(expert)
+    torch.manual_seed(1)
+    inputs = {"hidden_states": torch.randn(2, 16, 3, 4, 6), "timestep": torch.tensor([500.0, 500.0]),
+              "encoder_hidden_states": torch.randn(2, 64, 32)}
+    with torch.no_grad():
+        expected, got = (expert(**inputs, return_dict=False)[0] for expert in experts)
+    assert (got - expected).norm() / expected.norm() < tolerance
+
+
+def test_evaluate_scores_each_frame_motion_and_each_expert(tmp_path, checkpoints):
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={json.dumps(PROMPTS)}",
+        f"sampling.steps={STEPS}", *GUIDANCE, f"+variants.fp8={checkpoints['fp8_l4']}", "+variants.self=null"]))
+    fp8, self_check = report["variants"]["fp8"], report["variants"]["self"]
+    assert 20 < fp8["mean"]["psnr"] < 80 and 20 < fp8["mean"]["temporal_psnr"] < 80
+    assert self_check["mean"]["temporal_psnr"] == float("inf")
+    assert set(fp8["step_error_by_backbone"]) == {"transformer", "transformer_2"}
+    assert all(0 < error < 0.5 for errors in fp8["step_error_by_backbone"].values() for error in errors)
+    assert "frame-to-frame changes" in (tmp_path / "quality.md").read_text()
+
+
+def test_frames_sizes_and_checkpoints_that_do_not_fit_are_refused(tmp_path, checkpoints, capsys, model_cache):
+    def refused(run, config: str, *overrides) -> str:
+        return refused_in_one_line(run, compose_config(config, list(overrides)), capsys)
+
+    images = f"out_path={tmp_path / 'images'}"
+    wan = ["model=tiny_wan", "device=cpu", "backend=torch", images]
+    assert "sampling.num_frames=10: model=tiny_wan's VAE takes 4k + 1 frames (1, 5, 9, ..., 81): choose 9 or 13" in \
+        refused(run_infer, "sd_xl_trt_inference", *wan, "sampling.num_frames=10")
+    assert "sampling.width=40 must be a positive multiple of 16, the VAE's spatial scale factor times" in \
+        refused(run_infer, "sd_xl_trt_inference", *wan, "sampling.width=40")
+    assert "sampling.fps=0: give the frames per second the video plays at, 1 or more (tiny_wan's own: 8)" in \
+        refused(run_infer, "sd_xl_trt_inference", *wan, "sampling.fps=0")
+    assert "sampling.num_frames=9: model=tiny_sdxl draws images" in refused(
+        run_infer, "sd_xl_trt_inference", "model=tiny_sdxl", "device=cpu", "backend=torch", images,
+        "sampling.num_frames=9")
+    assert "sampling.guidance_scale_2=3.0: wan_ti2v models have one transformer" in refused(
+        run_infer, "sd_xl_trt_inference", "model=tiny_wan_ti2v", "device=cpu", "backend=torch", images,
+        "sampling.guidance_scale_2=3.0")
+    assert "cpu_offload=true keeps the networks a GPU is not running in host memory, but device=cpu" in refused(
+        run_quantize, "sd_xl_quantize", *QUICK, "cpu_offload=true", f"out_dir={tmp_path / 'q'}")
+    # A checkpoint folder without one of its experts.
+    partial = tmp_path / "partial"
+    shutil.copytree(checkpoints["fp8_l3"], partial)
+    (partial / "transformer_2.mto").unlink()
+    err = refused(run_infer, "sd_xl_trt_inference", *wan, f"quantized_backbone={partial}")
+    assert f"quantized_backbone={partial}: {partial / 'transformer_2.mto'} does not exist (it holds transformer.mto)" in err
+    # An image model's checkpoint for the video model, and the video model's for an image model.
+    sdxl = run_quantize(compose_config("sd_xl_quantize", [
+        "model=tiny_sdxl", "device=cpu", "quantize.n_steps=2", "quantize.calib_size=2", "quantize.batch_size=2",
+        f"out_dir={tmp_path / 'sdxl'}"]))
+    capsys.readouterr()
+    assert "was made from a sdxl model, not from model=tiny_wan (wan)" in refused(
+        run_infer, "sd_xl_trt_inference", *wan, f"quantized_unet={sdxl}")
+    assert "was made from a wan model, not from model=tiny_sdxl (sdxl)" in refused(
+        run_export, "sd_xl_export", "model=tiny_sdxl", "device=cpu", f"quantized_backbone={checkpoints['fp8_l3']}",
+        f"infer.out_path={tmp_path / 'export'}")
+    # NeMo's unet_xl names one engine; a model of two experts names each.
+    assert "unet_xl=x.plan: model=tiny_wan has 2 backbones; name each engine as +engines.transformer=<file> " \
+           "+engines.transformer_2=<file>" in refused(run_infer, "sd_xl_trt_inference", "model=tiny_wan",
+                                                       "device=cpu", images, "unet_xl=x.plan")
+    assert not any((tmp_path / name).exists() for name in ("images", "export", "q"))
