@@ -8,7 +8,13 @@ packages, for the machine's Python and platform, with constraints.txt's tested v
 everything the machine does not have.
 
     python benchmarks/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
+    python benchmarks/fetch_wheels.py --extras peers      # and an optional extra's wheels (torchao)
     python benchmarks/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
+
+With --extras, the optional dependencies of those extras in pyproject.toml are resolved with the
+rest; install them there with `pip install --no-index --find-links .whl -e ".[peers]"`. (`peers`
+adds 3.3 MB; `fp8-attention` brings nvidia-cutlass-dsl's ~190 MB with nvidia-cudnn-frontend,
+more than the device tool carries: its wheel alone, installed with --no-deps, has been enough.)
 
 Run it with the project's own Python (it reads packaging and pyproject.toml); it needs PyPI and pip
 23.3 or newer (the first that resolves for another platform without --target).
@@ -57,6 +63,15 @@ def read_pins(path: Path) -> dict[str, str | None]:
 
 def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def requirements_with(project: dict, extras: str) -> list[str]:
+    """The project's dependencies and those of the comma-separated optional `extras`."""
+    optional = project.get("optional-dependencies", {})
+    unknown = [extra for extra in filter(None, extras.split(",")) if extra not in optional]
+    if unknown:
+        sys.exit(f"error: no extra {', '.join(unknown)} in pyproject.toml (it has {', '.join(optional)})")
+    return project["dependencies"] + [r for extra in filter(None, extras.split(",")) for r in optional[extra]]
 
 
 def stand_in_environment(root: Path, image: dict[str, str | None], tested: dict[str, str]) -> Path:
@@ -144,8 +159,10 @@ def main() -> None:
     parser.add_argument("--python-version", default="3.12")
     parser.add_argument("--image", type=Path, default=REPO / "benchmarks" / "gpu_image_packages.txt",
                         help="packages the machine has, one per line, NAME or NAME==VERSION")
+    parser.add_argument("--extras", default="", help="comma-separated optional extras of pyproject.toml to fetch too")
     args = parser.parse_args()
     require_recent_pip()
+    requirements = requirements_with(pyproject()["project"], args.extras)
     dest = REPO / ".whl"
     image = read_pins(args.image)
     tested = {name: version for name, version in read_pins(REPO / "constraints.txt").items() if version}
@@ -159,7 +176,6 @@ def main() -> None:
         constraints = scratch / "constraints.txt"
         constraints.write_text("".join(f"{n}=={v}\n" for n, v in tested.items() if n not in image))
         python = stand_in_environment(scratch / "machine", image, tested)
-        requirements = pyproject()["project"]["dependencies"]
         missing = resolve(python, requirements, constraints, built, flags, scratch / "report.json")
 
         asked = floors(requirements + [r for m in missing.values() for r in m.get("requires_dist", [])],

@@ -1,13 +1,16 @@
 """infer_trt.py's torch backend on the full-size Flux.1-dev architecture (random bf16 weights,
 1024x1024, 28 steps, guidance 3.5, one image) against diffusers' own compiled FluxPipeline, each
-variant in its own process (so peak memory is its own): the peer, the peer with torchao's per-row
-dynamic FP8 (where torchao is installed), our compiled bf16 backend, our backend with FP8 GEMMs
-from this project's FP8 level-3 calibration (fp8), and the same at level 4 with every attention as
-cuDNN's FP8 attention (fp8_l4; needs nvidia-cudnn-frontend). End to end, transformer
-per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+variant in its own process (so peak memory is its own): the peers (torch_backend_full_size.PEERS:
+the peer, peer_cudagraphs in mode="reduce-overhead", peer_autotune, and the peer with torchao's
+dynamic FP8 per row or per tensor, torchao_row and torchao_tensor, where torchao is installed: the
+`peers` extra), our compiled bf16 backend, our backend with FP8 GEMMs from this project's FP8
+level-3 calibration (fp8), and the same at level 4 with every attention as cuDNN's FP8 attention
+(fp8_l4; needs nvidia-cudnn-frontend). End to end, transformer per step, peak GPU memory, compile
+time, non-finite values of the last image. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
 
+    python benchmarks/flux_full_size.py --variants peer,peer_cudagraphs,torchao_row,torchao_tensor,fp8 \\
+        --variant-timeout 540 --out benchmarks/results/flux_peers_h100.json
     python benchmarks/flux_full_size.py --variants peer --out benchmarks/results/flux_h100.json
-    python benchmarks/flux_full_size.py --variants torchao --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants compiled --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8 --out benchmarks/results/flux_h100.json
     python benchmarks/flux_full_size.py --variants fp8_l4 --out benchmarks/results/flux_h100.json
@@ -18,10 +21,13 @@ per step, peak GPU memory, compile time. Needs a CUDA GPU (an H100 for the figur
 
 The peer follows diffusers' speed advice for Flux: fused q/k/v projections and torch.compile of the
 transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised
-max-autotune takes longer than the device's ten minutes a call). The torchao variant adds, between
+max-autotune takes longer than the device's ten minutes a call). The torchao variants add, between
 the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
-`quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`. The FP8 variant calibrates the
-transformer with quantize.py's own calibration (sdquant.quantize.calibrate.quantize_backbone: format=fp8,
+`quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` (or
+PerTensor()), with set_inductor_config=False so that the compilation is the peer's and with
+activation_value_lb=1e-12 so that an all-zero row does not quantize to NaN (as in
+torch_backend_full_size.py). The FP8 variant calibrates the
+transformer with quantize.py's own calibration (sdquant.quantize.calibrate.quantize_backbones: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on
 the values) and runs it with torch_backend.quantized=fp8; fp8_l4 calibrates at quant_level=4. With
 --cache, our variants run under one of diffusers' cache hooks (sampling.cache.method=taylorseer or
@@ -40,7 +46,7 @@ import torch
 
 from sdquant import report
 from sdquant.runtime import step_modulations, torch_backend
-from sdquant.quantize.calibrate import quantize_backbone
+from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families import flux
 from sdquant.families.flux import FLUX
@@ -48,31 +54,25 @@ from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
-from torch_backend_full_size import (add_compile_arguments, kernel_profile, peer_compile, timed,
-                                     use_compile_arguments, variant_name)
+from torch_backend_full_size import (PEERS, add_compile_arguments, add_process_arguments, compile_peer,
+                                     cudagraph_skips, kernel_profile, nonfinite_values, one_process_each,
+                                     record_variant, time_calls, timed, use_compile_arguments, variant_name)
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
 CUDA = torch.device("cuda")
 
 
-def peer(pipe, runs: int, torchao: bool = False, tuned: bool = False) -> dict:
+def peer(pipe, runs: int, variant: str = "peer", tuned: bool = False) -> dict:
     pipe.transformer.fuse_qkv_projections()
-    if torchao:
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-        quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, **peer_compile(tuned))
-    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned))
+    setup = compile_peer(pipe, "transformer", variant, tuned)
 
     def call():
-        pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
-             generator=torch.Generator("cuda").manual_seed(42))
+        return pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
+                    output_type="pt", generator=torch.Generator("cuda").manual_seed(42)).images
 
     torch.cuda.reset_peak_memory_stats()
-    first = timed(call, 1)[0]
-    seconds = timed(call, runs)
-    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+    return {**time_calls(call, runs), **setup, "cudagraph_skips": cudagraph_skips(),
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
@@ -83,7 +83,7 @@ FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 def fp8_transformer(pipe, family, level: float) -> torch_backend.Conversion:
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
-    quantize_backbone(pipe, family, [PROMPT], block, seed=0, cuda_graph=False)
+    quantize_backbones(pipe, family, [PROMPT], block, seed=0, cuda_graph=False)
     return torch_backend.convert_quantized(pipe.transformer, family, f"the benchmark's FP8 level-{level:g} transformer",
                                            "fp8", quant_level=level)
 
@@ -110,7 +110,8 @@ def hook_cache(setting: str) -> HookCache | None:
     if not setting:
         return None
     method, value = setting.split(":")
-    return HookCache(method, int(value), 0.0) if method in TAYLORSEER_METHODS else HookCache(method, 1, float(value))
+    return (HookCache(method, int(value), 0.0, flux.BLOCK_STACKS) if method in TAYLORSEER_METHODS
+            else HookCache(method, 1, float(value), flux.BLOCK_STACKS))
 
 
 def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False,
@@ -133,23 +134,49 @@ def time_one_image(pipeline, settings: SamplingSettings, runs: int, profile: boo
     pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
     seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
     timer = StageTimer(CUDA)
-    pipeline(settings, timer, progress=False)
-    stage = report.latency_report([(min(seconds), timer.finish())], 1, settings.steps, "transformer")
+    images = pipeline(settings, timer, progress=False)
+    stage = report.latency_report([(min(seconds), timer.finish())], 1, settings.steps, ["transformer"])
     return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
             "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
             "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "nonfinite_values": nonfinite_values(images),
             **({"call_profile": kernel_profile(lambda: pipeline(settings, StageTimer(CUDA), progress=False), top=20)}
                if profile else {})}
 
 
+def run_variant(variant: str, args, cache: HookCache | None) -> tuple[str, dict]:
+    """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
+    start = time.perf_counter()
+    pipe, setup = build_variant(FLUX, variant)
+    if variant in PEERS:
+        row = peer(pipe, args.runs, variant, tuned=args.tune_kernels)
+    else:
+        row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile, tuned=args.tune_kernels)
+        if cache is not None:
+            row["cache"] = cache.describe()
+            variant = f"{variant}_{args.cache.replace(':', '_')}"
+    row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
+    ours_variant = variant not in PEERS
+    variant = (variant_name(variant, args, ours=ours_variant)
+               + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant)
+               + "_per_step_modulations" * (args.per_step_modulations and ours_variant))
+    print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
+          f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
+          f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step, non-finite values "
+          f"{row['nonfinite_values']}", flush=True)
+    return variant, row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="peer,compiled,fp8")
+    parser.add_argument("--variants", default="peer,compiled,fp8",
+                        help=f"comma-separated: compiled, {', '.join(FP8_LEVELS)}, {', '.join(PEERS)}")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache", default="", help="our variants under a cache hook: taylorseer:<interval>, "
                                                     "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     add_compile_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument("--diffusers-rotary", action="store_true",
                         help="our variants keep q and k in diffusers' order (no use_rotary_halves); names each "
                              "variant <variant>_diffusers_rotary")
@@ -158,6 +185,12 @@ def main() -> None:
                              "names each variant <variant>_per_step_modulations")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in ("compiled", *FP8_LEVELS, *PEERS)]
+    if unknown:
+        parser.error(f"unknown variants {unknown}")
+    if one_process_each(args, variants):
+        return
     quiet_libraries()
     use_compile_arguments(args)
     # FLUX.use_family_forms looks the forms up here.
@@ -169,27 +202,7 @@ def main() -> None:
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
     cache = hook_cache(args.cache)
-    for variant in args.variants.split(","):
-        start = time.perf_counter()
-        pipe, setup = build_variant(FLUX, variant)
-        if variant in ("peer", "torchao"):
-            row = peer(pipe, args.runs, torchao=variant == "torchao", tuned=args.tune_kernels)
-        else:
-            row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile, tuned=args.tune_kernels)
-            if cache is not None:
-                row["cache"] = cache.describe()
-                variant = f"{variant}_{args.cache.replace(':', '_')}"
-        row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
-        ours_variant = variant not in ("peer", "torchao")
-        variant = (variant_name(variant, args, ours=ours_variant)
-                   + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant)
-                   + "_per_step_modulations" * (args.per_step_modulations and ours_variant))
-        results["variants"][variant] = row
-        print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
-              f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
-              f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    record_variant(results, args.out, variants[0], lambda: run_variant(variants[0], args, cache))
     print(f"wrote {args.out}")
 
 

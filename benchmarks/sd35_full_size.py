@@ -15,7 +15,7 @@ diffusers 0.42 skips SD3.5's q/k RMS norms: the peer computes a little less than
 only helps its time), and torch.compile of the transformer with fullgraph=True and of the VAE decoder, in the default mode (the advised max-autotune
 takes longer than the device's ten minutes a call; --peer-mode max-autotune asks for it). The FP8
 variants calibrate the transformer with quantize.py's own calibration
-(sdquant.quantize.calibrate.quantize_backbone: format=fp8, two denoising steps of one prompt at
+(sdquant.quantize.calibrate.quantize_backbones: format=fp8, two denoising steps of one prompt at
 1024x1024 through diffusers' pipeline; the GEMMs' speed does not depend on the values) and run it
 with torch_backend.quantized=fp8.
 """
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,8 +36,8 @@ from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
 from sdquant.runtime import torch_backend
 from flux_full_size import FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, time_one_image
-from torch_backend_full_size import (add_compile_arguments, compile_argument_list, peer_compile, timed,
-                                     use_compile_arguments, variant_name)
+from torch_backend_full_size import (add_compile_arguments, add_process_arguments, one_process_each, peer_compile,
+                                     record_variant, time_calls, use_compile_arguments, variant_name)
 
 CUDA = torch.device("cuda")
 VARIANTS = ("peer", "compiled", *FP8_LEVELS)
@@ -53,14 +51,12 @@ def peer(pipe, runs: int, mode: str, tuned: bool) -> dict:
     pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned, mode))
 
     def call():
-        pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, output_type="pt",
-             generator=torch.Generator("cuda").manual_seed(42), **SD3.pipeline_call_kwargs(pipe))
+        return pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
+                    output_type="pt", generator=torch.Generator("cuda").manual_seed(42),
+                    **SD3.pipeline_call_kwargs(pipe)).images
 
     torch.cuda.reset_peak_memory_stats()
-    first = timed(call, 1)[0]
-    seconds = timed(call, runs)
-    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
-            "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {**time_calls(call, runs), "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def ours(pipe, quantized: bool, runs: int, profile: bool, tuned: bool) -> dict:
@@ -84,7 +80,8 @@ def run_variant(variant: str, args) -> dict:
         row["compile_mode"] = args.peer_mode
     print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
           f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
-          f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step", flush=True)
+          f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step, non-finite values "
+          f"{row['nonfinite_values']}", flush=True)
     return row
 
 
@@ -95,19 +92,15 @@ def main() -> None:
     parser.add_argument("--peer-mode", default="default", help="the peer's torch.compile mode")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     add_compile_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [variant for variant in variants if variant not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
-    if len(variants) > 1:
-        # One process per variant: each one's peak memory and compiled code are its own.
-        for variant in variants:
-            subprocess.run([sys.executable, __file__, "--variants", variant, "--runs", str(args.runs),
-                            "--peer-mode", args.peer_mode, "--out", str(args.out),
-                            *(["--profile"] if args.profile else []), *compile_argument_list(args)],
-                           check=True)
+    # One process per variant: each one's peak memory and compiled code are its own.
+    if one_process_each(args, variants):
         return
     quiet_libraries()
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
@@ -116,9 +109,7 @@ def main() -> None:
         "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
     use_compile_arguments(args)
     name = variant_name(variants[0], args, ours=variants[0] != "peer")
-    results["variants"][name] = run_variant(variants[0], args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    record_variant(results, args.out, variants[0], lambda: (name, run_variant(variants[0], args)))
     print(f"wrote {args.out}")
 
 

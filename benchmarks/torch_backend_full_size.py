@@ -1,7 +1,8 @@
 """infer_trt.py's torch backend against diffusers' own compiled SDXL pipeline, on the full-size SDXL
-architecture (random fp16 weights), 1024x1024, in one process: eager, compiled fp16, compiled with
-FP8 GEMMs, compiled with INT8 GEMMs, and the peer, each timed end to end, with the UNet per step,
-peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+architecture (random fp16 weights), 1024x1024, each variant in a process of its own: eager, compiled
+fp16, compiled with FP8 GEMMs, compiled with INT8 GEMMs, and the peers, each timed end to end, with
+the UNet per step, peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures
+in RESULTS.md).
 
     python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
         --out benchmarks/results/torch_backend_h100_b1.json
@@ -11,7 +12,26 @@ peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures 
 
 The peer is diffusers' documented speed recipe: fuse_qkv_projections(), channels-last UNet and
 VAE, torch.compile(unet, fullgraph=True) and torch.compile(vae.decode, fullgraph=True), default
-mode. Its VAE runs in fp16 as ours does (force_upcast off), which only makes the peer faster.
+mode. Both run the VAE in fp16 (force_upcast off), as with an fp16-safe VAE; infer_trt.py decodes
+SDXL-base's own VAE in bf16, which benchmarks/vae_dtype_speed.py times as fast as fp16. The
+other peers (PEERS) change one thing each: peer_cudagraphs compiles in mode="reduce-overhead" (CUDA
+graphs), peer_autotune in "max-autotune-no-cudagraphs" (past the device's ten minutes a call on
+SDXL so far), and torchao_row / torchao_tensor first turn the UNet's Linear layers into torchao's
+dynamic FP8 (`quantize_(unet, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() or
+PerTensor(), set_inductor_config=False, activation_value_lb=1e-12))`: the compiler's settings stay
+the peer's, where torchao's default would turn on coordinate descent tuning for the whole process;
+and the activation scale has a floor, without which the rows of SDXL's zeroed negative-prompt
+embeddings quantize to NaN per row, pytorch/ao issue 4713). Per-row FP8 takes bf16
+weights only: torchao_row runs the whole pipeline in bf16 (its row says "dtype"). Needs torchao
+(the `peers` extra); where it does not import, the variant's row holds the error:
+
+    python benchmarks/torch_backend_full_size.py --variants peer,peer_cudagraphs,torchao_row,torchao_tensor,fp8 \\
+        --steps 20 --runs 3 --batch 1 --variant-timeout 480 --out benchmarks/results/sdxl_peers_h100_b1.json
+
+Several variants run one after another, each in a process of its own (its peak memory, compiled
+code and CUDA graphs its own); a variant past --variant-timeout seconds is stopped and its row says
+so. Every row counts the non-finite values of its last images (nonfinite_values).
+
 The FP8 variants quantize the UNet with this project's recipe (format=fp8) at level 3 (fp8) or 4
 (fp8_l4, whose self-attention then runs as cuDNN's FP8 attention: needs nvidia-cudnn-frontend;
 cross-attention stays in fp16, as the recipe keeps it), calibrated on two random UNet calls (the
@@ -28,7 +48,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -79,8 +104,71 @@ def variant_name(variant: str, args, ours: bool) -> str:
     return variant + "_tuned" * args.tune_kernels + "_exact_gelu" * (args.exact_gelu and ours)
 
 
-def compile_argument_list(args) -> list[str]:
-    return ["--tune-kernels"] * args.tune_kernels + ["--exact-gelu"] * args.exact_gelu
+def add_process_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variant-timeout", type=float, default=0,
+                        help="with several variants, seconds after which a variant's process is stopped and its "
+                             "row says so (0: none)")
+
+
+def one_process_each(args, variants: list[str]) -> bool:
+    """With several variants, runs this script again for each, in a process of its own and with the
+    same arguments (the last --variants wins), and says that it did; a variant's process that is
+    stopped (--variant-timeout) or dies before writing its row gets the reason as its row. Exits 1
+    after the last variant if any failed."""
+    if len(variants) < 2:
+        return False
+    failed = []
+    for variant in variants:
+        code = run_alone([sys.executable, sys.argv[0], *sys.argv[1:], "--variants", variant], args.variant_timeout)
+        error = (f"stopped after {args.variant_timeout:g} s (its log says the step it was in)" if code is None
+                 else f"its process was killed by signal {-code}" if code < 0 else None)
+        if error:
+            results = json.loads(args.out.read_text()) if args.out.is_file() else {"variants": {}}
+            results["variants"][variant] = {"error": error}
+            write_results(results, args.out)
+        if code:
+            print(f"{variant}: failed ({error or f'exit code {code}'})", flush=True)
+            failed.append(variant)
+    if failed:
+        sys.exit(1)
+    return True
+
+
+def run_alone(command: list[str], timeout: float) -> int | None:
+    """`command`'s exit code, run in a process group of its own; None where it ran past `timeout`
+    seconds (0: no limit) and was stopped, with its children (the compiler's workers)."""
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout or None)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def write_results(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def record_variant(results: dict, out: Path, variant: str, run) -> None:
+    """`run()` (the variant's name and row) as the variant's row in `out`; where it raises, the
+    error as its row (one line for a module that does not import, else the traceback on stderr),
+    and the process exits 1."""
+    try:
+        name, row = run()
+    except Exception as error:  # written down, then the process fails
+        if isinstance(error, ImportError):
+            print(f"{variant}: {error.name or 'a module'} does not import: {error}", flush=True)
+        else:
+            traceback.print_exc()
+        results["variants"][variant] = {"error": f"{type(error).__name__}: {error}"}
+        write_results(results, out)
+        sys.exit(1)
+    results["variants"][name] = row
+    write_results(results, out)
 
 
 def timed(fn, runs: int) -> list[float]:
@@ -94,15 +182,88 @@ def timed(fn, runs: int) -> list[float]:
     return seconds
 
 
-def peer_pipeline(pipe, tuned: bool):
-    """diffusers' SDXL pipeline with its documented torch.compile recipe."""
+def nonfinite_values(output: torch.Tensor) -> int:
+    """How many of a variant's output values (images or latents) are NaN or infinite: an 8-bit path
+    that overflows shows here, not in its time."""
+    return int(output.numel() - torch.isfinite(output).sum())
+
+
+def time_calls(call, runs: int) -> dict:
+    """`call()`'s first call (where it compiles), its times over `runs` calls after it, and the
+    non-finite values of its last output."""
+    last = [None]
+
+    def keep():
+        last[0] = call()
+
+    first = timed(keep, 1)[0]
+    seconds = timed(keep, runs)
+    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
+            "nonfinite_values": nonfinite_values(last[0])}
+
+
+# diffusers' pipeline as a user would speed it up: torch.compile's mode, and the granularity of
+# torchao's dynamic FP8 on the backbone's Linear layers (None: 16 bits).
+PEERS = {"peer": ("default", None), "peer_cudagraphs": ("reduce-overhead", None),
+         "peer_autotune": ("max-autotune-no-cudagraphs", None), "torchao_row": ("default", "PerRow"),
+         "torchao_tensor": ("default", "PerTensor")}
+
+
+def torchao_fp8(backbone, granularity: str) -> dict:
+    """Turns `backbone`'s Linear layers into torchao's dynamic FP8 at `granularity` (PerRow or
+    PerTensor) as torchao_probe.torchao_config sets it up (the compiler's settings left alone, the
+    activation scale floored); returns what it did and what torchao's import said (its version,
+    which of its C++ extensions loaded: its FP8 Linear layers call torch._scaled_mm and need none
+    of them)."""
+    from torchao_probe import import_torchao, torchao_config
+
+    _, status = import_torchao()
+    from torchao.quantization import quantize_
+
+    print(f"torchao {status['version']}, C++ extensions loaded: {status['cpp_extensions_loaded'] or 'none'}; "
+          f"quantize_ with {granularity}", flush=True)
+    start = time.perf_counter()
+    config = torchao_config(granularity)
+    quantize_(backbone, config)
+    linear = [module for module in backbone.modules() if isinstance(module, torch.nn.Linear)]
+    return {**status, "granularity": granularity, "activation_value_lb": config.activation_value_lb,
+            "set_inductor_config": config.set_inductor_config, "quantize_s": time.perf_counter() - start,
+            "fp8_linear_layers": sum(type(module.weight) is not torch.nn.Parameter for module in linear),
+            "linear_layers": len(linear)}
+
+
+def compile_peer(pipe, backbone: str, variant: str, tuned: bool) -> dict:
+    """Compiles `pipe`'s backbone (after torchao's FP8 for a torchao variant) and its VAE decoder as
+    `variant` of PEERS does, after the family's own recipe; returns what the row records of it."""
+    mode, granularity = PEERS[variant]
+    module = getattr(pipe, backbone)
+    record = {"compile_mode": mode, "dtype": str(module.dtype).removeprefix("torch.")}
+    if granularity:
+        record["torchao"] = torchao_fp8(module, granularity)
+    if mode == "reduce-overhead":
+        torch._logging.set_logs(perf_hints=True)  # says why a graph runs without its CUDA graph, if one does
+    setattr(pipe, backbone, torch.compile(module, fullgraph=True, **peer_compile(tuned, mode)))
+    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned, mode))
+    print(f"{variant}: first call (compiles, mode {mode})", flush=True)
+    return record
+
+
+def cudagraph_skips() -> int:
+    """How often inductor ran a graph without the CUDA graph its mode asked for (reduce-overhead)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def peer_pipeline(pipe, variant: str, tuned: bool) -> tuple[object, dict]:
+    """diffusers' SDXL pipeline with its documented torch.compile recipe, as `variant` of PEERS."""
+    if PEERS[variant][1] == "PerRow":  # torchao's per-row FP8 takes bf16 weights only
+        pipe.to(torch.bfloat16)
     pipe.fuse_qkv_projections()
     pipe.unet.to(memory_format=torch.channels_last)
     pipe.vae.to(memory_format=torch.channels_last)
     pipe.vae.register_to_config(force_upcast=False)
-    pipe.unet = torch.compile(pipe.unet, fullgraph=True, **peer_compile(tuned))
-    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned))
-    return pipe
+    return pipe, compile_peer(pipe, "unet", variant, tuned)
 
 
 # Our 8-bit variants: the format and quant level each runs.
@@ -157,10 +318,11 @@ def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs:
         seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
         timer = StageTimer(torch.device("cuda"))
         images = pipeline(settings, timer, progress=False)
-        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps, "unet_xl")
+        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps, ["unet_xl"])
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
                                     "unet_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
-                                    "text_ms": stage["ms"]["text_encoders"]}
+                                    "text_ms": stage["ms"]["text_encoders"],
+                                    "nonfinite_values": nonfinite_values(images)}
     return result, (images * 255).round().to(torch.uint8).cpu()
 
 
@@ -168,11 +330,10 @@ def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
     result = {}
     for steps in steps_list:
         def call():
-            pipe(PROMPT, num_images_per_prompt=batch, num_inference_steps=steps, guidance_scale=5.0, height=SIZE,
-                 width=SIZE, output_type="pt", generator=torch.Generator("cuda").manual_seed(42))
-        first = timed(call, 1)[0]
-        seconds = timed(call, runs)
-        result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds)}
+            return pipe(PROMPT, num_images_per_prompt=batch, num_inference_steps=steps, guidance_scale=5.0,
+                        height=SIZE, width=SIZE, output_type="pt",
+                        generator=torch.Generator("cuda").manual_seed(42)).images
+        result[f"{steps}_steps"] = time_calls(call, runs)
     return result
 
 
@@ -215,9 +376,55 @@ def stage_profiles(pipeline: TextToImage, batch: int) -> dict[str, list[dict]]:
             "vae_profile": kernel_profile(lambda: pipeline.stages["vae"](**vae_inputs))}
 
 
+def run_variant(variant: str, args, steps_list: list[int], cache: DeepCache | None) -> tuple[str, dict]:
+    """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    pipe = SDXL.full_size_on_gpu()
+    start = time.perf_counter()
+    if variant in PEERS:
+        pipe, setup = peer_pipeline(pipe, variant, args.tune_kernels)
+        row = {**measure_peer(pipe, args.batch, steps_list, args.runs), **setup,
+               "cudagraph_skips": cudagraph_skips()}
+        images = None
+    else:
+        conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
+        block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
+                                  tune_kernels=args.tune_kernels)
+        pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
+                                cache=cache)
+        row, images = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
+        row["quantized_layers"] = conversion.layers if conversion else 0
+        row["fp8_attention_layers"] = conversion.attention if conversion else 0
+        row["fp8_conv_layers"] = sum(isinstance(module, Fp8Conv2d) for module in pipe.unet.modules())
+        if cache is not None:
+            row["cache"] = cache.describe()
+            variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
+        row["vae_batch"] = args.vae_batch
+        if args.vae_batch != TorchBackendBlock.vae_batch:
+            variant = f"{variant}_vae{args.vae_batch}"
+        if args.profile:
+            row.update(stage_profiles(pipeline, args.batch))
+    row["tune_kernels"] = args.tune_kernels
+    variant = variant_name(variant, args, ours=variant not in PEERS)
+    if args.images and images is not None:
+        row["images"] = save_images(images, args.images / f"{variant}_b{args.batch}.pt")
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
+    # CUDA graphs' private pools.
+    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    row["wall_s"] = time.perf_counter() - start
+    summary = {k: round(v["best_s"], 3) for k, v in row.items() if k.endswith("_steps")}
+    print(f"{variant}: best end to end {summary}, first call {row[f'{steps_list[0]}_steps']['first_call_s']:.1f} s, "
+          f"peak {row['peak_gib']:.1f} GiB, non-finite values "
+          f"{[v['nonfinite_values'] for k, v in row.items() if k.endswith('_steps')]}", flush=True)
+    return variant, row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="peer,eager,compiled,fp8", help="also: int8")
+    parser.add_argument("--variants", default="peer,eager,compiled,fp8",
+                        help=f"comma-separated: eager, compiled, {', '.join(QUANTIZED_VARIANTS)}, {', '.join(PEERS)}")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", default="20,30")
     parser.add_argument("--runs", type=int, default=4)
@@ -232,59 +439,25 @@ def main() -> None:
                         help="a folder for each of our variants' images of its last call at the last step count "
                              "(<variant>_b<batch>.pt, 8-bit), for comparing variants run in other processes")
     add_compile_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in ("eager", "compiled", *QUANTIZED_VARIANTS, *PEERS)]
+    if unknown:
+        parser.error(f"unknown variants {unknown}")
+    if one_process_each(args, variants):
+        return
     quiet_libraries()
     steps_list = [int(s) for s in args.steps.split(",")]
-    # Variants may run in separate processes (a compile each); they add to one file per batch.
+    # Variants run in separate processes (a compile each); they add to one file per batch.
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "torch_backend_full_size", "device": torch.cuda.get_device_name(),
         "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
         "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
     cache = DeepCache(args.cache_interval, args.cache_branch) if args.cache_interval else None
     use_compile_arguments(args)
-    for variant in args.variants.split(","):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        pipe = SDXL.full_size_on_gpu()
-        start = time.perf_counter()
-        if variant == "peer":
-            row = measure_peer(peer_pipeline(pipe, args.tune_kernels), args.batch, steps_list, args.runs)
-            images = None
-        else:
-            conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
-            block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
-                                      tune_kernels=args.tune_kernels)
-            pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
-                                    cache=cache)
-            row, images = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
-            row["quantized_layers"] = conversion.layers if conversion else 0
-            row["fp8_attention_layers"] = conversion.attention if conversion else 0
-            row["fp8_conv_layers"] = sum(isinstance(module, Fp8Conv2d) for module in pipe.unet.modules())
-            if cache is not None:
-                row["cache"] = cache.describe()
-                variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
-            row["vae_batch"] = args.vae_batch
-            if args.vae_batch != TorchBackendBlock.vae_batch:
-                variant = f"{variant}_vae{args.vae_batch}"
-            if args.profile:
-                row.update(stage_profiles(pipeline, args.batch))
-        row["tune_kernels"] = args.tune_kernels
-        variant = variant_name(variant, args, ours=variant != "peer")
-        if args.images and images is not None:
-            row["images"] = save_images(images, args.images / f"{variant}_b{args.batch}.pt")
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        # What the process holds from the GPU: the tensors' peak plus the allocator's cache and the
-        # CUDA graphs' private pools.
-        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        row["wall_s"] = time.perf_counter() - start
-        results["variants"][variant] = row
-        summary = {k: round(v["best_s"], 3) for k, v in row.items() if k.endswith("_steps")}
-        print(f"{variant}: best end to end {summary}, first call {row[f'{steps_list[0]}_steps']['first_call_s']:.1f} s, "
-              f"peak {row['peak_gib']:.1f} GiB", flush=True)
-        del pipe, row
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    record_variant(results, args.out, variants[0], lambda: run_variant(variants[0], args, steps_list, cache))
     print(f"wrote {args.out}")
 
 
