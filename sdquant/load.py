@@ -223,6 +223,8 @@ def model_configs(model: ModelConfig) -> dict:
     from diffusers import AutoencoderKL, EulerDiscreteScheduler
 
     quiet_libraries()
+    if model.vae_dtype not in VAE_DTYPES:
+        raise UserError(f"model.vae_dtype={model.vae_dtype!r} is unknown: choose {', '.join(VAE_DTYPES)}")
     family = family_of(model.family)
     source = _resolved_source(model)
     if source.endswith(SINGLE_FILE_SUFFIXES):
@@ -249,8 +251,9 @@ def model_configs(model: ModelConfig) -> dict:
 
 
 def pipeline_parts(model: ModelConfig) -> dict:
-    """What running engines needs of the model besides its networks: tokenizers, the scheduler
-    config, and the backbone and VAE configs; none of the weights are loaded."""
+    """What running engines needs of the model besides its networks: tokenizers, the pipeline's own
+    config (model_index.json: a video model's expert boundary), the scheduler config, and the
+    backbone and VAE configs; none of the weights are loaded."""
     from transformers import AutoTokenizer
 
     source = _resolved_source(model)
@@ -259,11 +262,13 @@ def pipeline_parts(model: ModelConfig) -> dict:
                         "(or hub id) for its tokenizers and scheduler, not a single file")
     configs = model_configs(model)
     location = folder_or_hub_id(source)
+    family = family_of(model.family)
     try:
         return {"tokenizers": [AutoTokenizer.from_pretrained(location, subfolder=name)
-                               for name in family_of(model.family).tokenizer_folders], **configs}
+                               for name in family.tokenizer_folders],
+                "pipeline_config": dict(family.pipeline_class().load_config(location)), **configs}
     except (OSError, ValueError) as error:
-        raise UserError(f"model.source={source}: cannot read its tokenizers "
+        raise UserError(f"model.source={source}: cannot read its tokenizers and pipeline config "
                         f"({str(error).splitlines()[0]})") from error
 
 

@@ -110,8 +110,8 @@ class ImageWriter:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="png")
         self.queued: list[list] = []  # per batch, its PNGs' futures
         self.written: list[Path] = []
-        # NaN or inf pixels the images held before rounding (written as black): a backbone or VAE
-        # out of its range, which every report states.
+        # NaN pixels the images held before rounding (written as black; the decode clamps an infinity
+        # into range): a backbone or VAE out of its range, which every report states.
         self.nonfinite_values = 0
 
     def __enter__(self) -> "ImageWriter":
@@ -283,14 +283,16 @@ def print_latency(report: dict) -> None:
     print(f"  {report.get('output', 'image') + 's per second':<18} {report['images_per_second']:10.3f}")
     rate = (report.get("after_first_batch") or {}).get("images_per_second")
     if rate:
-        print(f"  {'after batch one':<18} {rate:10.3f} images/s over the later prompt batches, saving included")
+        print(f"  {'after batch one':<18} {rate:10.3f} {report.get('output', 'image')}s/s over the later prompt "
+              "batches, saving included")
     if "first_call_seconds" in report:
         setup = report["setup_seconds"]
         told = (f"compiling and setting up: {setup:.1f} s once per shape" if setup >= SETUP_SHOWN
                 else "no set-up beyond a timed run")
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
     if report.get("nonfinite_values"):
-        print(f"  warning: the images held {report['nonfinite_values']} NaN or inf values (written black)")
+        print(f"  warning: the {report.get('output', 'image')}s held {report['nonfinite_values']} NaN values "
+              "(written black)")
 
 
 def after_first_batch(images: int, seconds: float) -> dict:

@@ -159,7 +159,19 @@ def _fp8_attention_layers(checkpoint) -> set[str]:
             if isinstance(quantizer, TensorQuantizer) and quantizer.is_enabled and name.endswith("q_bmm_quantizer")}
 
 
-def test_onnx_graphs_run_as_torch_and_build_with_tensorrt_rtx(tmp_path, model_cache):
+def test_the_compiled_torch_backend_draws_the_eager_video(tmp_path, model_cache):
+    """Compiled, without the channels-last layout the 3-D convolutions have no form for."""
+    from PIL import Image
+
+    run = ["num_warmup_runs=0", "sampling.prompts=['a red fox runs through the snow']", "sampling.steps=2"]
+    run_infer(_sampling("tiny_wan", *run, f"out_path={tmp_path / 'eager'}"))
+    run_infer(_sampling("tiny_wan", *run, "torch_backend.compile=true", f"out_path={tmp_path / 'compiled'}"))
+    eager, compiled = (np.asarray(Image.open(tmp_path / name / "video_000_00.png")).astype(int)
+                       for name in ("eager", "compiled"))
+    assert np.abs(eager - compiled).max() <= 2 and eager.std() > 1
+
+
+def test_onnx_graphs_run_as_torch_and_build_with_tensorrt_rtx(tmp_path, model_cache, capsys):
     out = tmp_path / "export"
     run_export(compose_config("sd_xl_export", ["model=tiny_wan", "device=cpu", f"infer.out_path={out}",
                                                "onnx.precision=fp32", "infer.batch_size=1",
@@ -178,6 +190,13 @@ def test_onnx_graphs_run_as_torch_and_build_with_tensorrt_rtx(tmp_path, model_ca
     graphs, modules = (np.asarray(Image.open(tmp_path / name / "video_000_00.png")).astype(int)
                        for name in ("ort", "torch"))
     assert np.abs(graphs - modules).max() <= 1 and modules.std() > 1
+    # The graphs take the geometry they were traced at: another frame count is refused before any work.
+    capsys.readouterr()
+    err = refused_in_one_line(run_infer, _sampling("tiny_wan", *run, "backend=onnxruntime", "sampling.num_frames=13",
+                                                   f"engine_dir={out / 'plan'}", f"out_path={tmp_path / 'ort13'}"),
+                              capsys)
+    assert "input hidden_states: this run needs shape (2, 16, 4, 4, 4), but its profile admits (2, 16, 3, 4, 4)" in err
+    assert "infer.num_frames" in err and not (tmp_path / "ort13").exists()
 
 
 @pytest.mark.parametrize("recipe, level, attention, tolerance", [("fp8_l3", 3.0, 0, 1e-5), ("fp8_l4", 4.0, 2, 2e-2)])
@@ -233,7 +252,7 @@ def test_frames_sizes_and_checkpoints_that_do_not_fit_are_refused(tmp_path, chec
     assert "sampling.num_frames=9: model=tiny_sdxl draws images" in refused(
         run_infer, "sd_xl_trt_inference", "model=tiny_sdxl", "device=cpu", "backend=torch", images,
         "sampling.num_frames=9")
-    assert "sampling.guidance_scale_2=3.0: wan_ti2v models have one transformer" in refused(
+    assert "sampling.guidance_scale_2=3.0: wan_ti2v models have one backbone" in refused(
         run_infer, "sd_xl_trt_inference", "model=tiny_wan_ti2v", "device=cpu", "backend=torch", images,
         "sampling.guidance_scale_2=3.0")
     assert "cpu_offload=true keeps the networks a GPU is not running in host memory, but device=cpu" in refused(

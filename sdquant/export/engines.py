@@ -64,7 +64,10 @@ def profile_shapes(infer, trt, network: Network, input_dims: dict[str, list],
                    axis_sizes: list[dict[str, int]]) -> dict[str, tuple]:
     """(min, opt, max) shape of every input of `network`'s graph, from its ONNX dims (None where
     dynamic): the batch from batch_range, every other dynamic axis from `axis_sizes` (min, opt,
-    max: the sizes its family gives each label), static dims as the graph has them."""
+    max: the sizes its family gives each label), static dims as the graph has them; a graph traced
+    at fixed sizes takes its own shapes alone."""
+    if network.fixed:
+        return {name: (tuple(dims),) * 3 for name, dims in input_dims.items()}
     batch = batch_range(infer, trt, network)
     sizes = [{**axes, BATCH: samples} for samples, axes in zip((batch.min, batch.opt, batch.max), axis_sizes)]
     shapes = {}

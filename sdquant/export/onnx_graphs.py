@@ -192,7 +192,8 @@ def _trace(spec: GraphSpec, onnx_file: Path, opset: int) -> None:
         # diffusers' shape asserts are constant under the trace; the graph stays dynamic.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(spec.module, args, str(onnx_file), input_names=spec.input_names,
-                          output_names=spec.output_names, dynamic_axes=spec.network.dynamic_axes,
+                          output_names=spec.output_names,
+                          dynamic_axes=None if spec.network.fixed else spec.network.dynamic_axes,
                           opset_version=opset, dynamo=False, export_params=False, keep_initializers_as_inputs=True,
                           do_constant_folding=False)
 

@@ -56,6 +56,9 @@ class ModelFamily:
     level_table: LevelTable
     # What its pipeline draws, which decides how samples are written and scored: image or video.
     output = "image"
+    # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
+    # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
+    channels_last = True
 
     @property
     def backbone_attributes(self) -> tuple[str, ...]:
@@ -88,7 +91,7 @@ class ModelFamily:
 
     def network(self, name: str) -> Network:
         """Any of its graphs by name, cached passes included."""
-        raise NotImplementedError
+        return {network.name: network for network in self.networks()}[name]
 
     def graph_names(self) -> tuple[str, ...]:
         return tuple(network.name for network in self.networks())
@@ -245,7 +248,7 @@ class ModelFamily:
         """What text_to_image needs of a diffusers pipeline already loaded (sdquant.load.pipeline_parts
         reads the same from a model's folder without its weights)."""
         return {"tokenizers": [getattr(pipe, name) for name in self.tokenizer_folders],
-                "scheduler_config": dict(pipe.scheduler.config),
+                "pipeline_config": dict(pipe.config), "scheduler_config": dict(pipe.scheduler.config),
                 "backbone_config": dict(getattr(pipe, self.configs_backbone.attribute).config),
                 "vae_config": dict(pipe.vae.config)}
 

@@ -494,9 +494,6 @@ class FluxFamily(ModelFamily):
     def networks(self, cache=None) -> list[Network]:
         return [CLIP, T5, VAE, transformer_network(guidance=True)]
 
-    def network(self, name: str) -> Network:
-        return {network.name: network for network in self.networks()}[name]
-
     def carries_adapters(self, graph: str) -> bool:
         """diffusers' Flux LoRA loader writes into the transformer and CLIP, never into T5."""
         return graph in ("transformer", "clip")

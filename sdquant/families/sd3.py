@@ -331,9 +331,6 @@ class SD3Family(ModelFamily):
     def networks(self, cache=None) -> list[Network]:
         return list(NETWORKS)
 
-    def network(self, name: str) -> Network:
-        return {network.name: network for network in NETWORKS}[name]
-
     def carries_adapters(self, graph: str) -> bool:
         """diffusers' SD3 LoRA loader writes into the transformer and both CLIP encoders, never T5."""
         return graph in ("transformer", "clip_l", "clip_g")

@@ -47,6 +47,10 @@ class Network:
     # Float inputs a torch stage hands over in the precision the pipeline gives them rather than the
     # model's (a timestep whose embedding reads it in fp32: bf16 rounds t near 1000 by up to 4).
     kept_precision: tuple[str, ...] = ()
+    # Traced at fixed sizes (its model takes sizes from its input's shape as plain integers): its
+    # graph and engine take only the shapes it was traced at, and its axes are labelled so that a
+    # run is checked against them before any work.
+    fixed: bool = False
 
     @property
     def input_names(self) -> list[str]:

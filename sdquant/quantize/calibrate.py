@@ -16,7 +16,7 @@ method       per step, over calibration runs  over steps
 ===========  ===============================  ==============
 global_min   min                              min
 min-max      max                              min
-min-mean     sum / steps served (or runs)   min
+min-mean     sum / steps served (or runs)     min
 mean-max     max                              mean
 max          max                              max (ModelOpt's plain max calibration)
 ===========  ===============================  ==============
@@ -445,12 +445,13 @@ class CalibrationResult:
     # The denoising steps each backbone served, by attribute (every step for a single backbone).
     steps_served: dict | None = None
 
-    def range_scale(self, block: QuantizeBlock) -> float:
-        """What NeMo's divisor makes of the mean ranges: the runs over n_steps (1.6 at NeMo's 32
-        prompts, one per call, 20 steps); 1 when the mean divides by the runs or none is a mean."""
+    def range_scales(self, block: QuantizeBlock) -> dict[str, float]:
+        """What NeMo's divisor makes of each backbone's mean ranges: the runs over the steps it served
+        (n_steps for a single backbone: 1.6 at NeMo's 32 prompts, one per call, 20 steps); 1 when the
+        mean divides by the runs or none is a mean."""
         if not self.mean_statistics or block.mean_divisor != "n_steps":
-            return 1.0
-        return self.batches / block.n_steps
+            return {attribute: 1.0 for attribute in self.steps_served}
+        return {attribute: self.batches / len(steps) for attribute, steps in self.steps_served.items()}
 
 
 def calibration_batches(prompts: list[str], batch_size: int) -> list[list[str]]:
@@ -461,7 +462,8 @@ def run_calibration_prompts(pipe, family, batches: list[tuple[int, list[str]]], 
                             progress: bool = True, call_kwargs: dict | None = None) -> int:
     """The real pipeline over (index, prompts) batches, latents only (no VAE); batch i is seeded
     seed + i. Returns the batches run."""
-    device = pipe.device
+    # Where the pipeline computes, also when diffusers' CPU offload keeps its modules on the host.
+    device = pipe._execution_device
     for index, batch in Progress(batches, "calibrating", "batches", show=progress):
         generator = torch.Generator(device=device).manual_seed(seed + index)
         pipe(prompt=batch, num_inference_steps=block.n_steps, guidance_scale=block.guidance_scale,
@@ -511,19 +513,24 @@ def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, s
             hook.remove()
 
     statistics = [stats for recorder in recorders.values() for stats in recorder.all_statistics()]
-    device = next(iter(modules.values())).device
+    device = pipe._execution_device
     combine(statistics, world)
     batches = sum_over_ranks(batches, world, device)
     calls = sum_over_ranks(len(backbone_calls), world, device)
     record_seconds = time.perf_counter() - start
     algorithm = calibration_algorithm(block.format, block.quant_level, block.alpha)
     for attribute, module in modules.items():
+        # Each backbone is quantized where its statistics are: on the pipeline's device, from where
+        # diffusers' CPU offload (which keeps it on the host between calls) takes it back afterwards.
+        home = next(module.parameters()).device
+        module.to(device)
         mtq.quantize(module, {"quant_cfg": entries, "algorithm": None})
         install_percentile_calibrators(module, recorders[attribute])
         # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
         mtq.calibrate(module, algorithm, forward_loop=lambda _backbone: None)
         # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.quantize.shared_ranges).
         tie_fp8_ranges(module)
+        module.to(home)
     means = sum(stats.reduction == "sum" for stats in statistics)
     served = {attribute: sorted({step for stats in recorder.all_statistics() for step in stats.values})
               for attribute, recorder in recorders.items()}

@@ -94,8 +94,11 @@ def save(backbones: dict[str, object], folder: Path, record: dict) -> list[Path]
     import modelopt.torch.opt as mto
 
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in (folder / RECORD_FILE, folder / OLDER_RECORD_FILE):
-        stale.unlink(missing_ok=True)
+    stale = [folder / RECORD_FILE, folder / OLDER_RECORD_FILE]
+    if "unet" not in backbones:  # a one-backbone folder's file of before, which nothing would read again
+        stale.append(folder / OLDER_BACKBONE_FILE)
+    for path in stale:
+        path.unlink(missing_ok=True)
     written = []
     for attribute, module in backbones.items():
         path = folder / f"{attribute}{BACKBONE_SUFFIX}"

@@ -43,6 +43,12 @@ class OnnxRuntimeStage:
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
+    def profiles(self) -> dict[str, tuple]:
+        """The inputs whose every dimension the graph fixes, each as a (min, opt, max) shape of that one
+        shape, as an engine's profile reads (a graph traced at fixed sizes has only such inputs)."""
+        shapes = {i.name: i.shape for i in self.session.get_inputs()}
+        return {name: (tuple(shape),) * 3 for name, shape in shapes.items() if all(isinstance(d, int) for d in shape)}
+
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         device = next(iter(inputs.values())).device
         feeds = {name: _to_numpy(inputs[name], self.input_types[name]) for name in self.input_types}

@@ -288,18 +288,22 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # from generation_stages, unless a cache hook is on). An FP8 backbone's GEGLU layers run as
         # one kernel each, GEMM, gating and rounding (sdquant.runtime.kernels.fp8_geglu). Rows up to
         # 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers, 1.45x inductor's loop.
+        # A video family's 3-D convolutions (its patch embedding, its VAE) have no channels-last form.
         for backbone in family.backbones:
             module = getattr(pipe, backbone.attribute)
-            module.to(memory_format=torch.channels_last)
+            if family.channels_last:
+                module.to(memory_format=torch.channels_last)
             use_sigmoid_gelu(module)
             if quantized:
-                pin_channels_last_outputs(module)
+                if family.channels_last:
+                    pin_channels_last_outputs(module)
                 use_compiled_forms(module)
                 fuse_geglus(module)
             else:
                 family.fuse_projections(module)
             family.use_family_forms(module)
-        pipe.vae.to(memory_format=torch.channels_last)
+        if family.channels_last:
+            pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)
         use_persistent_rows()
         for name in replayed:

@@ -37,8 +37,8 @@ def profile_error(engine: str, tensor: str, shape: tuple, profile: tuple, networ
         fix = (f"its prompts need {shape[1] // TOKENS} CLIP windows (sampling.long_prompts=chunk): rebuild the "
                f"engines with export_trt.py trt.max_prompt_chunks={shape[1] // TOKENS}, or shorten the prompts")
     else:
-        fix = ("rebuild the engines with export_trt.py infer.width/infer.height set to this run's size, or run at "
-               "the size they were built for")
+        fix = ("rebuild the engines with export_trt.py infer.width/infer.height (and a video's infer.num_frames) set "
+               "to this run's, or run at the size they were built for")
     return (f"{engine} engine, input {tensor}: this run needs shape {tuple(shape)}, but its profile admits "
             f"{tuple(low)} to {tuple(high)}: {fix}")
 

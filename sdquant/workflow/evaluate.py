@@ -19,7 +19,7 @@ from ..families import family_of
 from ..cli import stage
 from ..config import validate_evaluate
 from ..errors import UserError
-from ..load import compute_dtype, empty_backbones, load_pipeline, resolve_device
+from ..load import SINGLE_FILE_SUFFIXES, compute_dtype, empty_backbones, load_pipeline, resolve_device
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..runtime.stages import OnnxRuntimeStage, StageTimer
@@ -198,6 +198,10 @@ def _variant_kind(model, name: str, source: str | None) -> str:
         raise UserError(f"variants.{name}={source}: no such file or folder")
     if path.is_dir() or path.suffix == ".mto":
         checked_checkpoint(model, f"variants.{name}", source)
+        if str(model.source).endswith(SINGLE_FILE_SUFFIXES):
+            raise UserError(f"variants.{name}={source}: a checkpoint is restored into the backbones its model's "
+                            f"folder describes, and model.source={model.source} is a single file: give the model's "
+                            "diffusers folder (or hub id) as model.source")
         return "checkpoint"
     if path.suffix in (".onnx", *ENGINE_SUFFIXES):
         family = family_of(model.family)

@@ -152,6 +152,9 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
         pipeline = sampling.pipeline(load_stages(cfg, sampling, files, device), device)
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
+    elif cfg.backend == "onnxruntime":
+        _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine],
+                               [name for name in pipeline.stages if sampling.family.network(name).fixed])
     engines = {name: str(file.path) for name, file in files.items()}
     with report.WRITERS[sampling.family.output](Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
         batches = _prompt_batches(pipeline, mine, len(sampling.runs), writer, device)
@@ -250,11 +253,15 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 
 
-def _check_engine_profiles(pipeline, sampling: Sampling, runs: list[SamplingSettings]) -> None:
-    """Refuses, before any image work, a prompt batch or size the engines' profiles cannot take."""
+def _check_engine_profiles(pipeline, sampling: Sampling, runs: list[SamplingSettings],
+                           stages: list[str] | None = None) -> None:
+    """Refuses, before any image work, a prompt batch or size the engines' profiles (or the ONNX
+    graphs' fixed shapes) of `stages` (default: every stage) cannot take."""
     from ..runtime.trt_stages import check_within_profiles
 
-    profiles = {name: stage.profiles() for name, stage in pipeline.stages.items()}
-    networks = {name: sampling.family.network(name) for name in pipeline.stages}
+    names = list(pipeline.stages) if stages is None else stages
+    profiles = {name: pipeline.stages[name].profiles() for name in names}
+    networks = {name: sampling.family.network(name) for name in names}
     for settings in runs:
-        check_within_profiles(profiles, pipeline.stage_batches(settings), pipeline.axis_sizes(settings), networks)
+        batches = {name: batch for name, batch in pipeline.stage_batches(settings).items() if name in names}
+        check_within_profiles(profiles, batches, pipeline.axis_sizes(settings), networks)

@@ -57,10 +57,16 @@ class Quantize:
 
 
 def calibration_of(cfg, family: ModelFamily) -> checkpoint.Calibration:
-    """What identifies the checkpoint `cfg` makes. A video model's keys (frames, the second expert's
-    guidance) are absent while null, so that image checkpoints keep their fingerprints."""
+    """What identifies the checkpoint `cfg` makes. The keys only a video model has (frames, the second
+    expert's guidance) are absent while null, so that image checkpoints keep their fingerprints; a
+    video model's geometry is the one its config settles to, since a null size or frame count takes
+    the model config's own, which the model's identity does not hold."""
     block = {key: value for key, value in OmegaConf.to_container(cfg.quantize, resolve=True).items()
              if value is not None or key not in ("num_frames", "guidance_scale_2")}
+    if family.output == "video":
+        native = dict(zip(("height", "width"), family.native_size(cfg.model, {}, 0)))
+        block.update({key: native[key] if block[key] is None else block[key] for key in native},
+                     num_frames=family.settled_frames(cfg.quantize.num_frames, "quantize.num_frames", cfg.model))
     return checkpoint.Calibration(
         quantize=block, model=checkpoint.model_identity(cfg.model), model_name=cfg.model.name,
         prompts_file=cfg.prompts_file or cfg.model.calib_prompts, seed=cfg.seed,
@@ -200,11 +206,15 @@ def _calibrate_and_save(settled: Quantize, fingerprint: str, start: float) -> No
                 written = checkpoint.save(backbones, settled.folder, record)
             notes = [f"{truncated} of {len(prompts)} calibration prompts are longer than CLIP's {TOKENS} tokens and "
                      "were cut (named above)"] if truncated else []
-            scale = result.range_scale(block)
-            if scale != 1.0:
-                notes.append(f"min-mean summed each step's ranges over {result.batches} runs and divided by "
-                             f"n_steps={block.n_steps}, as NeMo does: its ranges are {scale:.2g}x the runs' mean "
-                             "(quantize.mean_divisor=runs takes the mean; README: Percentile Quant)")
+            scales = {attribute: scale for attribute, scale in result.range_scales(block).items() if scale != 1.0}
+            if scales:
+                divided = (f"n_steps={block.n_steps}" if len(backbones) == 1
+                           else "the steps each backbone served (NeMo's n_steps for one)")
+                said = ", ".join(f"{scale:.2g}x" if len(backbones) == 1 else f"{attribute}'s {scale:.2g}x"
+                                 for attribute, scale in scales.items())
+                notes.append(f"min-mean summed each step's ranges over {result.batches} runs and divided by {divided}, "
+                             f"as NeMo does: its ranges are {said} the runs' mean (quantize.mean_divisor=runs takes "
+                             "the mean; README: Percentile Quant)")
             print_summary("quantize", written, time.perf_counter() - start, notes=notes)
     finally:
         # Waits for rank 0's save, so no process moves on before the checkpoint exists.

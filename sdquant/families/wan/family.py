@@ -126,6 +126,7 @@ class WanFamily(ModelFamily):
     size_reason = "the VAE's spatial scale factor times the experts' 2x2 patches"
     level_table = LEVELS
     output = "video"
+    channels_last = False
     # Its pipeline's switch to the second expert (a fraction of the training timesteps; None: one
     # expert throughout), whether its timestep is one per latent token, and its own geometry.
     boundary_ratio: float | None = None
@@ -152,9 +153,6 @@ class WanFamily(ModelFamily):
 
     def networks(self, cache=None) -> list:
         return [UMT5, VIDEO_VAE, *(expert_network(backbone.graph) for backbone in self.backbones)]
-
-    def network(self, name: str):
-        return {network.name: network for network in self.networks()}[name]
 
     def carries_adapters(self, graph: str) -> bool:
         """diffusers' Wan LoRA loader writes into the transformers only."""
@@ -192,14 +190,9 @@ class WanFamily(ModelFamily):
                             f"({model.name}'s own: {model.fps or self.default_fps})")
         return fps
 
-    def check_guidance(self, second_scale: float | None, key: str) -> None:
-        if second_scale is not None and len(self.backbones) == 1:
-            raise UserError(f"{key}={second_scale}: {self.name} models have one transformer; the second scale guides "
-                            "a two-expert model's low-noise expert (Wan2.2-T2V-A14B): leave it unset")
-
     def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
-        """A Wan folder states no size: the model config's, else the family's (diffusers' 480x832
-        for the A14B experts, the TI2V-5B's 704x1280)."""
+        """A Wan folder states no size: the model config's, else the family's (MLPerf's 720x1280 for
+        the A14B, the TI2V-5B's own 704x1280)."""
         return (model.height or self.default_size[0], model.width or self.default_size[1])
 
     def decoder_dtype(self, vae_config, dtype: torch.dtype) -> torch.dtype:
@@ -208,7 +201,8 @@ class WanFamily(ModelFamily):
         return torch.float32
 
     def vae_scale(self, vae_config) -> int:
-        return vae_config["scale_factor_spatial"]
+        # Configs saved before diffusers wrote the key are the Wan2.1 VAE's, which scales 8x.
+        return vae_config.get("scale_factor_spatial", 8)
 
     def size_multiple(self, vae_scale: int) -> int:
         return vae_scale * 2
@@ -270,10 +264,11 @@ class WanFamily(ModelFamily):
         return WanTorchAttnProcessor() if plain else None
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
+        pipeline_config = parts.get("pipeline_config", {})
+        boundary = pipeline_config.get("boundary_ratio", self.boundary_ratio) if len(self.backbones) > 1 else None
         return WanTextToVideo(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
                               parts["vae_config"], device, tuple(backbone.graph for backbone in self.backbones),
-                              self.boundary_ratio if len(self.backbones) > 1 else None, self.expand_timesteps,
-                              UMT5_TOKENS)
+                              boundary, pipeline_config.get("expand_timesteps", self.expand_timesteps), UMT5_TOKENS)
 
     # --- its architectures ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...graphs.networks import FRAMES, HEIGHT, TEXT_TOKENS, WIDTH
+from .graphs import LATENT_TOKENS
 from ..pipeline import SamplingSettings, TextToImage, shortened, warn_if_not_finite
 
 
@@ -33,7 +34,9 @@ class WanTextToVideo(TextToImage):
     def __init__(self, stages: dict, tokenizers: list, scheduler, backbone_config, vae_config: dict,
                  device: torch.device, experts: tuple[str, ...], boundary_ratio: float | None,
                  expand_timesteps: bool, max_text_tokens: int):
-        spatial, self.temporal_scale = vae_config["scale_factor_spatial"], vae_config["scale_factor_temporal"]
+        # Configs saved before diffusers wrote the keys are the Wan2.1 VAE's: 8x in space, 4x in time.
+        spatial = vae_config.get("scale_factor_spatial", 8)
+        self.temporal_scale = vae_config.get("scale_factor_temporal", 4)
         super().__init__(stages, tokenizers, scheduler, backbone_config, spatial, device)
         (self.tokenizer,) = tokenizers
         self.experts = experts
@@ -52,9 +55,13 @@ class WanTextToVideo(TextToImage):
     # --- what each stage sees ------------------------------------------------------------------
 
     def texts(self, settings: SamplingSettings) -> list[str]:
-        """[negative..., positive...] under guidance, each prompt once; the prompts alone without."""
+        """[negative..., positive...] under guidance, each prompt once; the prompts alone without; each
+        cleaned as WanPipeline cleans it (HTML entities, runs of spaces, and ftfy's fixes where ftfy
+        is installed)."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
         negatives = [settings.negative_prompt] * len(settings.prompts) if settings.guided else []
-        return negatives + list(settings.prompts)
+        return [prompt_clean(text) for text in negatives + list(settings.prompts)]
 
     def stage_batches(self, settings: SamplingSettings) -> dict[str, int]:
         videos = len(settings.image_prompts)
@@ -63,8 +70,9 @@ class WanTextToVideo(TextToImage):
 
     def axis_sizes(self, settings: SamplingSettings) -> dict[str, int]:
         height, width = self.latent_size(settings)
-        return {FRAMES: latent_frames(settings.frames, self.temporal_scale), HEIGHT: height, WIDTH: width,
-                TEXT_TOKENS: self.text_length}
+        frames = latent_frames(settings.frames, self.temporal_scale)
+        return {FRAMES: frames, HEIGHT: height, WIDTH: width, TEXT_TOKENS: self.text_length,
+                LATENT_TOKENS: frames * (height // 2) * (width // 2)}
 
     def latent_shape(self, settings: SamplingSettings) -> tuple[int, ...]:
         return (len(settings.image_prompts), self.backbone_config.in_channels,

@@ -15,18 +15,22 @@ import contextlib
 
 import torch
 
-from ...graphs.networks import Network, Role
+from ...graphs.networks import BATCH, TEXT_TOKENS, VIDEO_LATENT, Network, Role
 
-UMT5 = Network("umt5", {"input_ids": {}, "attention_mask": {}}, {"hidden_states": {}}, guided=True)
-VIDEO_VAE = Network("vae", {"latent": {}}, {"video": {}}, role=Role.decoder)
+# A model that expands its timestep takes one per latent token of its 2x2 patches.
+LATENT_TOKENS = "N"
+TEXT = {0: BATCH, 1: TEXT_TOKENS}
+UMT5 = Network("umt5", {"input_ids": TEXT, "attention_mask": TEXT}, {"hidden_states": TEXT}, guided=True, fixed=True)
+VIDEO_VAE = Network("vae", {"latent": VIDEO_LATENT}, {"video": {0: BATCH}}, role=Role.decoder, fixed=True)
 
 
 def expert_network(graph: str) -> Network:
     """hidden_states (B, C, F, H, W) latents, timestep (B,) (or per token, for a model that expands
     it) and encoder_hidden_states (B, T, text width) -> the velocity `latent`, of the latents' shape.
     The timestep keeps fp32: bf16 would round t near 1000 by up to 4."""
-    return Network(graph, {"hidden_states": {}, "timestep": {}, "encoder_hidden_states": {}}, {"latent": {}},
-                   role=Role.backbone, guided=True, kept_precision=("timestep",))
+    return Network(graph, {"hidden_states": VIDEO_LATENT, "timestep": {0: BATCH, 1: LATENT_TOKENS},
+                           "encoder_hidden_states": TEXT}, {"latent": VIDEO_LATENT},
+                   role=Role.backbone, guided=True, kept_precision=("timestep",), fixed=True)
 
 
 class Umt5Graph(torch.nn.Module):
