@@ -1,46 +1,64 @@
-"""The README's picture of the scene model: chosen columns and rows of quality_recipes.py's grid
-(one 64x64 cell per prompt and variant, columns in its report's order), enlarged, with a label
-over each column.
+"""The README's pictures of the scene models: chosen columns of a quality report's grid (one 64x64 cell
+per prompt and variant, its columns in the order the report's header names them), the first eight
+held-out two-object prompts (the report's rows 64 to 71, as the held-out file lists them), enlarged,
+with a label over each column. Each column's checkpoint is the first calibration's.
 
-    python benchmarks/readme_picture.py                        # after benchmarks/quality_recipes.py
-    python benchmarks/readme_picture.py --model scenes_flux    # after its run on scenes_flux
+    python benchmarks/readme_picture.py                        # after benchmarks/quality_over_calibrations.py
+    python benchmarks/readme_picture.py --model scenes_flux    # after its runs on scenes_flux
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The first eight held-out prompts of two objects: the held-out file holds 64 of one object first.
+ROWS = tuple(range(64, 72))
 
 
 @dataclass(frozen=True)
 class Picture:
-    grid_columns: tuple[str, ...]   # the grid's columns: fp16 first, then quality_recipes.py's recipes in order
-    shown: dict[str, str]           # column -> label
-    rows: tuple[int, ...]           # the report's rows (prompts) to show
+    reports: tuple[str, ...]   # the reports (results/<name>.md and <name>_grid.png) its columns come from
+    shown: dict[str, str]      # column -> label; the first report's reference is "reference"
+    out: str
 
 
 PICTURES = {
-    # Held-out two-object prompts (the report's rows 64 on): four that fp16, the default INT8 and
-    # FP8 level 4 draw right and so does the older INT8 recipe, then four that the older recipe gets
-    # wrong (colour, shape and colour, colour, shape: the report's adherence table).
     "scenes_sdxl": Picture(
-        ("fp16", "int8_l1", "int8_l2", "int8_l25", "int8_l3", "int8_l3_true_mean", "int8_l3_c128",
-         "int8_l3_c128_true_mean", "int8_l3_older", "int8_l3_max", "int8_l3_a05", "int8_l3_a10", "int8_l3_p05",
-         "fp8_l3", "fp8_l4", "fp8_l4_percentile"),
-        {"fp16": "fp16", "int8_l3": "INT8 L3 (NeMo)", "int8_l3_older": "INT8 L3 (older)", "fp8_l4": "FP8 L4"},
-        (65, 72, 77, 79, 64, 69, 70, 74)),
-    # The first eight held-out two-object prompts, as they come.
+        ("quality_means_scenes_sdxl_cpu",),
+        {"reference": "unquantized", "int8_l3_c0": "INT8 L3", "fp8_l3_c0": "FP8 L3", "fp8_l4_c0": "FP8 L4",
+         "fp8_l3_deepcache2_c0": "FP8 L3 + DeepCache/2"},
+        "scenes_fp16_int8_fp8.png"),
     "scenes_flux": Picture(
-        ("fp16", "int8_l3_a05", "int8_l3", "int8_l3_a10", "fp8_l3", "fp8_l4"),
-        {"fp16": "fp16", "int8_l3": "INT8 L3", "fp8_l3": "FP8 L3", "fp8_l4": "FP8 L4"},
-        tuple(range(64, 72))),
+        ("quality_means_scenes_flux_cpu_fp8", "quality_means_scenes_flux_cpu"),
+        {"reference": "unquantized", "int8_l3_c0": "INT8 L3", "fp8_l3_c0": "FP8 L3", "fp8_l4_c0": "FP8 L4",
+         "fp8_l4_taylorseer_blocks2_c0": "FP8 L4 + TaylorSeer/2"},
+        "scenes_flux_fp16_int8_fp8.png"),
 }
 CELL, SCALE, LABEL_HEIGHT = 64, 2, 20
+
+
+def grid_columns(report: str) -> list[str]:
+    """The grid's columns as the report's header names them, the reference first (as "reference")."""
+    header = (RESULTS / f"{report}.md").read_text()
+    names = re.search(r"Grid \(`grid.png`\) columns: (.*)\.", header).group(1).split(" | ")
+    return ["reference", *names[1:]]
+
+
+def cell(report: str, column: str, row: int) -> Image.Image:
+    grid = Image.open(RESULTS / f"{report}_grid.png").convert("RGB")
+    left = grid_columns(report).index(column) * CELL
+    return grid.crop((left, row * CELL, left + CELL, (row + 1) * CELL)).resize((CELL * SCALE,) * 2, Image.NEAREST)
+
+
+def source(shape: Picture, column: str) -> str:
+    """The first of the picture's reports whose grid has `column`."""
+    return next(report for report in shape.reports if column in grid_columns(report))
 
 
 def main() -> None:
@@ -48,18 +66,16 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(PICTURES), default="scenes_sdxl")
     args = parser.parse_args()
     shape = PICTURES[args.model]
-    grid = Image.open(RESULTS / f"quality_recipes_{args.model}_grid.png").convert("RGB")
-    out = RESULTS / ("scenes_fp16_int8_fp8.png" if args.model == "scenes_sdxl" else f"{args.model}_fp16_int8_fp8.png")
     side = CELL * SCALE
-    picture = Image.new("RGB", (side * len(shape.shown), LABEL_HEIGHT + side * len(shape.rows)), "white")
+    picture = Image.new("RGB", (side * len(shape.shown), LABEL_HEIGHT + side * len(ROWS)), "white")
     draw = ImageDraw.Draw(picture)
     font = ImageFont.load_default()
     for x, (column, label) in enumerate(shape.shown.items()):
-        left = shape.grid_columns.index(column) * CELL
+        report = source(shape, column)
         draw.text((x * side + 4, 4), label, fill="black", font=font)
-        for y, row in enumerate(shape.rows):
-            cell = grid.crop((left, row * CELL, left + CELL, (row + 1) * CELL)).resize((side, side), Image.NEAREST)
-            picture.paste(cell, (x * side, LABEL_HEIGHT + y * side))
+        for y, row in enumerate(ROWS):
+            picture.paste(cell(report, column, row), (x * side, LABEL_HEIGHT + y * side))
+    out = RESULTS / shape.out
     picture.save(out)
     print(f"wrote {out}")
 
