@@ -258,6 +258,18 @@ class ShardBlock:
 
 
 @dataclass
+class ParallelBlock:
+    """How the processes of one torchrun share each sample (infer_trt.py, backend=torch): cfg=2 runs
+    the conditional and unconditional halves of every backbone call on two processes, ulysses=N
+    splits each backbone call's tokens over N (Ulysses attention, through diffusers' context
+    parallelism). The processes form world size / (cfg x ulysses) groups, which share the prompt
+    batches as data-parallel ranks do."""
+
+    cfg: int = 1
+    ulysses: int = 1
+
+
+@dataclass
 class SamplingBlock:
     # null (evaluate.py's default): the model's evaluation prompts (model.eval_prompts).
     prompts: Optional[list[str]] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
@@ -355,6 +367,7 @@ class InferApp:
     cuda_graph: bool = False
     torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
     shard: ShardBlock = field(default_factory=ShardBlock)
+    parallel: ParallelBlock = field(default_factory=ParallelBlock)
     model: ModelConfig = MISSING
     device: str = "auto"
 
@@ -631,10 +644,25 @@ def validate_infer(cfg) -> None:
         raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
                         "quantized_backbone=<folder>")
     validate_sampling(cfg.sampling)
+    validate_parallel(cfg.parallel, cfg.backend)
     if cfg.backend == "onnxruntime":
         validate_providers(cfg.onnx_providers)
     if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
         raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
+
+
+def validate_parallel(block, backend: str) -> None:
+    """The values alone; what the model, the guidance and the process count allow is checked where
+    the sampling is settled (sdquant.parallel.check_split)."""
+    if block.cfg not in (1, 2):
+        raise UserError(f"parallel.cfg={block.cfg}: 1, or 2 to run the conditional and unconditional halves of each "
+                        "backbone call on two processes")
+    if block.ulysses < 1:
+        raise UserError(f"parallel.ulysses={block.ulysses}: the processes each backbone call's tokens are split "
+                        "over, 1 or more")
+    if (block.cfg > 1 or block.ulysses > 1) and backend != "torch":
+        raise UserError(f"parallel.cfg={block.cfg} parallel.ulysses={block.ulysses} split the diffusers modules' "
+                        f"calls: run them with backend=torch, not backend={backend}")
 
 
 def validate_torch_kernels(torch_block) -> None:

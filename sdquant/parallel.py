@@ -1,4 +1,4 @@
-"""Data-parallel calibration under torchrun.
+"""Processes under torchrun: data-parallel calibration, and the processes that share one sample.
 
 Each rank runs its share of the calibration batches (batch i on rank i mod world size, still
 seeded seed + i, so every batch sees the same latents as in a one-process run), then the per-step
@@ -6,6 +6,12 @@ statistics are combined with one all-reduce per reduction (sum for means, max or
 others) before any amax or SmoothQuant scale is computed. Sums are kept in float64, where adding
 fp32 values is exact whatever the order, so the combined result equals a one-process run bit for
 bit.
+
+Processes that share one sample (parallel.cfg, parallel.ulysses; a video is the case that needs
+it) form a group: with cfg=2 each backbone call's guidance halves run on two processes and their
+outputs are gathered; with ulysses=N diffusers' context parallelism splits each backbone call's
+tokens over N processes, all-to-all around attention. Every process of a group draws the same
+sample; the group's first process writes it. The groups share the prompt batches as ranks do.
 """
 
 from __future__ import annotations
@@ -124,3 +130,121 @@ def sum_over_ranks(value: int, world: World, device: torch.device) -> int:
     total = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return int(total.item())
+
+
+@dataclass(frozen=True)
+class SampleSplit:
+    """parallel.cfg and parallel.ulysses: the processes of one sample are cfg x ulysses."""
+
+    cfg: int = 1
+    ulysses: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.cfg * self.ulysses
+
+    def named(self) -> str:
+        return f"parallel.cfg={self.cfg} parallel.ulysses={self.ulysses}"
+
+
+@dataclass(frozen=True)
+class SamplePlace:
+    """A process's place in its sample's group: `replicas` is the world of groups (which share the
+    prompt batches), `cfg_rank` the guidance half it runs, `writes` whether it writes the sample."""
+
+    replicas: World
+    writes: bool = True
+    cfg_rank: int = 0
+    cfg_group: object = None
+    sequence_mesh: object = None
+
+
+def check_split(split: SampleSplit, world: World, halves: bool, heads: int | None, tokens: int | None,
+                model: str) -> None:
+    """Refuses a split the process count, the guidance or the model cannot take, before any work."""
+    if world.size % split.size:
+        raise UserError(f"{split.named()} makes groups of {split.size} processes, which {world.size} process(es) do "
+                        f"not divide: start a multiple of {split.size} (torchrun --nproc_per_node)")
+    if split.cfg > 1 and not halves:
+        raise UserError(f"parallel.cfg={split.cfg} runs the guidance halves of each backbone call apart, and "
+                        f"model={model}'s calls here hold none (sampling.guidance_scale is 1 or less, or the model "
+                        "takes no classifier-free guidance): set parallel.cfg=1")
+    if split.ulysses == 1:
+        return
+    if tokens is None:
+        raise UserError(f"parallel.ulysses={split.ulysses}: model={model}'s backbones are not split by sequence here "
+                        "(Wan2.2's are): set parallel.ulysses=1")
+    if heads % split.ulysses or tokens % split.ulysses:
+        raise UserError(f"parallel.ulysses={split.ulysses} must divide the backbone's {heads} attention heads and its "
+                        f"{tokens} tokens a call at this size: choose a divisor of both")
+    import torch.accelerator
+
+    if torch.accelerator.device_count() == 0:
+        raise UserError(f"parallel.ulysses={split.ulysses}: diffusers' context parallelism places each process on a "
+                        "GPU, and none is visible")
+
+
+def place_of(split: SampleSplit, world: World, device: torch.device) -> SamplePlace:
+    """This process's group: processes rank // split.size together, the guidance half the middle
+    index, the token share the last (a device mesh of groups x cfg x 1 x ulysses, the 1 being
+    diffusers' ring attention, unused)."""
+    if split.size == 1:
+        return SamplePlace(world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups = world.size // split.size
+    mesh = init_device_mesh(device.type, (groups, split.cfg, 1, split.ulysses),
+                            mesh_dim_names=("group", "cfg", "ring", "ulysses"))
+    group, cfg_rank, _, token_rank = mesh.get_coordinate()
+    return SamplePlace(World(group, groups, world.local_rank), writes=cfg_rank == 0 and token_rank == 0,
+                       cfg_rank=cfg_rank, cfg_group=mesh["cfg"].get_group() if split.cfg > 1 else None,
+                       sequence_mesh=mesh["ring", "ulysses"] if split.ulysses > 1 else None)
+
+
+class GuidanceHalf:
+    """A backbone stage that runs one guidance half of each call (its inputs' batch holds both
+    halves, [unconditional..., conditional...]) and gathers the group's halves into the whole
+    batch's outputs."""
+
+    def __init__(self, stage, place: SamplePlace):
+        self.stage = stage
+        self.place = place
+
+    def __getattr__(self, name: str):
+        return getattr(self.stage, name)
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        batch = next(iter(inputs.values())).shape[0]
+        half = {name: value.chunk(2)[self.place.cfg_rank] if value.dim() and value.shape[0] == batch else value
+                for name, value in inputs.items()}
+        outputs = {}
+        for name, value in self.stage(**half).items():
+            parts = [torch.empty_like(value) for _ in range(2)]
+            dist.all_gather(parts, value.contiguous(), group=self.place.cfg_group)
+            outputs[name] = torch.cat(parts)
+        return outputs
+
+
+def split_guidance(stages: dict, backbones: tuple[str, ...], place: SamplePlace) -> dict:
+    """The backbone stages as GuidanceHalf stages where the group splits the guidance halves."""
+    if place.cfg_group is None:
+        return stages
+    return {name: GuidanceHalf(stage, place) if name in backbones else stage for name, stage in stages.items()}
+
+
+def split_by_sequence(modules, place: SamplePlace, ulysses: int) -> None:
+    """diffusers' context parallelism on each backbone module: its tokens split over the group's
+    `ulysses` processes at the first block, all-to-all around attention, gathered at the output."""
+    if place.sequence_mesh is None:
+        return
+    from diffusers import ContextParallelConfig
+
+    group = place.sequence_mesh["ulysses"].get_group()
+    for module in modules:
+        module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, mesh=place.sequence_mesh))
+        # The torch backend's own processors (FP8 layers) split their attention themselves.
+        for layer in module.modules():
+            if hasattr(getattr(layer, "processor", None), "sequence_group"):
+                layer.processor.sequence_group = group

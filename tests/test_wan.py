@@ -225,6 +225,106 @@ def test_fp8_kernels_compute_what_fake_quantization_does(checkpoints, recipe, le
     assert (got - expected).norm() / expected.norm() < tolerance
 
 
+def test_an_expert_split_by_tokens_over_two_processes_computes_the_whole_call(tmp_path, checkpoints):
+    """Ulysses over two gloo processes: diffusers' processors (blocks 0-2 stay 16-bit at level 4)
+    and the torch backend's FP8 ones (blocks 3 and 4, their self-attention in FP8) each attend over
+    every token; the expert's output is the one-process output."""
+    import socket
+
+    from cpu_context_parallel import expert_over_processes
+    from sdquant.families.wan import WAN
+    from sdquant.load import empty_backbones
+    from sdquant.runtime import torch_backend
+    from sdquant.workflow.settings import restore_quantized_backbones
+
+    torch.manual_seed(1)
+    inputs = {"hidden_states": torch.randn(2, 16, 3, 4, 6), "timestep": torch.tensor([500.0, 500.0]),
+              "encoder_hidden_states": torch.randn(2, 64, 32)}
+    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
+    backbones = empty_backbones(model)
+    restore_quantized_backbones(model, "quantized_backbone", str(checkpoints["fp8_l4"]), backbones)
+    expert = backbones["transformer_2"].to(torch.float32)
+    torch_backend.convert_quantized(expert, WAN, "quantized_backbone", "fp8", "auto", 4.0)
+    with torch.no_grad():
+        expected = expert(**inputs, return_dict=False)[0]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "split.pt"
+    torch.multiprocessing.spawn(expert_over_processes, args=(2, port, str(checkpoints["fp8_l4"]), inputs, str(out)),
+                                nprocs=2)
+    split = torch.load(out)
+    # 3 latent frames of 2x3 patches: 18 tokens, 9 a process; the four FP8 layers of blocks 3 and 4.
+    assert split["block_output"] == (2, 9, 32) and split["split_processors"] == 4
+    assert (split["output"] - expected).abs().max() < 1e-5 * expected.abs().max()
+
+
+def _frames(path) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]).astype(int)
+
+
+def test_guidance_halves_and_tokens_split_over_processes_draw_the_one_process_video(tmp_path, checkpoints):
+    """infer_trt.py under torchrun: parallel.cfg=2 on two processes, and cfg=2 x ulysses=2 on four,
+    draw the one-process video of the FP8 level 4 experts; one process of each writes it."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    settings = ["model=tiny_wan", "backend=torch", "device=cpu", "num_warmup_runs=0", f"sampling.steps={STEPS}",
+                *GUIDANCE, f"quantized_backbone={checkpoints['fp8_l4']}", "torch_backend.quantized=fp8"]
+    runs = {"one": [str(REPO / "infer_trt.py")],
+            "cfg": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "infer_trt.py"),
+                    "parallel.cfg=2"],
+            "cfg_ulysses": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                            str(REPO / "tests" / "cpu_context_parallel.py"), "parallel.cfg=2", "parallel.ulysses=2"]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, command in runs.items():
+        result = subprocess.run([sys.executable, *command, *settings, f"out_path={tmp_path / name}",
+                                 f"hydra.run.dir={tmp_path / ('h' + name)}"], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    expected = _frames(tmp_path / "one" / "video_000_00.mp4")
+    written = json.loads((tmp_path / "one" / "latency.json").read_text())["images_written"]
+    for name in ("cfg", "cfg_ulysses"):
+        assert sorted(path.name for path in (tmp_path / name).iterdir()) == \
+            ["latency.json", "video_000_00.mp4", "video_000_00.png"]
+        # Halves and token shares reduce in other orders than one batch: a level of rounding at most.
+        assert np.abs(_frames(tmp_path / name / "video_000_00.mp4") - expected).max() <= 1
+        latency = json.loads((tmp_path / name / "latency.json").read_text())
+        assert latency["images_written"] == written and latency["settings"]["parallel"]["cfg"] == 2
+
+
+def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch):
+    def refused(*overrides, processes: int = 2) -> str:
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+        return refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
+            "model=tiny_wan", "device=cpu", "backend=torch", f"out_path={tmp_path / 'out'}", *overrides]), capsys)
+
+    assert "parallel.cfg=3: 1, or 2 to run the conditional and unconditional halves" in refused("parallel.cfg=3")
+    assert "run them with backend=torch, not backend=onnxruntime" in refused("parallel.cfg=2", "backend=onnxruntime")
+    assert "makes groups of 2 processes, which 3 process(es) do not divide" in refused("parallel.cfg=2", processes=3)
+    assert "parallel.cfg=2 runs the guidance halves of each backbone call apart, and model=tiny_wan's calls here " \
+           "hold none" in refused("parallel.cfg=2", "sampling.guidance_scale=1.0")
+    # Flux.1-dev's guidance is an input of one call, not a batch of two.
+    assert "model=tiny_flux's calls here hold none" in refused("parallel.cfg=2", "model=tiny_flux")
+    assert "parallel.ulysses=2: model=tiny_sdxl's backbones are not split by sequence here" in \
+        refused("parallel.ulysses=2", "model=tiny_sdxl")
+    # tiny_wan: 2 heads; 9 frames of 32x32 make 3 latent frames of 2x2 patches, 12 tokens.
+    assert "parallel.ulysses=4 must divide the backbone's 2 attention heads and its 12 tokens" in \
+        refused("parallel.ulysses=4", processes=4)
+    assert "parallel.cfg=1 parallel.ulysses=2 runs without step caching and CUDA graphs" in \
+        refused("parallel.ulysses=2", "cuda_graph=true")
+    if torch.accelerator.device_count() == 0:
+        assert "diffusers' context parallelism places each process on a GPU, and none is visible" in \
+            refused("parallel.ulysses=2")
+    assert not (tmp_path / "out").exists()
+
+
 def test_evaluate_scores_each_frame_motion_and_each_expert(tmp_path, checkpoints):
     report = run_evaluate(compose_config("sd_xl_evaluate", [
         "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={json.dumps(PROMPTS)}",

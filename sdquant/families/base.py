@@ -234,6 +234,11 @@ class ModelFamily:
         (Flux's and SD3.5's: the AdaLN modulations of every step), by name; none by default."""
         return {}
 
+    def sequence_tokens(self, parts: dict, geometry) -> int | None:
+        """The tokens each backbone call attends over where the family's backbones can be split by
+        sequence over processes (parallel.ulysses, diffusers' context parallelism); None where not."""
+        return None
+
     def fp8_attention_processor(self, attn):
         """The attention processor that runs attention layer `attn` of a backbone the torch backend
         converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following

@@ -64,14 +64,65 @@ def project(attn, x: torch.Tensor, group: tuple[tuple[str, ...], str]) -> tuple[
     return tuple(getattr(attn, name)(x) for name in names)
 
 
-def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequence=None,
+           keys_whole: bool = False) -> torch.Tensor:
     """Attention of (batch, tokens, heads, head_dim) q, k and v, as the processors split their
     projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
-    the model's precision, as diffusers runs it."""
+    the model's precision, as diffusers runs it.
+
+    `sequence`: the process group the layer's tokens are split over (parallel.ulysses). Each process
+    holds its share of the queries, and of the keys and values unless `keys_whole` (cross-attention
+    on the whole text); one all-to-all gives each process every token of its share of the heads,
+    another gives each its own tokens of every head back (Ulysses attention)."""
+    if sequence is not None:
+        query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     fp8 = getattr(attn, FP8_ATTENTION, None)
     out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value)
-    return out.transpose(1, 2).flatten(2)
+    out = out.transpose(1, 2)
+    if sequence is not None:
+        out = _every_head_of_own_tokens(out, sequence)
+    return out.flatten(2)
+
+
+def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of (processes, ...) chunks: chunk j goes to process j, and the result's chunk j
+    came from it. One-byte (FP8) values travel as bytes, which every backend carries."""
+    import torch.distributed as dist
+
+    chunks = chunks.contiguous()
+    sent = chunks.view(torch.uint8) if chunks.element_size() == 1 else chunks
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return received.view(chunks.dtype)
+
+
+def _heads_of_every_token(query, key, value, group, keys_whole: bool) -> tuple[torch.Tensor, ...]:
+    """(batch, own tokens, heads, dim) -> (batch, every token, own heads, dim); keys and values
+    held whole keep their tokens and give up the other processes' heads."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, heads, dim = x.shape
+        chunks = x.reshape(batch, tokens, size, heads // size, dim).permute(2, 0, 1, 3, 4)
+        return _exchange(chunks, group).permute(1, 0, 2, 3, 4).reshape(batch, size * tokens, heads // size, dim)
+
+    if keys_whole:
+        key, value = (x.chunk(size, dim=2)[rank] for x in (key, value))
+        return gathered(query), key, value
+    return gathered(query), gathered(key), gathered(value)
+
+
+def _every_head_of_own_tokens(out: torch.Tensor, group) -> torch.Tensor:
+    """(batch, every token, own heads, dim) -> (batch, own tokens, heads, dim)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    batch, tokens, heads, dim = out.shape
+    chunks = out.reshape(batch, size, tokens // size, heads, dim).permute(1, 0, 2, 3, 4)
+    return _exchange(chunks, group).permute(1, 2, 0, 3, 4).reshape(batch, tokens // size, size * heads, dim)
 
 
 def no_mask(attention_mask) -> None:

@@ -66,15 +66,16 @@ def run_infer(cfg) -> dict:
     report.require_writer(sampling.family.output, cfg.model.name)
     files = stage_files(cfg, sampling)
     world = parallel.current_world()
+    split = checked_split(cfg, sampling, world)
     device = parallel.rank_device(resolve_device(cfg.device), world)
     parallel.start(world, device)
     try:
+        place = parallel.place_of(split, world, device)
         # Every stage runs on the current stream (TensorRT engines included), so one stream of the
         # run's own keeps the stages, the host's reads and the timing events in order; TensorRT
         # would synchronize extra on the legacy default stream.
         with torch.cuda.stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
-            batches, timings, images_per_run = _images_and_timings(
-                cfg, sampling, files, device, parallel.share_of(world, cfg.shard))
+            batches, timings, images_per_run = _images_and_timings(cfg, sampling, files, device, place)
         latency = report.latency_report(timings, images_per_run, cfg.sampling.steps,
                                         [backbone.graph for backbone in sampling.family.backbones])
         # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
@@ -84,7 +85,10 @@ def run_infer(cfg) -> dict:
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device), "output": sampling.family.output,
                         "images_written": len(batches.written), "nonfinite_values": batches.nonfinite_values})
-        latencies, written = parallel.gather(latency, world), sum(parallel.gather(batches.written, world), [])
+        # One latency per group of processes that share a sample: its writer's.
+        parts = parallel.gather((latency, batches.written) if place.writes else None, world)
+        latencies = [part[0] for part in parts if part]
+        written = sum((part[1] for part in parts if part), [])
         if not world.is_main:
             return latency
         merged = latencies[0] if len(latencies) == 1 else report.merged_latency(latencies)
@@ -100,6 +104,24 @@ def run_infer(cfg) -> dict:
         return merged
     finally:
         parallel.stop(world)
+
+
+def checked_split(cfg, sampling: Sampling, world: parallel.World) -> parallel.SampleSplit:
+    """parallel.* as this run can take it: the process count, the guidance halves in each backbone
+    call's batch, the model's heads and tokens; no step caching or CUDA graphs, which a split has
+    not been run with."""
+    split = parallel.SampleSplit(cfg.parallel.cfg, cfg.parallel.ulysses)
+    if split.size == 1:
+        return split
+    if sampling.cache is not None or cfg.cuda_graph:
+        raise UserError(f"{split.named()} runs without step caching and CUDA graphs: set "
+                        "sampling.cache.method=none and cuda_graph=false")
+    family, run = sampling.family, sampling.runs[0]
+    batches = family.text_to_image({}, sampling.parts, None, torch.device("cpu")).stage_batches(run)
+    halves = all(batches[backbone.graph] == 2 * len(run.image_prompts) for backbone in family.backbones)
+    parallel.check_split(split, world, halves, sampling.parts["backbone_config"].get("num_attention_heads"),
+                         family.sequence_tokens(sampling.parts, sampling.geometry), cfg.model.name)
+    return split
 
 
 def _run_settings(cfg, sampling: Sampling, files: dict[str, StageFile]) -> dict:
@@ -144,12 +166,16 @@ def stage_files(cfg, sampling: Sampling) -> dict[str, StageFile]:
 
 
 def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device,
-                        part: parallel.World) -> tuple[Batches, list, int]:
-    """The images of this part's prompt batches, then the warm-up and timed runs of its first
-    batch once every PNG is written (so that no encoding competes with them)."""
+                        place: parallel.SamplePlace) -> tuple[Batches, list, int]:
+    """The images of this process's prompt batches (its group's, as one of shard.count jobs), then
+    the warm-up and timed runs of its first batch once every PNG is written (so that no encoding
+    competes with them)."""
+    part = parallel.share_of(place.replicas, cfg.shard)
     mine = parallel.shard(sampling.runs, part, "prompt batches (prompts / sampling.batch_size)")
     with stage(f"loading the {cfg.backend} stages"):
-        pipeline = sampling.pipeline(load_stages(cfg, sampling, files, device), device)
+        stages = load_stages(cfg, sampling, files, device, place)
+        backbones = tuple(backbone.graph for backbone in sampling.family.backbones)
+        pipeline = sampling.pipeline(parallel.split_guidance(stages, backbones, place), device)
     if cfg.backend == "trt":
         _check_engine_profiles(pipeline, sampling, [settings for _, settings in mine])
     elif cfg.backend == "onnxruntime":
@@ -157,7 +183,7 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
                                [name for name in pipeline.stages if sampling.family.network(name).fixed])
     engines = {name: str(file.path) for name, file in files.items()}
     with report.WRITERS[sampling.family.output](Path(cfg.out_path).expanduser(), engines, cfg.backend) as writer:
-        batches = _prompt_batches(pipeline, mine, len(sampling.runs), writer, device)
+        batches = _prompt_batches(pipeline, mine, len(sampling.runs), writer if place.writes else None, device)
     first = mine[0][1]
     with stage("the warm-up and timed runs"):
         for _ in range(cfg.num_warmup_runs):
@@ -172,13 +198,16 @@ def _images_and_timings(cfg, sampling: Sampling, files: dict[str, StageFile], de
     return batches, timings, len(first.image_prompts)
 
 
-def _prompt_batches(pipeline, mine: list, total: int, writer: report.ImageWriter, device: torch.device) -> Batches:
-    """Each of `mine` (index, settings) through the pipeline, its images queued on `writer`."""
+def _prompt_batches(pipeline, mine: list, total: int, writer: report.ImageWriter | None,
+                    device: torch.device) -> Batches:
+    """Each of `mine` (index, settings) through the pipeline, its images queued on `writer` (None:
+    another process of its group writes them)."""
 
     def run(index: int, settings) -> int:
         with stage(f"prompt batch {index + 1} of {total}"):
             images = pipeline(settings, StageTimer(device))
-            writer.submit(images, index, settings)
+            if writer is not None:
+                writer.submit(images, index, settings)
             return len(images)
 
     start = time.perf_counter()
@@ -186,9 +215,10 @@ def _prompt_batches(pipeline, mine: list, total: int, writer: report.ImageWriter
     first_call_end = time.perf_counter()
     later_images = sum(run(index, settings) for index, settings in mine[1:])
     with stage("writing the last images"):
-        written = writer.finish()
+        written = writer.finish() if writer is not None else []
     later_seconds = time.perf_counter() - first_call_end if later_images else 0.0
-    return Batches(written, first_call_end - start, later_images, later_seconds, writer.nonfinite_values)
+    return Batches(written, first_call_end - start, later_images, later_seconds,
+                   writer.nonfinite_values if writer is not None else 0)
 
 
 def _onnx_file(file: StageFile) -> Path:
@@ -208,7 +238,8 @@ def _onnx_file(file: StageFile) -> Path:
     return onnx_file
 
 
-def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device) -> dict:
+def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: torch.device,
+                place: parallel.SamplePlace | None = None) -> dict:
     family = sampling.family
     if cfg.backend == "onnxruntime":
         stages = {}
@@ -218,7 +249,7 @@ def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: to
                                             None if onnx_file == file.path else file.path)
         return stages
     if cfg.backend == "torch":
-        return _torch_stages(cfg, sampling, device)
+        return _torch_stages(cfg, sampling, device, place)
     from ..runtime.trt_stages import trt_stages
 
     for name, file in files.items():
@@ -231,9 +262,10 @@ def load_stages(cfg, sampling: Sampling, files: dict[str, StageFile], device: to
     return trt_stages(flavours, {name: file.path for name, file in files.items()}, replayed)
 
 
-def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
+def _torch_stages(cfg, sampling: Sampling, device: torch.device, place: parallel.SamplePlace | None) -> dict:
     """The diffusers modules as stages, the backbone restored from quantized_backbone where set,
-    with the torch backend's settings (compile, CUDA graphs, 8-bit kernels) applied."""
+    split by sequence where `place`'s group does so, with the torch backend's settings (compile,
+    CUDA graphs, 8-bit kernels) applied."""
     from ..runtime import torch_backend
 
     family = sampling.family
@@ -249,6 +281,8 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device) -> dict:
                 torch_backend.convert_quantized(backbone, family, f"{checkpoint_key}={checkpoint}",
                                                 cfg.torch_backend.quantized, cfg.torch_backend.attention,
                                                 record["settings"]["quantize"]["quant_level"])
+    if place is not None:
+        parallel.split_by_sequence(backbones.values(), place, cfg.parallel.ulysses)
     stages = family.torch_stages(pipe, dtype, sampling.cache)
     return torch_backend.speed_up(pipe, family, stages, cfg.torch_backend, cfg.cuda_graph, quantized=bool(checkpoint))
 

@@ -207,6 +207,12 @@ class WanFamily(ModelFamily):
     def size_multiple(self, vae_scale: int) -> int:
         return vae_scale * 2
 
+    def sequence_tokens(self, parts: dict, geometry) -> int:
+        """Latent frames x the 2x2 patches of each latent frame."""
+        scale = self.vae_scale(parts["vae_config"])
+        return (latent_frames(geometry.frames, TEMPORAL_SCALE) * (geometry.height // scale // 2)
+                * (geometry.width // scale // 2))
+
     # --- export and engines --------------------------------------------------------------------
 
     def graph_specs(self, pipe, batch: int, geometry: SampleGeometry, trace_latent: int, dtype, vae_dtype,

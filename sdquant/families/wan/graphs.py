@@ -115,6 +115,9 @@ class WanTorchAttnProcessor:
     the rotary embedding on self-attention, and FP8 attention where the layer has its ranges, whose
     FP8 output to_out reads as it is."""
 
+    # The process group its tokens are split over, where parallel.ulysses splits them.
+    sequence_group = None
+
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb=None) -> torch.Tensor:
         from ...quantize.shared_ranges import KV, QKV
@@ -129,5 +132,5 @@ class WanTorchAttnProcessor:
         query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
         if rotary_emb is not None:
             query, key = _rotated(query, *rotary_emb), _rotated(key, *rotary_emb)
-        out = attend(attn, query, key, value)
+        out = attend(attn, query, key, value, self.sequence_group, keys_whole=attn.is_cross_attention)
         return attn.to_out[1](attn.to_out[0](out if out.dtype != query.dtype else out.type_as(query)))
