@@ -51,6 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     register_schemas()
     world = parallel.current_world()
+    if world.size < 2:
+        parser.error("run it under torchrun with 2 or more processes (--nproc_per_node)")
     device = parallel.rank_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), world)
     parallel.start(world, device)
     module = expert(args, device)

@@ -216,13 +216,16 @@ class GuidanceHalf:
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
+        # The first input is the latent, whose batch every batched input shares (checked even, as
+        # both halves, where the split is settled).
         batch = next(iter(inputs.values())).shape[0]
         half = {name: value.chunk(2)[self.place.cfg_rank] if value.dim() and value.shape[0] == batch else value
                 for name, value in inputs.items()}
         outputs = {}
         for name, value in self.stage(**half).items():
+            value = value.contiguous()
             parts = [torch.empty_like(value) for _ in range(2)]
-            dist.all_gather(parts, value.contiguous(), group=self.place.cfg_group)
+            dist.all_gather(parts, value, group=self.place.cfg_group)
             outputs[name] = torch.cat(parts)
         return outputs
 
@@ -243,6 +246,13 @@ def split_by_sequence(modules, place: SamplePlace, ulysses: int) -> None:
 
     group = place.sequence_mesh["ulysses"].get_group()
     for module in modules:
+        # The torch backend's processors take the text whole in cross-attention, as diffusers'
+        # plan for Wan leaves it (since diffusers 0.42); a plan that splits it would need them to
+        # gather it.
+        if any("encoder_hidden_states" in entry for entry in module._cp_plan.values() if isinstance(entry, dict)):
+            raise UserError(f"parallel.ulysses={ulysses}: this diffusers splits {type(module).__name__}'s text "
+                            "tokens too, which the torch backend's attention processors do not take: use diffusers "
+                            "0.42 or set parallel.ulysses=1")
         module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, mesh=place.sequence_mesh))
         # The torch backend's own processors (FP8 layers) split their attention themselves.
         for layer in module.modules():

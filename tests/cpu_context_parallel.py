@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 import torch.accelerator
 
-torch.accelerator.device_count = lambda: 1
-
 
 def expert_over_processes(rank: int, size: int, port: int, checkpoint: str, inputs: dict, out: str) -> None:
     """One of `size` processes (torch.multiprocessing.spawn): tiny_wan's second expert from
@@ -53,6 +51,7 @@ def expert_over_processes(rank: int, size: int, port: int, checkpoint: str, inpu
 
 
 if __name__ == "__main__":
+    torch.accelerator.device_count = lambda: 1
     script = Path(__file__).resolve().parent.parent / "infer_trt.py"
     sys.argv = [str(script), *sys.argv[1:]]
     runpy.run_path(str(script), run_name="__main__")

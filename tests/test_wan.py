@@ -273,6 +273,8 @@ def test_guidance_halves_and_tokens_split_over_processes_draw_the_one_process_vi
     import subprocess
     import sys
 
+    from PIL import Image
+
     from conftest import REPO
 
     settings = ["model=tiny_wan", "backend=torch", "device=cpu", "num_warmup_runs=0", f"sampling.steps={STEPS}",
@@ -293,8 +295,11 @@ def test_guidance_halves_and_tokens_split_over_processes_draw_the_one_process_vi
     for name in ("cfg", "cfg_ulysses"):
         assert sorted(path.name for path in (tmp_path / name).iterdir()) == \
             ["latency.json", "video_000_00.mp4", "video_000_00.png"]
-        # Halves and token shares reduce in other orders than one batch: a level of rounding at most.
-        assert np.abs(_frames(tmp_path / name / "video_000_00.mp4") - expected).max() <= 1
+        # Halves and token shares reduce in other orders than one batch: a level of rounding in the
+        # lossless poster at most, and in the H.264 frames (where one level can move a block) little.
+        poster = [np.asarray(Image.open(tmp_path / run / "video_000_00.png")).astype(int) for run in ("one", name)]
+        assert np.abs(poster[0] - poster[1]).max() <= 1
+        assert np.abs(_frames(tmp_path / name / "video_000_00.mp4") - expected).mean() <= 0.5
         latency = json.loads((tmp_path / name / "latency.json").read_text())
         assert latency["images_written"] == written and latency["settings"]["parallel"]["cfg"] == 2
 
@@ -317,8 +322,10 @@ def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch):
     # tiny_wan: 2 heads; 9 frames of 32x32 make 3 latent frames of 2x2 patches, 12 tokens.
     assert "parallel.ulysses=4 must divide the backbone's 2 attention heads and its 12 tokens" in \
         refused("parallel.ulysses=4", processes=4)
-    assert "parallel.cfg=1 parallel.ulysses=2 runs without step caching and CUDA graphs" in \
+    assert "parallel.cfg=1 parallel.ulysses=2 runs without step caching, CUDA graphs and torch.compile" in \
         refused("parallel.ulysses=2", "cuda_graph=true")
+    assert "parallel.cfg=2 parallel.ulysses=1 runs without step caching, CUDA graphs and torch.compile" in \
+        refused("parallel.cfg=2", "torch_backend.compile=true")
     if torch.accelerator.device_count() == 0:
         assert "diffusers' context parallelism places each process on a GPU, and none is visible" in \
             refused("parallel.ulysses=2")

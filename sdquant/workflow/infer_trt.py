@@ -108,14 +108,15 @@ def run_infer(cfg) -> dict:
 
 def checked_split(cfg, sampling: Sampling, world: parallel.World) -> parallel.SampleSplit:
     """parallel.* as this run can take it: the process count, the guidance halves in each backbone
-    call's batch, the model's heads and tokens; no step caching or CUDA graphs, which a split has
-    not been run with."""
+    call's batch, the model's heads and tokens; no step caching, CUDA graphs or compile, which a
+    split has not been run with."""
     split = parallel.SampleSplit(cfg.parallel.cfg, cfg.parallel.ulysses)
     if split.size == 1:
         return split
-    if sampling.cache is not None or cfg.cuda_graph:
-        raise UserError(f"{split.named()} runs without step caching and CUDA graphs: set "
-                        "sampling.cache.method=none and cuda_graph=false")
+    if sampling.cache is not None or cfg.cuda_graph or cfg.torch_backend.compile:
+        raise UserError(f"{split.named()} runs without step caching, CUDA graphs and torch.compile (not run "
+                        "together yet): set sampling.cache.method=none, cuda_graph=false and "
+                        "torch_backend.compile=false")
     family, run = sampling.family, sampling.runs[0]
     batches = family.text_to_image({}, sampling.parts, None, torch.device("cpu")).stage_batches(run)
     halves = all(batches[backbone.graph] == 2 * len(run.image_prompts) for backbone in family.backbones)
