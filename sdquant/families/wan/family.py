@@ -14,7 +14,7 @@ from ...graphs.geometry import SampleGeometry
 from ...quantize.recipe import LayerGroup, LevelTable
 from .. import components
 from ..base import SEED, Backbone, ModelFamily
-from .flow import WanTextToVideo, latent_frames, text_tokens
+from .flow import WanTextToVideo, latent_frames, latent_tokens, text_tokens
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 
 # WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
@@ -208,10 +208,9 @@ class WanFamily(ModelFamily):
         return vae_scale * 2
 
     def sequence_tokens(self, parts: dict, geometry) -> int:
-        """Latent frames x the 2x2 patches of each latent frame."""
         scale = self.vae_scale(parts["vae_config"])
-        return (latent_frames(geometry.frames, TEMPORAL_SCALE) * (geometry.height // scale // 2)
-                * (geometry.width // scale // 2))
+        return latent_tokens(latent_frames(geometry.frames, TEMPORAL_SCALE), geometry.height // scale,
+                             geometry.width // scale)
 
     # --- export and engines --------------------------------------------------------------------
 
@@ -233,7 +232,7 @@ class WanFamily(ModelFamily):
         for backbone in self.backbones:
             module = getattr(pipe, backbone.attribute).to(dtype)
             latent = torch.randn(samples, module.config.in_channels, *shape, dtype=dtype)
-            tokens = shape[0] * (shape[1] // 2) * (shape[2] // 2)
+            tokens = latent_tokens(*shape)
             timestep = torch.full((samples, tokens) if self.expand_timesteps else (samples,), 500.0)
             specs.append(GraphSpec(expert_network(backbone.graph), ExpertGraph(module),
                                    (latent, timestep, torch.randn(samples, text, module.config.text_dim, dtype=dtype)),

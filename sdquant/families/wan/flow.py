@@ -25,6 +25,12 @@ def latent_frames(frames: int, temporal_scale: int) -> int:
     return (frames - 1) // temporal_scale + 1
 
 
+def latent_tokens(frames: int, height: int, width: int) -> int:
+    """The tokens an expert attends over: one per 1x2x2 patch of a latent of that many frames,
+    height and width."""
+    return frames * (height // 2) * (width // 2)
+
+
 class WanTextToVideo(TextToImage):
     """Stages umt5 (input_ids, attention_mask -> hidden_states), transformer and transformer_2 (each
     expert: hidden_states, timestep, encoder_hidden_states -> latent) and vae (latent -> video); a
@@ -72,7 +78,7 @@ class WanTextToVideo(TextToImage):
         height, width = self.latent_size(settings)
         frames = latent_frames(settings.frames, self.temporal_scale)
         return {FRAMES: frames, HEIGHT: height, WIDTH: width, TEXT_TOKENS: self.text_length,
-                LATENT_TOKENS: frames * (height // 2) * (width // 2)}
+                LATENT_TOKENS: latent_tokens(frames, height, width)}
 
     def latent_shape(self, settings: SamplingSettings) -> tuple[int, ...]:
         return (len(settings.image_prompts), self.backbone_config.in_channels,
@@ -116,7 +122,7 @@ class WanTextToVideo(TextToImage):
         if not self.expand_timesteps:
             return t.float().expand(latents.shape[0])
         frames, height, width = latents.shape[2:]
-        per_token = t.float().to(latents.device).expand(frames * (height // 2) * (width // 2))
+        per_token = t.float().to(latents.device).expand(latent_tokens(frames, height, width))
         return per_token[None].expand(latents.shape[0], -1)
 
     def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer) -> torch.Tensor:
