@@ -305,6 +305,8 @@ class SamplingBlock:
 
 LONG_PROMPTS = ("truncate", "chunk", "error")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+# The modes whose compiled code replays CUDA graphs of its own.
+CAPTURING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 TORCH_QUANTIZED = ("fake", "fp8", "int8")
 TORCH_ATTENTION = ("auto", "fp8", "fp16")
 

@@ -87,13 +87,16 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
 
 def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:
     """All-to-all of (processes, ...) chunks: chunk j goes to process j, and the result's chunk j
-    came from it. One-byte (FP8) values travel as bytes, which every backend carries."""
-    import torch.distributed as dist
+    came from it. One-byte (FP8) values travel as bytes, which every backend carries. The
+    functional collective is the form torch.compile traces into the graph (c10d's in-place one
+    would break it at every attention layer)."""
+    import torch.distributed._functional_collectives as funcol
 
     chunks = chunks.contiguous()
     sent = chunks.view(torch.uint8) if chunks.element_size() == 1 else chunks
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
+    received = funcol.all_to_all_single(sent, None, None, group)
+    if isinstance(received, funcol.AsyncCollectiveTensor):
+        received = received.wait()
     return received.view(chunks.dtype)
 
 

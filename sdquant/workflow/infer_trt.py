@@ -14,7 +14,7 @@ import torch
 from ..export import engines, onnx_graphs
 from .. import parallel, report
 from ..cli import stage
-from ..config import quantized_backbone, validate_infer
+from ..config import CAPTURING_COMPILE_MODES, quantized_backbone, validate_infer
 from ..errors import UserError
 from ..families.pipeline import SamplingSettings
 from ..load import compute_dtype, load_pipeline, resolve_device
@@ -108,15 +108,17 @@ def run_infer(cfg) -> dict:
 
 def checked_split(cfg, sampling: Sampling, world: parallel.World) -> parallel.SampleSplit:
     """parallel.* as this run can take it: the process count, the guidance halves in each backbone
-    call's batch, the model's heads and tokens; no step caching, CUDA graphs or compile, which a
-    split has not been run with."""
+    call's batch, the model's heads and tokens; no step caching or CUDA graphs (a cache hook decides
+    on each process's own share, so the processes of a group could part ways; a captured graph
+    would hold the group's collectives), which compile modes that capture graphs use too."""
     split = parallel.SampleSplit(cfg.parallel.cfg, cfg.parallel.ulysses)
     if split.size == 1:
         return split
-    if sampling.cache is not None or cfg.cuda_graph or cfg.torch_backend.compile:
-        raise UserError(f"{split.named()} runs without step caching, CUDA graphs and torch.compile (not run "
-                        "together yet): set sampling.cache.method=none, cuda_graph=false and "
-                        "torch_backend.compile=false")
+    captures = cfg.torch_backend.compile and cfg.torch_backend.compile_mode in CAPTURING_COMPILE_MODES
+    if sampling.cache is not None or cfg.cuda_graph or captures:
+        raise UserError(f"{split.named()} runs without step caching and CUDA graphs: set sampling.cache.method=none "
+                        "and cuda_graph=false, and with torch_backend.compile=true a torch_backend.compile_mode that "
+                        "captures none (default or max-autotune-no-cudagraphs)")
     family, run = sampling.family, sampling.runs[0]
     batches = family.text_to_image({}, sampling.parts, None, torch.device("cpu")).stage_batches(run)
     halves = all(batches[backbone.graph] == 2 * len(run.image_prompts) for backbone in family.backbones)
