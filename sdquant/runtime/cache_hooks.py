@@ -18,6 +18,18 @@ def stacked_blocks(transformer, stacks: tuple[str, ...]) -> list[str]:
     return [f"{stack}.{index}" for stack in stacks for index in range(len(getattr(transformer, stack, ())))]
 
 
+def attention_identifiers(transformer, stacks: tuple[str, ...]) -> dict[str, list[str]]:
+    """TaylorSeer's module patterns for predicting every block's attention modules, named one by one:
+    what diffusers' default patterns (`^blocks.*attn`, ...) name in Flux, whose blocks call theirs
+    `attn`, but they miss Wan's `attn1` and `attn2`, which would leave every step computed."""
+    from diffusers.models.attention import AttentionModuleMixin
+
+    names = [f"{block}.{child}" for block in stacked_blocks(transformer, stacks)
+             for child, module in transformer.get_submodule(block).named_children()
+             if isinstance(module, AttentionModuleMixin)]
+    return {"cache_identifiers": [re.escape(name) for name in names]}
+
+
 def whole_block_identifiers(transformer, stacks: tuple[str, ...]) -> dict[str, list[str]]:
     """TaylorSeer's module patterns for predicting whole blocks: the last block predicted, every
     other one skipped. A predicted block ignores its input, so only the last block's prediction
@@ -44,11 +56,10 @@ class HookCache:
 
         if self.method == "first_block":
             return FirstBlockCacheConfig(threshold=self.threshold)
-        # At its defaults diffusers' TaylorSeer predicts only the attention modules, so every
-        # block's feed-forward GEMMs still run on a predicted step.
-        identifiers = (whole_block_identifiers(transformer, self.block_stacks) if self.method == "taylorseer_blocks"
-                       else {})
-        return TaylorSeerCacheConfig(cache_interval=self.interval, **identifiers)
+        # `taylorseer` predicts only the attention modules, as diffusers' TaylorSeer does at its
+        # defaults, so every block's feed-forward GEMMs still run on a predicted step.
+        identifiers = (whole_block_identifiers if self.method == "taylorseer_blocks" else attention_identifiers)
+        return TaylorSeerCacheConfig(cache_interval=self.interval, **identifiers(transformer, self.block_stacks))
 
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:

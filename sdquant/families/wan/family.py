@@ -113,6 +113,8 @@ def expert(sizes: WanSizes):
 
 
 EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "transformer_2"))
+# An expert's block list (WanTransformer3DModel.blocks), which diffusers' cache hooks step through.
+BLOCK_STACKS = ("blocks",)
 
 
 class WanFamily(ModelFamily):
@@ -121,6 +123,7 @@ class WanFamily(ModelFamily):
 
     tokenizer_folders = ("tokenizer",)
     clip_tokenizers = ()
+    cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
     gpu_dtype = torch.bfloat16
     default_scheduler = "unipc"
     size_reason = "the VAE's spatial scale factor times the experts' 2x2 patches"
@@ -248,11 +251,18 @@ class WanFamily(ModelFamily):
 
     # --- running it ----------------------------------------------------------------------------
 
+    def step_cache(self, block):
+        from ...runtime.cache_hooks import HookCache
+
+        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
+                                                             BLOCK_STACKS)
+
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
         from ...runtime.stages import TorchStage
 
-        return {"umt5": TorchStage(Umt5Graph(pipe.text_encoder), UMT5, dtype),
-                **self.backbone_stages(self.backbone_modules(pipe), dtype),
+        modules = self.backbone_modules(pipe)
+        experts = self.backbone_stages(modules, dtype) if cache is None else self.cache_stages(modules, dtype, cache)
+        return {"umt5": TorchStage(Umt5Graph(pipe.text_encoder), UMT5, dtype), **experts,
                 "vae": TorchStage(VideoDecoderGraph(pipe.vae), VIDEO_VAE, next(pipe.vae.parameters()).dtype)}
 
     def backbone_stages(self, modules: dict, dtype) -> dict:
@@ -260,6 +270,19 @@ class WanFamily(ModelFamily):
 
         return {backbone.graph: TorchStage(ExpertGraph(modules[backbone.attribute]), expert_network(backbone.graph),
                                            dtype) for backbone in self.backbones}
+
+    def cache_stages(self, modules: dict, dtype, cache) -> dict:
+        """Each expert's stage with the hook on its own module, so each keeps its own hook state (the
+        flow starts them all afresh with each video)."""
+        from ...runtime.cache_hooks import HookedStage
+
+        stages = self.backbone_stages(modules, dtype)
+        return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute], cache)
+                for backbone in self.backbones}
+
+    def release_cache(self, backbone) -> None:
+        if backbone.is_cache_enabled:
+            backbone.disable_cache()
 
     def fp8_attention_processor(self, attn):
         """The processor for text-to-video attention layers diffusers runs with its WanAttnProcessor."""

@@ -126,8 +126,19 @@ class WanTextToVideo(TextToImage):
         return per_token[None].expand(latents.shape[0], -1)
 
     def predict(self, settings: SamplingSettings, step: int, inputs: dict, timer) -> torch.Tensor:
-        """The velocity of the expert that serves this call's timestep (read from its inputs)."""
-        return self.velocity(self.expert_at(inputs["timestep"].flatten()[0]), inputs, timer)
+        """The velocity of the expert that serves this call's timestep (read from its inputs); `step`
+        counts that expert's calls (teacher forcing's index), so its first starts the expert's cache
+        hook afresh."""
+        expert = self.expert_at(inputs["timestep"].flatten()[0])
+        if step == 0:
+            self.restart_caches(settings, (self.experts[expert],))
+        return self.velocity(expert, inputs, timer)
+
+    def restart_caches(self, settings: SamplingSettings, experts: tuple[str, ...]) -> None:
+        """Clears the cache hook state of these experts' stages, where the run has a step cache."""
+        if settings.cache is not None:
+            for graph in experts:
+                self.stages[graph].reset()
 
     def velocity(self, expert: int, inputs: dict, timer) -> torch.Tensor:
         graph = self.experts[expert]
@@ -154,7 +165,9 @@ class WanTextToVideo(TextToImage):
                   settings.guidance_scale if settings.guidance_scale_2 is None else settings.guidance_scale_2)
         # Each step's expert, read once from the host's copy of the schedule: no wait inside the loop.
         experts = [self.expert_at(t) for t in self.scheduler.timesteps.cpu()]
-        # 3. Denoise: each step's expert, the guidance halves as one batch.
+        # 3. Denoise: each step's expert, the guidance halves as one batch; a new video starts every
+        # expert's cache hook afresh, the second expert's too.
+        self.restart_caches(settings, self.experts)
         for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
             x = torch.cat([latents] * 2) if guided else latents
             inputs = {"hidden_states": x, "timestep": self.timesteps_for(t, x), "encoder_hidden_states": text}

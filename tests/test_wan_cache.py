@@ -1,0 +1,171 @@
+"""Step caching on Wan2.2's experts through diffusers' cache hooks (sampling.cache.method first_block,
+taylorseer, taylorseer_blocks) on the tiny models: tiny_wan's two experts each under a hook of its
+own, both started afresh with every video, and tiny_wan_ti2v's one transformer through the same code;
+the counts of a late block's layer calls show what each hook skipped."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+from sdquant.load import load_pipeline
+from sdquant.runtime.stages import StageTimer
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.settings import settle_sampling
+
+from conftest import compose_config, refused_in_one_line
+
+CPU = torch.device("cpu")
+# 12 UniPC steps at flow shift 3: tiny_wan's high-noise expert serves 4 (t >= 875), the other 8.
+STEPS = 12
+RUN = ["device=cpu", "backend=torch", "sampling.prompts=['a red fox runs through the snow']",
+       f"sampling.steps={STEPS}", "sampling.guidance_scale=4.0"]
+FIRST_BLOCK = ["sampling.cache.method=first_block"]
+
+
+class Videos:
+    """A model's flow over its torch stages under a sampling.cache, with each expert's calls of a late
+    block's feed-forward (which runs unless the whole block is skipped or predicted) and of its
+    self-attention's output projection (which runs unless the attention is predicted) counted."""
+
+    def __init__(self, model: str, *cache: str):
+        cfg = compose_config("sd_xl_trt_inference", [f"model={model}", *RUN, *cache])
+        self.sampling = settle_sampling(cfg)
+        pipe = load_pipeline(cfg.model, CPU, torch.float32)
+        self.calls = collections.Counter()
+        for attribute, expert in self.sampling.family.backbone_modules(pipe).items():
+            block = expert.blocks[-2]
+            for counted, layer in (("feed-forward", block.ffn), ("attention", block.attn1.to_out[0])):
+                layer.register_forward_hook(lambda *_, key=(attribute, counted): self.calls.update([key]))
+        self.flow = self.sampling.pipeline(self.sampling.family.torch_stages(pipe, torch.float32, self.sampling.cache),
+                                           CPU)
+
+    def draw(self) -> torch.Tensor:
+        """One video (1, F, 3, H, W) of the run's first prompt batch."""
+        return self.flow(self.sampling.runs[0], StageTimer(CPU), progress=False)
+
+    def counted(self, layer: str) -> dict[str, int]:
+        return {attribute: n for (attribute, counted), n in self.calls.items() if counted == layer}
+
+
+# Each expert's calls in a video of STEPS steps.
+CALLS = {"tiny_wan": {"transformer": 4, "transformer_2": 8}, "tiny_wan_ti2v": {"transformer": 12}}
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_first_block_cache_at_threshold_0_draws_the_uncached_video_and_above_runs_the_blocks_once_an_expert(
+        model_cache, model):
+    plain = Videos(model).draw()
+    never = Videos(model, *FIRST_BLOCK, "sampling.cache.threshold=0")
+    assert torch.equal(never.draw(), plain)
+    assert never.counted("feed-forward") == CALLS[model]
+    # Past any relative change of the first block's output: each expert computes its blocks at its
+    # first call of the video only (nothing to compare with yet), then reuses their residual.
+    always = Videos(model, *FIRST_BLOCK, "sampling.cache.threshold=10")
+    skipped = always.draw()
+    assert always.counted("feed-forward") == {attribute: 1 for attribute in CALLS[model]}
+    assert 1e-4 < (skipped - plain).abs().max() and (skipped - plain).abs().mean() < 0.05
+
+
+# diffusers' TaylorSeer computes a module at its first 3 calls, then at every second from the 5th
+# (calls 4, 6, ...) and predicts it between: 3 of the first expert's 4 calls, 5 of the second's 8,
+# 7 of the one transformer's 12; each expert counts its own calls.
+FULL_PASSES = {"tiny_wan": {"transformer": 3, "transformer_2": 5}, "tiny_wan_ti2v": {"transformer": 7}}
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_taylorseer_runs_each_experts_attention_or_whole_blocks_on_about_half_its_calls(model_cache, model):
+    plain = Videos(model).draw()
+    every_second = ["sampling.cache.interval=2"]
+    attention = Videos(model, "sampling.cache.method=taylorseer", *every_second)
+    predicted_attention = attention.draw()
+    # Only the attention is predicted: the feed-forward layers still run at every call.
+    assert attention.counted("attention") == FULL_PASSES[model]
+    assert attention.counted("feed-forward") == CALLS[model]
+    blocks = Videos(model, "sampling.cache.method=taylorseer_blocks", *every_second)
+    predicted_blocks = blocks.draw()
+    assert blocks.counted("attention") == blocks.counted("feed-forward") == FULL_PASSES[model]
+    # Close to the uncached video (frames in [0, 1]: 0.0005 to 0.003 on average here), not equal to it.
+    for video in (predicted_attention, predicted_blocks):
+        difference = (video - plain).abs()
+        assert difference.max() > 1e-4 and difference.mean() < 0.02
+
+
+@pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
+                                   ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
+                         ids=["first_block", "taylorseer_blocks"])
+def test_every_expert_starts_its_hook_afresh_with_each_video(model_cache, cache):
+    """The low-noise expert's hook too: left as the first video ended it, the second video's calls
+    of it would compare with (or extrapolate from) the first's."""
+    videos = Videos("tiny_wan", *cache)
+    first = videos.draw()
+    once = videos.counted("feed-forward")
+    assert torch.equal(videos.draw(), first)
+    assert videos.counted("feed-forward") == {attribute: 2 * n for attribute, n in once.items()}
+
+
+def test_evaluate_scores_a_cached_variant_of_both_experts_and_takes_the_hooks_off_again(tmp_path, model_cache):
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", "sampling.prompts=['a red fox runs through the snow']",
+        "sampling.steps=8", "+variants.hooked=null", "+variants.same=null",
+        "+variant_cache={hooked:{method:first_block,threshold:10}}"]))
+    hooked, same = report["variants"]["hooked"], report["variants"]["same"]
+    # Teacher-forced, each expert's first call starts its hook afresh and computes every block;
+    # its later calls reuse the residual (8 steps: 3 calls of the first expert, 5 of the second).
+    errors = hooked["step_error_by_backbone"]
+    assert {graph: len(calls) for graph, calls in errors.items()} == {"transformer": 3, "transformer_2": 5}
+    assert all(calls[0] == 0.0 and 0 < min(calls[1:]) < 0.5 for calls in errors.values())
+    assert "cached (First Block Cache, threshold 10.0)" in hooked["source"]
+    assert same["step_error"] == [0.0] * 8, "the hooks are off the experts for the next variant"
+
+
+def test_taylorseer_names_the_attention_modules_of_every_block():
+    """diffusers' default patterns hook Flux's attention (`attn`) but none of Wan's (`attn1`, `attn2`):
+    the modules are named one by one, the same ones in Flux."""
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    from sdquant.families import flux
+    from sdquant.families.wan import WAN, family
+    from sdquant.runtime.cache_hooks import HookCache
+
+    def hooked(module) -> set[str]:
+        return {name for name, layer in module.named_modules()
+                if "taylorseer_cache" in getattr(getattr(layer, "_diffusers_hook", None), "hooks", {})}
+
+    def under(config, module) -> set[str]:
+        module.enable_cache(config)
+        names = hooked(module)
+        module.disable_cache()
+        return names
+
+    expert = family.expert(WAN.sizes["tiny"])
+    assert not under(TaylorSeerCacheConfig(cache_interval=2), expert)
+    ours = HookCache("taylorseer", 2, 0.0, family.BLOCK_STACKS)
+    assert under(ours.config(expert), expert) == {f"blocks.{index}.attn{which}" for index in range(5)
+                                                   for which in (1, 2)}
+    transformer = flux.FLUX.build_pipeline(flux.TINY).transformer
+    defaults = under(TaylorSeerCacheConfig(cache_interval=2), transformer)
+    assert len(defaults) == 4 and under(HookCache("taylorseer", 2, 0.0, flux.BLOCK_STACKS).config(transformer),
+                                        transformer) == defaults
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*FIRST_BLOCK, "sampling.cache.threshold=-0.1"], "sampling.cache.threshold=-0.1: give 0 (never skip) or more"),
+    (["sampling.cache.method=taylorseer", "sampling.cache.interval=0"],
+     "sampling.cache.interval=0: give a full pass every 1 or more steps"),
+    (["model=tiny_wan_ti2v", "sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=0"],
+     "sampling.cache.interval=0: give a full pass every 1 or more steps"),
+    (["sampling.cache.method=deepcache"], "sampling.cache.method=deepcache: model=tiny_wan's transformer and "
+                                          "transformer_2 take none or first_block or taylorseer or taylorseer_blocks"),
+    ([*FIRST_BLOCK, "backend=onnxruntime"], "is a diffusers hook on the transformer module: run it with backend=torch"),
+], ids=["threshold", "interval", "ti2v_interval", "deepcache", "graphs"])
+def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
+                                                                     message):
+    out = tmp_path / "videos"
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", *RUN, f"out_path={out}", *overrides])
+    assert message in refused_in_one_line(run_infer, cfg, capsys)
+    assert not out.exists()
