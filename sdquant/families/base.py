@@ -294,20 +294,26 @@ class ModelFamily:
         """Builds the family's tiny random-weight pipeline into `folder` (save_pretrained)."""
         self.build_pipeline(self.sizes["tiny"]).save_pretrained(folder)
 
-    def full_size_on_gpu(self):
-        """The real model's architecture with random weights in the family's GPU dtype, built
-        directly on the GPU (seconds, not the minutes a CPU build and copy take); its scheduler's
-        tables on the CPU, as pipelines expect."""
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.gpu_dtype)
-        try:
-            with torch.device("cuda"):
-                pipe = self.build_pipeline(self.sizes["full"])
-        finally:
-            torch.set_default_dtype(default)
+    def full_size_on_gpu(self, size: str = "full", device: str = "cuda"):
+        """The real model's architecture (or `size`'s, for a benchmark's dry run) with random weights
+        in the family's GPU dtype, built directly on the GPU (seconds, not the minutes a CPU build and
+        copy take); its scheduler's tables on the CPU, as pipelines expect."""
+        pipe = built_in(self.gpu_dtype, torch.device(device), lambda: self.build_pipeline(self.sizes[size]))
         pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+
+def built_in(dtype: torch.dtype, device: torch.device, build):
+    """`build()`'s modules created directly in `dtype` on `device` (the meta device: their sizes
+    alone)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            return build()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def vae_scale_factor(vae_config) -> int:

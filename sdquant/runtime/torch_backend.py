@@ -266,6 +266,22 @@ def compile_settings(block) -> dict:
     return {"options": {**list_mode_options(block.compile_mode), "coordinate_descent_tuning": True}}
 
 
+def compiled_backbone_forms(module: torch.nn.Module, family, quantized: bool) -> None:
+    """Puts one backbone module of `family` in the forms speed_up compiles it in (the reasons are
+    there), in place; `quantized`: its layers are the 8-bit kernels' already."""
+    if family.channels_last:
+        module.to(memory_format=torch.channels_last)
+    use_sigmoid_gelu(module)
+    if quantized:
+        if family.channels_last:
+            pin_channels_last_outputs(module)
+        use_compiled_forms(module)
+        fuse_geglus(module)
+    else:
+        family.fuse_projections(module)
+    family.use_family_forms(module)
+
+
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
     from ..graphs.networks import Role
@@ -290,18 +306,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
         # 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers, 1.45x inductor's loop.
         # A video family's 3-D convolutions (its patch embedding, its VAE) have no channels-last form.
         for backbone in family.backbones:
-            module = getattr(pipe, backbone.attribute)
-            if family.channels_last:
-                module.to(memory_format=torch.channels_last)
-            use_sigmoid_gelu(module)
-            if quantized:
-                if family.channels_last:
-                    pin_channels_last_outputs(module)
-                use_compiled_forms(module)
-                fuse_geglus(module)
-            else:
-                family.fuse_projections(module)
-            family.use_family_forms(module)
+            compiled_backbone_forms(getattr(pipe, backbone.attribute), family, quantized)
         if family.channels_last:
             pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)

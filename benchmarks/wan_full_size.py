@@ -1,0 +1,414 @@
+"""Wan2.2 on its full-size architectures (random bf16 weights): an expert call at the video's
+geometry, ours against diffusers' own compiled transformer, a whole video through infer_trt.py's
+torch backend, the VAE decode, and one video over several GPUs. Each variant runs in a process of
+its own (peak memory and compiled code its own); rows go to --out with the device's name. Needs
+CUDA GPUs (H100s for the figures in RESULTS.md); --tiny runs the same code on the tiny
+architectures, on the CPU where no GPU is, as a dry run.
+
+Expert calls (Wan2.2-T2V-A14B at MLPerf's 720x1280, 81 frames: 75,600 tokens a call; --model
+wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
+    python benchmarks/wan_full_size.py --variants peer,compiled,fp8,fp8_l4 --out benchmarks/results/wan_h100.json
+
+- peer: diffusers' WanTransformer3DModel compiled as its documentation advises
+  (torch.compile(transformer, fullgraph=True), default mode), called as WanPipeline calls it, the
+  conditional and the unconditional halves one after the other: one step is two calls of one video.
+- compiled: our torch backend's expert stage in bf16 (fused q/k/v, sigmoid GELU; compiled, default
+  mode), both halves as one batch of two: one step is one call.
+- fp8 / fp8_l4: the same with quantize.py's FP8 recipe at level 3 (FP8 Linear) or 4 (+ cuDNN's FP8
+  self-attention): the whole pipeline (UMT5, both experts, the VAE) is built, both experts are
+  calibrated by quantize.py's own calibration (two steps of one prompt at 256x448 and 5 frames, so
+  each expert serves one: the kernels' speed does not depend on the ranges) and turned into FP8
+  kernels, so the row also holds what both FP8 experts, UMT5 and the VAE keep resident on one GPU,
+  and each component's weights in bf16 and after the conversion. --profile adds the GPU time per
+  kernel of one call.
+
+A whole video (--whole; ours): 20 steps of MLPerf's settings (guidance 4.0 / 3.0, boundary 0.875)
+through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after a two-step
+call that compiles both experts; the VAE decodes eagerly there (its 81-frame compile is timed in the
+vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> / first_block:<threshold> runs it under
+a diffusers cache hook.
+    python benchmarks/wan_full_size.py --variants fp8_l4 --whole --out benchmarks/results/wan_video_h100.json
+
+The VAE (variant vae): one decode of the video's latent in fp32 and in bf16, eager, then compiled
+in bf16, each with its time and peak.
+
+Several GPUs (torchrun; ours): --split <cfg>x<ulysses> shares each call among cfg x ulysses
+processes (parallel.cfg, parallel.ulysses as infer_trt.py does them): each process first computes
+the call eagerly whole and split, and the row gives their largest difference; then the split call is
+compiled and timed. --split 1x1 on N processes: each process times its own whole calls side by side
+(data parallel).
+    torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x2 --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sdquant import parallel, report
+from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.families.base import built_in
+from sdquant.families.pipeline import SamplingSettings, make_scheduler
+from sdquant.families.wan import WAN, WAN_TI2V
+from sdquant.families.wan.family import BLOCK_STACKS, expert
+from sdquant.families.wan.flow import latent_frames, latent_tokens
+from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
+from sdquant.load import quiet_libraries
+from sdquant.quantize.calibrate import quantize_backbones
+from sdquant.runtime import torch_backend
+from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
+from sdquant.runtime.compiled_forms import use_persistent_rows
+from sdquant.runtime.stages import StageTimer
+from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
+
+PROMPT = "a red fox running through fresh snow in a pine forest at dawn, cinematic"
+FAMILIES = {"wan": WAN, "wan_ti2v": WAN_TI2V}
+# MLPerf's text-to-video settings for the A14B; the TI2V-5B's own (its model card's 50 steps, guidance 5).
+SETTINGS = {"wan": {"steps": 20, "guidance": 4.0, "guidance_2": 3.0}, "wan_ti2v": {"steps": 50, "guidance": 5.0,
+                                                                                   "guidance_2": None}}
+# The FP8 variants' quant levels.
+FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
+# Calibration's geometry: small, a multiple of both models' 32-pixel grid.
+CALIBRATION_FRAMES, CALIBRATION_SIZE = 5, (256, 448)
+# The tiny dry run's geometry.
+TINY_GEOMETRY = (9, 64, 64)
+
+
+def run_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib(reset: bool = False) -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def geometry(args, family) -> tuple[int, int, int]:
+    """The video's frames, height and width."""
+    return TINY_GEOMETRY if args.tiny else (family.default_frames, *family.default_size)
+
+
+def sizes(args, family):
+    return family.sizes["tiny" if args.tiny else "full"]
+
+
+def one_expert(family, args, device: torch.device) -> torch.nn.Module:
+    """One expert of the architecture in bf16, made on `device` (both of the A14B's are alike)."""
+    return built_in(torch.bfloat16, device, lambda: expert(sizes(args, family))).eval()
+
+
+def whole_pipeline(family, args, device: torch.device):
+    return family.full_size_on_gpu("tiny" if args.tiny else "full", device.type)
+
+
+def weights_gib(modules: dict) -> dict[str, float]:
+    """Each module's weights, in GiB, as they are now."""
+    return {name: sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30
+            for name, module in modules.items()}
+
+
+def expert_inputs(family, module, args, batch: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """One expert call's inputs at the video's geometry: `batch` samples of noise, the timestep (one
+    per latent token where the family expands it) and UMT5-sized text states."""
+    frames, height, width = geometry(args, family)
+    scale = family.vae_scale(dict(sizes(args, family).vae))
+    shape = (latent_frames(frames, 4), height // scale, width // scale)
+    generator = torch.Generator(device).manual_seed(0)
+    tokens = latent_tokens(*shape)
+    timestep = torch.full((batch, tokens) if family.expand_timesteps else (batch,), 500.0, device=device)
+    return {"hidden_states": torch.randn(batch, module.config.in_channels, *shape, generator=generator,
+                                         device=device).to(dtype),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.randn(batch, sizes(args, family).text_tokens, module.config.text_dim,
+                                                 generator=generator, device=device).to(dtype)}
+
+
+def calibrated_pipeline(family, args, level: float, device: torch.device):
+    """The whole pipeline on `device` with both experts calibrated by quantize.py's calibration at
+    `level` and turned into FP8 kernels (their twins on a CPU, for the dry run)."""
+    pipe = whole_pipeline(family, args, device)
+    bf16 = weights_gib({name: getattr(pipe, name) for name in family.components})
+    height, width = CALIBRATION_SIZE if not args.tiny else TINY_GEOMETRY[1:]
+    block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=height,
+                          width=width, guidance_scale=4.0, num_frames=CALIBRATION_FRAMES)
+    quantize_backbones(pipe, family, [PROMPT], block, seed=0, cuda_graph=False,
+                       call_kwargs=family.calibration_call_kwargs(block))
+    converted = [torch_backend.convert_quantized(getattr(pipe, backbone.attribute), family,
+                                                 f"the benchmark's level-{level:g} {backbone.attribute}", "fp8",
+                                                 quant_level=level) for backbone in family.backbones]
+    return pipe, {"bf16_weights_gib": bf16,
+                  "fp8_weights_gib": weights_gib({name: getattr(pipe, name) for name in family.components}),
+                  "fp8_layers": sum(c.layers for c in converted),
+                  "fp8_attention_layers": sum(c.attention for c in converted)}
+
+
+def umt5_seconds(pipe, family, args, device: torch.device) -> float:
+    """One UMT5 call over a video's prompt and negative prompt, eager, as the pipeline runs it."""
+    ids = torch.ones(2, sizes(args, family).text_tokens, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        return time_call(lambda: Umt5Graph(pipe.text_encoder)(ids, ids), 1)["best_call_s"]
+
+
+def compiled_stage(family, module, quantized: bool):
+    """Our expert stage as the torch backend compiles it (no CUDA graphs, which a split cannot take
+    and which a 10-second call does not need)."""
+    torch_backend.compiled_backbone_forms(module, family, quantized)
+    use_persistent_rows()
+    stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
+                                   torch.bfloat16)[family.backbones[0].graph]
+    stage.graph = torch.compile(stage.graph, **torch_backend.compile_settings(TorchBackendBlock(compile=True)))
+    return stage
+
+
+def time_call(call, calls: int) -> dict:
+    """The first call (where it compiles), then `calls` more, each synchronized, and the peak of
+    those."""
+    peak_gib(reset=True)
+    last = [None]
+
+    def keep():
+        last[0] = call()
+
+    first = timed_any(keep, 1)[0]
+    seconds = timed_any(keep, calls)
+    return {"first_call_s": first, "call_s": seconds, "best_call_s": min(seconds), "call_peak_gib": peak_gib(),
+            "nonfinite_values": nonfinite_values(last[0])}
+
+
+def timed_any(fn, runs: int) -> list[float]:
+    """timed() on a GPU; on the CPU (the dry run) the same without synchronizing."""
+    if torch.cuda.is_available():
+        return timed(fn, runs)
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def peer_row(family, args, device: torch.device) -> dict:
+    """diffusers' transformer compiled as its documentation advises, the two guidance halves called
+    one after the other as WanPipeline calls them."""
+    module = one_expert(family, args, device)
+    resident = weights_gib({"expert": module})["expert"]
+    compiled = torch.compile(module, fullgraph=True)
+    inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
+    halves = [{name: value[index:index + 1] for name, value in inputs.items()} for index in range(2)]
+
+    def step():
+        return torch.cat([compiled(**half, return_dict=False)[0] for half in halves])
+
+    with torch.no_grad():
+        row = time_call(step, args.calls)
+    return {**row, "step_s": row["best_call_s"], "one_expert_weights_gib": resident,
+            "compile": "torch.compile(transformer, fullgraph=True), default mode; two calls of one video a step"}
+
+
+def ours_row(variant: str, family, args, device: torch.device) -> dict:
+    """Our expert stage: bf16 (compiled) or FP8 (fp8, fp8_l4) with the whole pipeline resident."""
+    record = {}
+    if variant in FP8_LEVELS:
+        pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
+        module = getattr(pipe, family.backbones[0].attribute)
+        record["fp8_pipeline_resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        record["umt5_s"] = umt5_seconds(pipe, family, args, device)
+    else:
+        module = one_expert(family, args, device)
+        record["one_expert_weights_gib"] = weights_gib({"expert": module})["expert"]
+    stage = compiled_stage(family, module.eval(), quantized=variant in FP8_LEVELS)
+    inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
+    with torch.no_grad():
+        row = time_call(lambda: stage(**inputs)["latent"], args.calls)
+        if args.profile:
+            row["call_profile"] = kernel_profile(lambda: stage(**inputs), top=25)
+    return {**record, **row, "step_s": row["best_call_s"]}
+
+
+def hook_cache(setting: str) -> HookCache | None:
+    """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' on Wan's
+    blocks; '' as none."""
+    if not setting:
+        return None
+    method, value = setting.split(":")
+    if method in TAYLORSEER_METHODS:
+        return HookCache(method, int(value), 0.0, BLOCK_STACKS)
+    return HookCache(method, 1, float(value), BLOCK_STACKS)
+
+
+def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
+    """One whole video through the torch backend's pipeline, after a two-step call that compiles
+    both experts; the stages' times from its StageTimer."""
+    cache = hook_cache(args.cache)
+    if variant in FP8_LEVELS:
+        pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
+    else:
+        pipe, record = whole_pipeline(family, args, device), {}
+    # The VAE in fp32, as infer_trt.py loads it for Wan (family.decoder_dtype).
+    pipe.vae.to(torch.float32)
+    record["pipeline_resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    stages = family.torch_stages(pipe, torch.bfloat16, cache)
+    # The decoder eager: its 81-frame compile is the vae variant's to time.
+    decoder = stages.pop("vae")
+    stages = torch_backend.speed_up(pipe, family, stages, TorchBackendBlock(compile=True), cuda_graph=False,
+                                    quantized=variant in FP8_LEVELS)
+    stages["vae"] = decoder
+    parts = family.parts_of(pipe)
+    pipeline = family.text_to_image(stages, parts, make_scheduler("unipc", parts["scheduler_config"]), device)
+    frames, height, width = geometry(args, family)
+    chosen = SETTINGS[family.name]
+    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=args.steps or chosen["steps"],
+                                guidance_scale=chosen["guidance"], guidance_scale_2=chosen["guidance_2"],
+                                height=height, width=width, frames=frames, seed=42, cache=cache)
+    warm = dataclasses.replace(settings, steps=2)
+    with torch.no_grad():
+        compile_s = timed_any(lambda: pipeline(warm, StageTimer(device), progress=False), 1)[0]
+        peak_gib(reset=True)
+        timer = StageTimer(device)
+        start = time.perf_counter()
+        video = pipeline(settings, timer, progress=False)
+        synchronize()
+        seconds = time.perf_counter() - start
+    stage = report.latency_report([(seconds, timer.finish())], 1, settings.steps,
+                                  [backbone.graph for backbone in family.backbones])
+    return {**record, "warm_up_two_steps_s": compile_s, "video_s": seconds, "videos_per_s": 1 / seconds,
+            "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
+            "video_peak_gib": peak_gib(),
+            "nonfinite_values": nonfinite_values(video), "steps": settings.steps,
+            "cache": cache.describe() if cache else None}
+
+
+def vae_row(family, args, device: torch.device) -> dict:
+    """One decode of the video's latent: eager fp32 and bf16, then compiled bf16."""
+    from diffusers import AutoencoderKLWan
+
+    vae = built_in(torch.float32, device, lambda: AutoencoderKLWan(**dict(sizes(args, family).vae))).eval()
+    frames, height, width = geometry(args, family)
+    scale = family.vae_scale(dict(vae.config))
+    latent = torch.randn(1, vae.config.z_dim, latent_frames(frames, 4), height // scale, width // scale, device=device)
+    graph = VideoDecoderGraph(vae)
+    row = {}
+    with torch.no_grad():
+        for name, dtype, compiled in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                      ("bf16_compiled", torch.bfloat16, True)):
+            vae.to(dtype)
+            call = torch.compile(graph) if compiled else graph
+            row[name] = time_call(lambda: call(latent.to(dtype)), 1)
+            # So far, in the log: the compiled decode may outlast its lane.
+            print(f"vae {name}: {json.dumps(row[name])}", flush=True)
+    return {**row, "frames_decoded": frames}
+
+
+def split_row(variant: str, family, args, device: torch.device, world: parallel.World) -> dict:
+    """One expert call shared by each group of cfg x ulysses processes, or (1x1) each process's own
+    call side by side with the others'."""
+    cfg, ulysses = (int(part) for part in args.split.split("x"))
+    split = parallel.SampleSplit(cfg, ulysses)
+    place = parallel.place_of(split, world, device)
+    if variant in FP8_LEVELS:
+        pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
+        module = getattr(pipe, family.backbones[0].attribute)
+        # The rest of the pipeline (UMT5, the other expert) off the GPU: the eager whole call's
+        # activations need the room.
+        del pipe
+        gc.collect()
+        torch.cuda.empty_cache()
+    else:
+        module, record = one_expert(family, args, device), {}
+    torch_backend.compiled_backbone_forms(module, family, quantized=variant in FP8_LEVELS)
+    inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
+    stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
+                                   torch.bfloat16)[family.backbones[0].graph]
+    with torch.no_grad():
+        if split.size > 1:
+            whole = stage(**inputs)["latent"]
+            parallel.split_by_sequence([module], place, ulysses)
+            shared = parallel.split_guidance({"expert": stage}, ("expert",), place)["expert"]
+            difference = (shared(**inputs)["latent"] - whole).abs().max().item()
+            record.update(max_abs_difference_split_eager=difference, whole_max_abs=whole.abs().max().item())
+        else:
+            shared = stage
+        use_persistent_rows()
+        stage.graph = torch.compile(stage.graph, **torch_backend.compile_settings(TorchBackendBlock(compile=True)))
+        row = time_call(lambda: shared(**inputs)["latent"], args.calls)
+    rows = parallel.gather(row, world)
+    return {**record, "split": {"cfg": cfg, "ulysses": ulysses, "processes": world.size},
+            "step_s": max(r["best_call_s"] for r in rows), "per_process": rows}
+
+
+def run_variant(variant: str, args) -> tuple[str, dict]:
+    family = FAMILIES[args.model]
+    world = parallel.current_world()
+    device = parallel.rank_device(run_device(), world)
+    parallel.start(world, device)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    if args.split:
+        row, name = split_row(variant, family, args, device, world), f"{variant}_split{args.split}_on{world.size}"
+    elif variant == "vae":
+        row, name = vae_row(family, args, device), variant
+    elif args.whole:
+        row = whole_video_row(variant, family, args, device)
+        name = f"{variant}_video" + (f"_{args.cache.replace(':', '_')}" if args.cache else "")
+    elif variant == "peer":
+        row, name = peer_row(family, args, device), variant
+    else:
+        row, name = ours_row(variant, family, args, device), variant
+    row["wall_s"] = time.perf_counter() - start
+    if world.is_main:
+        print(f"{name}: {json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))})}", flush=True)
+    return name, row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="peer,compiled,fp8_l4",
+                        help=f"comma-separated: peer, compiled, {', '.join(FP8_LEVELS)}, vae")
+    parser.add_argument("--model", default="wan", choices=sorted(FAMILIES))
+    parser.add_argument("--calls", type=int, default=2, help="timed calls after the first")
+    parser.add_argument("--whole", action="store_true", help="ours: a whole video through the pipeline")
+    parser.add_argument("--steps", type=int, default=0, help="--whole: steps (0: the model's settings)")
+    parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>, taylorseer_blocks:<n>, first_block:<t>")
+    parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
+    parser.add_argument("--profile", action="store_true", help="ours: GPU time per kernel of one call")
+    parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
+    parser.add_argument("--variant-timeout", type=float, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in ("peer", "compiled", "vae", *FP8_LEVELS)]
+    if unknown:
+        parser.error(f"unknown variants {unknown}")
+    if one_process_each(args, variants):
+        return
+    quiet_libraries()
+    world = parallel.current_world()
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {
+        "benchmark": "wan_full_size", "model": args.model, "tiny": args.tiny,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": report.library_versions(), "geometry": geometry(args, FAMILIES[args.model]), "variants": {}}
+    if world.is_main:
+        record_variant(results, args.out, variants[0], lambda: run_variant(variants[0], args))
+        print(f"wrote {args.out}")
+    else:
+        run_variant(variants[0], args)
+    parallel.stop(world)
+
+
+if __name__ == "__main__":
+    main()
