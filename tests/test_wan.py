@@ -337,6 +337,34 @@ def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_fp8_attention_past_its_verified_length_runs_in_16_bits_or_is_refused(tmp_path, checkpoints, capsys,
+                                                                              monkeypatch):
+    """A call longer than the family's FP8 attention was verified right on: under attention=auto its
+    attention runs in 16 bits (the GEMMs stay FP8) with a note; attention=fp8 is refused in one line."""
+    from sdquant.families.wan.family import WanT2VFamily
+    from sdquant.runtime.attention import FP8_ATTENTION
+    from sdquant.runtime.kernels.fp8_layers import Fp8Linear
+    from sdquant.workflow import infer_trt
+
+    # tiny_wan's default 9 frames of 32x32: 12 tokens a call.
+    monkeypatch.setattr(WanT2VFamily, "fp8_attention_tokens", 11)
+    fp8 = [f"quantized_backbone={checkpoints['fp8_l4']}", "torch_backend.quantized=fp8", "num_warmup_runs=0"]
+    converted = []
+    original = infer_trt._torch_stages
+    monkeypatch.setattr(infer_trt, "_torch_stages", lambda *args: converted.append(original(*args)) or converted[-1])
+    run_infer(_sampling("tiny_wan", f"out_path={tmp_path / 'auto'}", *fp8))
+    assert "past the 11 it was verified right on for this model" in capsys.readouterr().out
+    experts = [module for name, stage in converted[0].items() if name.startswith("transformer")
+               for module in stage.graph.modules()]
+    assert any(isinstance(module, Fp8Linear) for module in experts)
+    assert not any(hasattr(module, FP8_ATTENTION) for module in experts)
+    assert sorted(path.name for path in (tmp_path / "auto").iterdir())[0] == "latency.json"
+    message = refused_in_one_line(run_infer, _sampling("tiny_wan", f"out_path={tmp_path / 'fp8'}", *fp8,
+                                                       "torch_backend.attention=fp8"), capsys)
+    assert "torch_backend.attention=fp8: FP8 attention over 12 tokens a call is past the 11" in message
+    assert not (tmp_path / "fp8").exists()
+
+
 def test_evaluate_scores_each_frame_motion_and_each_expert(tmp_path, checkpoints):
     report = run_evaluate(compose_config("sd_xl_evaluate", [
         "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={json.dumps(PROMPTS)}",

@@ -234,6 +234,9 @@ class ModelFamily:
         (Flux's and SD3.5's: the AdaLN modulations of every step), by name; none by default."""
         return {}
 
+    # The longest backbone call (tokens) its FP8 attention was verified right on; None: no limit.
+    fp8_attention_tokens: int | None = None
+
     def sequence_tokens(self, parts: dict, geometry) -> int | None:
         """The tokens each backbone call attends over where the family's backbones can be split by
         sequence over processes (parallel.ulysses, diffusers' context parallelism); None where not."""

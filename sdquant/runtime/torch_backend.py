@@ -100,11 +100,13 @@ def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
     return reasons
 
 
-def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
-                         quant_level: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, quant_level: float | None = None,
+                         tokens: int | None = None, verified_tokens: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
     torch_backend.attention asks: auto, every layer the checkpoint calibrated it for; fp16, none;
-    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`)."""
+    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`). Calls of
+    `tokens` past the longest its family's FP8 attention was verified right on (`verified_tokens`)
+    run attention in 16 bits under auto and are refused under fp8."""
     from .kernels.fp8_attention import cuda_kernel_missing
 
     ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
@@ -114,6 +116,14 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
                         "ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
                         "torch_backend.attention=auto")
     if attention == "fp16" or not ranges:
+        return {}
+    if tokens is not None and verified_tokens is not None and tokens > verified_tokens:
+        why = (f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for "
+               "this model (at 75,600 it drew wrong values on an H100: benchmarks/results/"
+               "wan_fp8_attention_length_h100.txt)")
+        if attention == "fp8":
+            raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
+        print(f"note: {named}: {why}; its attention runs in 16 bits (its GEMMs stay FP8)", flush=True)
         return {}
     device = next(backbone.parameters()).device
     missing = cuda_kernel_missing(device) if device.type == "cuda" else None
@@ -153,12 +163,13 @@ class Conversion:
 
 
 def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: str, attention: str = "auto",
-                      quant_level: float | None = None) -> Conversion:
+                      quant_level: float | None = None, tokens: int | None = None) -> Conversion:
     """Replaces every calibrated Linear and Conv2d with the layers of `quantized`'s kernels (fp8 or
     int8, the checkpoint's own format), scales taken from the checkpoint's quantizers, and every
     other quantized module class with its plain torch layer; for FP8, then gives the attention layers
     their fused projections and, as torch_backend.attention asks, FP8 attention (sdquant.runtime.attention)
-    by `family`'s processors. `named`: the config key and value that name the checkpoint, for messages."""
+    by `family`'s processors. `named`: the config key and value that name the checkpoint, for messages;
+    `tokens`: what each call attends over, where the run knows it (fp8_attention_ranges)."""
     from modelopt.torch.quantization.nn import QuantModule
 
     from .attention import convert_attention
@@ -174,7 +185,8 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
         _check_fp8_kernels(backbone, named)
     else:
         _note_int8_on_hopper(backbone, named)
-    attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
+    attention_ranges = (fp8_attention_ranges(backbone, named, attention, quant_level, tokens,
+                                             family.fp8_attention_tokens) if quantized == "fp8" else {})
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in sites:
         amax.setdefault(site.layer, {})[site.role] = site.amax

@@ -102,7 +102,8 @@ def _part_results(cfg, sampling: Sampling, kinds: dict, caches: dict, mine: list
     for name, kind in kinds.items():
         with stage(f"the runs of variant {name}"):
             backbones, modules = _variant_backbones(cfg, name, kind, reference_backbones,
-                                                    family.backbone_modules(pipe), device, dtype)
+                                                    family.backbone_modules(pipe), device, dtype,
+                                                    family.sequence_tokens(sampling.parts, sampling.geometry))
             if caches[name] is not None:
                 cached = family.cache_stages(modules, dtype, caches[name])
                 # A cache hook runs the backbone's own stage under it; DeepCache adds its passes.
@@ -220,9 +221,9 @@ def _variant_kind(model, name: str, source: str | None) -> str:
 
 
 def _variant_backbones(cfg, name: str, kind: str, reference_backbones: dict, reference_modules: dict,
-                       device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+                       device: torch.device, dtype: torch.dtype, tokens: int | None) -> tuple[dict, dict]:
     """The backbone stages a variant runs, by graph, and its modules, by attribute, where it runs
-    modules (for a step cache)."""
+    modules (for a step cache); `tokens`: what each backbone call attends over, where known."""
     source = cfg.variants[name]
     family = family_of(cfg.model.family)
     if kind == "unquantized":
@@ -246,5 +247,5 @@ def _variant_backbones(cfg, name: str, kind: str, reference_backbones: dict, ref
             from ..runtime import torch_backend
 
             torch_backend.convert_quantized(module, family, f"variants.{name}={source}", kernels.quantized,
-                                            kernels.attention, record["settings"]["quantize"]["quant_level"])
+                                            kernels.attention, record["settings"]["quantize"]["quant_level"], tokens)
     return family.backbone_stages(modules, dtype), modules

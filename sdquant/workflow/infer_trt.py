@@ -283,7 +283,8 @@ def _torch_stages(cfg, sampling: Sampling, device: torch.device, place: parallel
             if cfg.torch_backend.quantized != "fake":
                 torch_backend.convert_quantized(backbone, family, f"{checkpoint_key}={checkpoint}",
                                                 cfg.torch_backend.quantized, cfg.torch_backend.attention,
-                                                record["settings"]["quantize"]["quant_level"])
+                                                record["settings"]["quantize"]["quant_level"],
+                                                family.sequence_tokens(sampling.parts, sampling.geometry))
     if place is not None:
         parallel.split_by_sequence(backbones.values(), place, cfg.parallel.ulysses)
     stages = family.torch_stages(pipe, dtype, sampling.cache)

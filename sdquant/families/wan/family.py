@@ -210,6 +210,11 @@ class WanFamily(ModelFamily):
     def size_multiple(self, vae_scale: int) -> int:
         return vae_scale * 2
 
+    # An A14B block's FP8 attention came 5% from bf16 at 7,200 tokens and 49% at 75,600 (720p, 81
+    # frames) on an H100, for a cause not found yet (benchmarks/results/wan_fp8_attention_length_h100.txt):
+    # longer calls run attention in 16 bits.
+    fp8_attention_tokens = 7200
+
     def sequence_tokens(self, parts: dict, geometry) -> int:
         scale = self.vae_scale(parts["vae_config"])
         return latent_tokens(latent_frames(geometry.frames, TEMPORAL_SCALE), geometry.height // scale,
