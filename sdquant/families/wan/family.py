@@ -211,8 +211,10 @@ class WanFamily(ModelFamily):
         return vae_scale * 2
 
     # An A14B block's FP8 attention came 5% from bf16 at 7,200 tokens and 49% at 75,600 (720p, 81
-    # frames) on an H100, for a cause not found yet (benchmarks/results/wan_fp8_attention_length_h100.txt):
-    # longer calls run attention in 16 bits.
+    # frames) on an H100: its values' shared part was lost in the FP8 accumulator, which taking their
+    # mean out now mends (0.1% on that block's attention, runtime.attention.Fp8Attention); until the
+    # mended path has run tests/test_wan_gpu.py, longer calls run attention in 16 bits
+    # (benchmarks/results/wan_fp8_attention_length_h100.txt).
     fp8_attention_tokens = 7200
 
     def sequence_tokens(self, parts: dict, geometry) -> int:
