@@ -160,11 +160,11 @@ def render(scenes: list[Scene | TwoObjectScene], seed: int | None = None) -> np.
             if rng is not None:
                 cx, cy = np.array([cx, cy]) + rng.integers(-POSITION_JITTER, POSITION_JITTER + 1, size=2)
                 half += int(rng.integers(-SIZE_JITTER, SIZE_JITTER + 1))
-            images[index][_shape_mask(shape, xs - cx, ys - cy, half)] = COLOURS[colour]
+            images[index][shape_mask(shape, xs - cx, ys - cy, half)] = COLOURS[colour]
     return images
 
 
-def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, half: float) -> np.ndarray:
+def shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, half: float) -> np.ndarray:
     if shape == "circle":
         return dx ** 2 + dy ** 2 <= half ** 2
     if shape == "square":
