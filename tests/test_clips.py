@@ -84,3 +84,26 @@ def test_a_prompt_never_captioned_is_scored_as_missed(prompt, unknown):
 def test_a_prompt_that_is_no_clip_caption_is_not_scorable():
     video = clips.render([clips.Clip("circle", "red", "from left to right", "slowly", "white")])[0] / 255.0
     assert clips.score(video, "a photo of a cat") == {"scorable": False}
+
+
+def test_evaluate_reads_each_videos_attributes_motion_and_temporal_figures(tmp_path, model_cache):
+    """evaluate.py on a video model at the clips' size: every clip caption is scored by the clip
+    detector (a random-weight model draws none of them right), the temporal figures are reported."""
+    import json
+
+    from sdquant.workflow.evaluate import run_evaluate
+
+    from conftest import compose_config
+
+    prompts = [clips.Clip("circle", "red", "from left to right", "slowly", "white").caption(),
+               "a red circle moving diagonally, white background", "a photo of a cat"]
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={json.dumps(prompts)}",
+        "sampling.steps=2", "sampling.width=64", "sampling.height=64", "sampling.num_frames=9",
+        "+variants.self=null"]))
+    adherence = next(iter(report["adherence"].values()))
+    assert (adherence["scored"], adherence["not_scorable"]) == (2, 1)
+    assert {"direction", "speed"} <= set(adherence["attributes"]) and adherence["mean"]["all"] == 0.0
+    assert set(adherence["temporal"]) == {"identity_kept", "jitter", "flicker"}
+    assert adherence["per_prompt"][1]["never_captioned"]["direction"] == ["diagonally"]
+    assert "Over time (the clip detector)" in (tmp_path / "quality.md").read_text()

@@ -47,6 +47,12 @@ HELD_OUT_SEED = 2027
 PATH_JITTER = 2
 # What a one-object prompt that says no speed reports as its unknown speed.
 NO_SPEED = "(none)"
+# What score() checks, one-object clips all but the lane, two-object clips all but the speed.
+ATTRIBUTES = ("shape", "colour", "direction", "speed", "lane", "background")
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def _sideways(direction: str) -> bool:
@@ -64,7 +70,8 @@ class Clip:
     objects = 1
 
     def caption(self) -> str:
-        return f"a {self.colour} {self.shape} moving {self.speed} {self.direction}, {self.background} background"
+        return f"{_article(self.colour)} {self.colour} {self.shape} moving {self.speed} {self.direction}, " \
+               f"{self.background} background"
 
     def paths(self) -> list[tuple[str, str, tuple[float, float], tuple[float, float]]]:
         """(shape, colour, start centre, end centre) of each object, in pixels."""
@@ -81,7 +88,7 @@ class Mover:
     direction: str
 
     def phrase(self) -> str:
-        return f"a {self.colour} {self.shape} {LANE_PHRASES[self.lane]} moving {self.direction}"
+        return f"{_article(self.colour)} {self.colour} {self.shape} {LANE_PHRASES[self.lane]} moving {self.direction}"
 
 
 @dataclass(frozen=True)
@@ -315,9 +322,10 @@ def score(video: np.ndarray, prompt: str) -> dict:
     """Per attribute, whether a (frames, 64, 64, 3) clip in [0, 1] shows what the prompt asks, and
     "all"; the temporal figures (identity kept, the tracks' jitter, the background's flicker). A
     clip caption with a word never captioned is scored, as missed; a prompt that is no clip
-    caption is not scorable."""
+    caption, or a video of another size, is not scorable."""
     wanted = parse_caption(prompt)
-    if wanted is None:
+    # The directions, speeds and lanes are read in the renderer's pixels.
+    if wanted is None or video.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
         return {"scorable": False}
     background, found = tracks(video, 1 if isinstance(wanted, Clip) else 2)
     temporal = {"identity_kept": all(track.changed == 0 and None not in track.centres for track in found),

@@ -169,20 +169,42 @@ def adherence(images: torch.Tensor, prompts: list[str]) -> list[dict]:
 OBJECT_COLUMNS = {1: "one_object", 2: "two_objects"}
 
 
-def adherence_summary(rows: list[dict]) -> dict:
-    """Share of scorable prompts with each attribute right, and with all of them right."""
-    from .scenes import ATTRIBUTES
+def video_adherence(videos: torch.Tensor, prompts: list[str]) -> list[dict]:
+    """Per video (N, F, 3, H, W), which of the prompt's attributes and motion it shows, and its
+    temporal figures (see clips.score)."""
+    from .clips import score
 
+    return [score(to_pixels(video), prompt) for video, prompt in zip(videos, prompts)]
+
+
+def _attributes(rows: list[dict]) -> tuple[str, ...]:
+    """The attributes the rows were scored on: the scene detector's, and the clip detector's motion."""
+    from .clips import ATTRIBUTES as CLIP_ATTRIBUTES
+    from .scenes import ATTRIBUTES as SCENE_ATTRIBUTES
+
+    return tuple(name for name in dict.fromkeys(SCENE_ATTRIBUTES + CLIP_ATTRIBUTES) if any(name in row for row in rows))
+
+
+# The clip detector's temporal figures, averaged over the scored videos where there are any.
+TEMPORAL = ("identity_kept", "jitter", "flicker")
+
+
+def adherence_summary(rows: list[dict]) -> dict:
+    """Share of scorable prompts with each attribute right, and with all of them right; for videos
+    also the temporal figures' means."""
     scored = [row for row in rows if row["scorable"]]
 
     def share(name: str, objects: int | None = None) -> float | None:
         # A two-object prompt has no size to score; each share counts the prompts that have one.
-        values = [float(row[name]) for row in scored if name in row and objects in (None, row["objects"])]
+        values = [float(row[name]) for row in scored if name in row and objects in (None, row.get("objects"))]
         return statistics.fmean(values) if values else None
 
-    means = {name: share(name) for name in (*ATTRIBUTES, "all")}
+    attributes = _attributes(scored)
+    means = {name: share(name) for name in (*attributes, "all")}
     means.update({column: share("all", objects) for objects, column in OBJECT_COLUMNS.items()})
-    return {"scored": len(scored), "not_scorable": len(rows) - len(scored), "mean": means, "per_prompt": rows}
+    temporal = {name: share(name) for name in TEMPORAL if any(name in row for row in scored)}
+    return {"scored": len(scored), "not_scorable": len(rows) - len(scored), "attributes": list(attributes),
+            "mean": means, **({"temporal": temporal} if temporal else {}), "per_prompt": rows}
 
 
 @dataclass
@@ -272,12 +294,12 @@ class ImageScores:
 
 
 class VideoScores(ImageScores):
-    """A video family's samples (N, F, 3, H, W): PSNR/SSIM and the optional metrics over every frame,
-    the temporal PSNR, and the middle frame as the grid's cell. The scene detector reads images: no
-    prompt of a video is scored for adherence (not scorable)."""
+    """A video family's samples (N, F, 3, H, W): adherence and motion read by the clip detector,
+    PSNR/SSIM and the optional metrics over every frame, the temporal PSNR, and the middle frame as
+    the grid's cell."""
 
     def adherence(self, samples: torch.Tensor, prompts: list[str]) -> list[dict]:
-        return [{"prompt": prompt, "scorable": False} for prompt in prompts]
+        return [{"prompt": prompt, **row} for prompt, row in zip(prompts, video_adherence(samples, prompts))]
 
     def score(self, reference: torch.Tensor, candidate: torch.Tensor, prompts: list[str],
               optional: list[OptionalMetric]) -> list[dict]:
@@ -320,7 +342,9 @@ def build_report(variants: dict[str, VariantScores], reference_clip: list[float]
                           **{name: adherence_summary(scores.adherence) for name, scores in variants.items()}}
     if not adherence_by_model[reference]["scored"]:
         notes = notes + ["prompt adherence not scored: no prompt is a scene caption such as "
-                         "'a small red circle on the left, white background' (model=scenes_sdxl's language)"]
+                         "'a small red circle on the left, white background' (model=scenes_sdxl's language) or, "
+                         "for a 64x64 video, a clip caption such as 'a red circle moving slowly from left to right, "
+                         "white background'"]
     return {
         "reference": {"name": reference, "clip": reference_clip},
         "variants": {name: {"source": scores.source, "mean": scores.means(), "per_prompt": scores.per_prompt,
@@ -340,25 +364,32 @@ def _percent(value) -> str:
 def _adherence_lines(adherence: dict, reference_name: str) -> list[str]:
     """The adherence table (share of prompts with each attribute right) and, per prompt, what
     each model got wrong."""
-    from .scenes import ATTRIBUTES
-
     reference = adherence[reference_name]
     if not reference["scored"]:
         return []
+    attributes = reference["attributes"]
     lines = ["", "## Prompt adherence", "",
-             f"Attributes read back from each image by the scene detector, on {reference['scored']} scene prompts"
-             + (f" ({reference['not_scorable']} not scorable)" if reference["not_scorable"] else "") + ".", "",
-             "| model | " + " | ".join(ATTRIBUTES) + " | all attributes | one object: all | two objects: all |",
-             "| --- |" + " --- |" * (len(ATTRIBUTES) + 3)]
+             f"Attributes read back from each sample by the scene (or clip) detector, on {reference['scored']} "
+             "scene prompts" + (f" ({reference['not_scorable']} not scorable)" if reference["not_scorable"] else "")
+             + ".", "",
+             "| model | " + " | ".join(attributes) + " | all attributes | one object: all | two objects: all |",
+             "| --- |" + " --- |" * (len(attributes) + 3)]
     for name, summary in adherence.items():
-        lines.append(f"| {name} | " + " | ".join(_percent(summary["mean"][key])
-                                                 for key in (*ATTRIBUTES, "all", *OBJECT_COLUMNS.values())) + " |")
+        lines.append(f"| {name} | " + " | ".join(_percent(summary["mean"].get(key))
+                                                 for key in (*attributes, "all", *OBJECT_COLUMNS.values())) + " |")
+    if "temporal" in reference:
+        lines += ["", "Over time (the clip detector): share of videos whose every object keeps its colour and shape in "
+                  "every frame, the tracks' largest distance from a straight line (pixels) and the background's mean "
+                  "change between frames (levels): " + "; ".join(
+                      f"{name} {_percent(summary['temporal']['identity_kept'])}, "
+                      f"{_cell(summary['temporal']['jitter'])} px, {_cell(summary['temporal']['flicker'])}"
+                      for name, summary in adherence.items()) + "."]
     lines += ["", "| prompt | " + " | ".join(adherence) + " |", "| --- |" + " --- |" * len(adherence)]
     for index, row in enumerate(reference["per_prompt"]):
         cells = []
         for summary in adherence.values():
             result = summary["per_prompt"][index]
-            wrong = [key for key in ATTRIBUTES if key in result and not result[key]]
+            wrong = [key for key in attributes if key in result and not result[key]]
             cells.append("not scorable" if not result["scorable"] else ("right" if not wrong else
                                                                         "wrong " + ", ".join(wrong)))
         lines.append(f"| {row.get('prompt', index)} | " + " | ".join(cells) + " |")
