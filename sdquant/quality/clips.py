@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scenes import BACKGROUNDS, COLOURS, IMAGE_SIZE, SHAPES, SIZES, shape_mask, detect_objects
+from .scenes import (BACKGROUNDS, COLOURS, IMAGE_SIZE, SHAPES, SIZES, detect_objects, seeded_draw, seeded_pick,
+                     shape_mask)
 
 # 4k + 1 frames, as the Wan VAE takes them (a first frame, then 4 a latent frame).
 FRAMES = 9
@@ -134,9 +135,7 @@ def all_clips(objects: int = 1) -> list[Clip] | list[TwoObjectClip]:
 
 def held_out_combinations() -> set[tuple[str, str, str]]:
     """The (colour, shape, direction) combinations one-object training never sees, fixed by a seed."""
-    combinations = list(itertools.product(COLOURS, SHAPES, DIRECTIONS))
-    picked = np.random.default_rng(HELD_OUT_SEED).choice(len(combinations), HELD_OUT_COUNT, replace=False)
-    return {combinations[i] for i in sorted(picked)}
+    return seeded_pick(list(itertools.product(COLOURS, SHAPES, DIRECTIONS)), HELD_OUT_COUNT, HELD_OUT_SEED)
 
 
 def held_out_pairs() -> set[tuple[str, str, str, str]]:
@@ -145,8 +144,7 @@ def held_out_pairs() -> set[tuple[str, str, str, str]]:
     pairs = [(a, direction_a, b, direction_b) for a, b in itertools.permutations(COLOURS, 2)
              for direction_a in DIRECTIONS for direction_b in DIRECTIONS
              if _sideways(direction_a) == _sideways(direction_b)]
-    picked = np.random.default_rng(HELD_OUT_SEED).choice(len(pairs), HELD_OUT_PAIRS, replace=False)
-    return {pairs[i] for i in sorted(picked)}
+    return seeded_pick(pairs, HELD_OUT_PAIRS, HELD_OUT_SEED)
 
 
 def is_held_out(clip: Clip | TwoObjectClip) -> bool:
@@ -161,10 +159,7 @@ def split(held_out: bool, objects: int = 1) -> list[Clip] | list[TwoObjectClip]:
 
 def sample(count: int, seed: int, held_out: bool = False, objects: int = 1) -> list[Clip] | list[TwoObjectClip]:
     """`count` clips drawn from one split, deterministic by seed; without repeats while they last."""
-    pool = split(held_out, objects)
-    rng = np.random.default_rng(seed)
-    order = [i for _ in range(-(-count // len(pool))) for i in rng.permutation(len(pool))]
-    return [pool[i] for i in order[:count]]
+    return seeded_draw(split(held_out, objects), count, seed)
 
 
 def render(clips: list[Clip | TwoObjectClip], frames: int = FRAMES, seed: int | None = None) -> np.ndarray:

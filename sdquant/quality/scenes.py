@@ -111,11 +111,22 @@ def all_scenes(objects: int = 1) -> list[Scene] | list[TwoObjectScene]:
             in itertools.product(itertools.permutations(COLOURS, 2), SHAPES, SHAPES, PLACEMENTS, BACKGROUNDS)]
 
 
+def seeded_pick(items: list, count: int, seed: int) -> set:
+    """`count` of `items`, picked without repeats, fixed by a seed."""
+    picked = np.random.default_rng(seed).choice(len(items), count, replace=False)
+    return {items[i] for i in sorted(picked)}
+
+
+def seeded_draw(pool: list, count: int, seed: int) -> list:
+    """`count` of `pool` in an order fixed by a seed, without repeats while they last."""
+    rng = np.random.default_rng(seed)
+    order = [i for _ in range(-(-count // len(pool))) for i in rng.permutation(len(pool))]
+    return [pool[i] for i in order[:count]]
+
+
 def held_out_combinations() -> set[tuple[str, str, str]]:
     """The (colour, shape, position) combinations training never sees, fixed by a seed."""
-    combinations = list(itertools.product(COLOURS, SHAPES, POSITIONS))
-    picked = np.random.default_rng(HELD_OUT_SEED).choice(len(combinations), HELD_OUT_COUNT, replace=False)
-    return {combinations[i] for i in sorted(picked)}
+    return seeded_pick(list(itertools.product(COLOURS, SHAPES, POSITIONS)), HELD_OUT_COUNT, HELD_OUT_SEED)
 
 
 def held_out_colour_orders() -> set[tuple[str, str]]:
@@ -140,10 +151,7 @@ def split(held_out: bool, objects: int = 1) -> list[Scene] | list[TwoObjectScene
 
 def sample(count: int, seed: int, held_out: bool = False, objects: int = 1) -> list[Scene] | list[TwoObjectScene]:
     """`count` scenes drawn from one split, deterministic by seed; without repeats while they last."""
-    pool = split(held_out, objects)
-    rng = np.random.default_rng(seed)
-    order = [i for _ in range(-(-count // len(pool))) for i in rng.permutation(len(pool))]
-    return [pool[i] for i in order[:count]]
+    return seeded_draw(split(held_out, objects), count, seed)
 
 
 def render(scenes: list[Scene | TwoObjectScene], seed: int | None = None) -> np.ndarray:
