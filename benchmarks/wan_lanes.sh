@@ -21,7 +21,8 @@ lane() {  # lane <name> <gpus> <command>...: the commands one after another on t
         for command in "$@"; do
             echo "$(date +%T) start: $command"
             bash -c "$command"
-            echo "$(date +%T) exit $?"
+            code=$?  # read before the echo: its $(date) would reset $?
+            echo "$(date +%T) exit $code"
         done
     ) >> "$root/$name.log" 2>&1
 }
@@ -36,8 +37,8 @@ phases() {
         "$bench --variants vae --out $results/wan_vae_h100.json" &
     lane two_gpus 2,3 "$torchrun --nproc_per_node=2 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x1 --out $results/wan_split_cfg2_h100x2.json" &
     wait
-    lane four_gpus 0,1,2,3 "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x2 --out $results/wan_split_h100x4.json" \
-        "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 1x1 --out $results/wan_split_h100x4.json"
+    lane four_gpus 0,1,2,3 "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x2 --out $results/wan_split_cfg2_ulysses2_and_data_parallel_h100x4.json" \
+        "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 1x1 --out $results/wan_split_cfg2_ulysses2_and_data_parallel_h100x4.json"
     lane one_gpu_0 0 "$bench --variants fp8 --out $results/wan_a14b_fp8_l3_h100.json"
     touch "$root/done"
 }
