@@ -172,12 +172,15 @@ def record_variant(results: dict, out: Path, variant: str, run) -> None:
 
 
 def timed(fn, runs: int) -> list[float]:
+    """`fn()`'s seconds over `runs` calls, each synchronized where a GPU runs it (a CPU dry run
+    needs no wait)."""
+    wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     seconds = []
     for _ in range(runs):
-        torch.cuda.synchronize()
+        wait()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        wait()
         seconds.append(time.perf_counter() - start)
     return seconds
 

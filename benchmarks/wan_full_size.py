@@ -46,6 +46,7 @@ import argparse
 import gc
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families.base import built_in
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.wan import WAN, WAN_TI2V
-from sdquant.families.wan.family import BLOCK_STACKS, expert
+from sdquant.families.wan.family import BLOCK_STACKS, TEMPORAL_SCALE, expert
 from sdquant.families.wan.flow import latent_frames, latent_tokens
 from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
 from sdquant.load import quiet_libraries
@@ -127,7 +128,7 @@ def expert_inputs(family, module, args, batch: int, device: torch.device, dtype:
     per latent token where the family expands it) and UMT5-sized text states."""
     frames, height, width = geometry(args, family)
     scale = family.vae_scale(dict(sizes(args, family).vae))
-    shape = (latent_frames(frames, 4), height // scale, width // scale)
+    shape = (latent_frames(frames, TEMPORAL_SCALE), height // scale, width // scale)
     generator = torch.Generator(device).manual_seed(0)
     tokens = latent_tokens(*shape)
     timestep = torch.full((batch, tokens) if family.expand_timesteps else (batch,), 500.0, device=device)
@@ -184,22 +185,10 @@ def time_call(call, calls: int) -> dict:
     def keep():
         last[0] = call()
 
-    first = timed_any(keep, 1)[0]
-    seconds = timed_any(keep, calls)
+    first = timed(keep, 1)[0]
+    seconds = timed(keep, calls)
     return {"first_call_s": first, "call_s": seconds, "best_call_s": min(seconds), "call_peak_gib": peak_gib(),
             "nonfinite_values": nonfinite_values(last[0])}
-
-
-def timed_any(fn, runs: int) -> list[float]:
-    """timed() on a GPU; on the CPU (the dry run) the same without synchronizing."""
-    if torch.cuda.is_available():
-        return timed(fn, runs)
-    seconds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return seconds
 
 
 def peer_row(family, args, device: torch.device) -> dict:
@@ -277,7 +266,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
                                 height=height, width=width, frames=frames, seed=42, cache=cache)
     warm = dataclasses.replace(settings, steps=2)
     with torch.no_grad():
-        compile_s = timed_any(lambda: pipeline(warm, StageTimer(device), progress=False), 1)[0]
+        compile_s = timed(lambda: pipeline(warm, StageTimer(device), progress=False), 1)[0]
         peak_gib(reset=True)
         timer = StageTimer(device)
         start = time.perf_counter()
@@ -300,7 +289,7 @@ def vae_row(family, args, device: torch.device) -> dict:
     vae = built_in(torch.float32, device, lambda: AutoencoderKLWan(**dict(sizes(args, family).vae))).eval()
     frames, height, width = geometry(args, family)
     scale = family.vae_scale(dict(vae.config))
-    latent = torch.randn(1, vae.config.z_dim, latent_frames(frames, 4), height // scale, width // scale, device=device)
+    latent = torch.randn(1, vae.config.z_dim, latent_frames(frames, TEMPORAL_SCALE), height // scale, width // scale, device=device)
     graph = VideoDecoderGraph(vae)
     row = {}
     with torch.no_grad():
@@ -387,13 +376,20 @@ def main() -> None:
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours: GPU time per kernel of one call")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
-    parser.add_argument("--variant-timeout", type=float, default=0)
+    parser.add_argument("--variant-timeout", type=float, default=0,
+                        help="with several variants, seconds after which a variant's process is stopped (0: none)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in ("peer", "compiled", "vae", *FP8_LEVELS)]
     if unknown:
         parser.error(f"unknown variants {unknown}")
+    if (args.split or args.whole) and any(v in ("peer", "vae") for v in variants):
+        parser.error("--split and --whole run our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.split and not re.fullmatch(r"[12]x\d+", args.split):
+        parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
+    if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+|first_block:[\d.]+", args.cache):
+        parser.error(f"--cache {args.cache}: give taylorseer:<n>, taylorseer_blocks:<n> or first_block:<threshold>")
     if one_process_each(args, variants):
         return
     quiet_libraries()

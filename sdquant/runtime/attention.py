@@ -43,6 +43,11 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         self.register_buffer("out_inverse_scale", reader.input_inverse_scale.clone())
         self.register_buffer("out_scale", reader.input_scale.clone())
 
+    # Where the values go in less their mean over the tokens (see forward): the device types whose
+    # FP8 attention adds P.V into an accumulator that can lose their shared part (Hopper's tensor
+    # cores); the CPU twin sums in fp32 and stays ModelOpt's computation.
+    centred_on = ("cuda",)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output.
 
@@ -52,14 +57,18 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         whose sum grows with each block, stops being added once that sum dwarfs a block's share:
         at 75,600 tokens an A14B block's attention kept 57% of its output's size, and came 0.1%
         from exact attention with the mean taken out (benchmarks/results/
-        wan_fp8_attention_length_h100.txt). The CPU twin sums in fp32 and stays ModelOpt's
-        computation."""
-        mean = value.float().mean(dim=2, keepdim=True) if value.is_cuda else None
-        out = fp8_attention(
-            to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale),
-            to_fp8(value if mean is None else value.float() - mean, self.v_inverse_scale),
-            self.q_scale, self.k_scale, self.v_scale, query.shape[-1] ** -0.5, self.out_inverse_scale)
-        return out if mean is None else to_fp8(out.float() * self.out_scale + mean, self.out_inverse_scale)
+        wan_fp8_attention_length_h100.txt). Values on both sides of their mean spread up to twice
+        their calibrated range, and so does their attention: both are rounded in ranges twice as
+        wide, which in E4M3 costs no precision above its subnormals."""
+        q8, k8 = to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale)
+        softmax_scale = query.shape[-1] ** -0.5
+        if value.device.type not in self.centred_on:
+            return fp8_attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
+                                 self.v_scale, softmax_scale, self.out_inverse_scale)
+        mean = value.mean(dim=2, keepdim=True, dtype=torch.float32)
+        centred = fp8_attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
+                                self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2)
+        return to_fp8(centred.float() * (self.out_scale * 2) + mean, self.out_inverse_scale)
 
     def dequantize(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """For a reader that takes it in the model's precision: its FP8 input quantizer rounds these

@@ -100,6 +100,23 @@ def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
     return reasons
 
 
+def past_verified_length(tokens: int | None, verified_tokens: int | None) -> str | None:
+    """Why calls of `tokens` run no FP8 attention, where they are longer than the family's FP8
+    attention was verified right on (ModelFamily.fp8_attention_tokens); None where they may."""
+    if tokens is None or verified_tokens is None or tokens <= verified_tokens:
+        return None
+    return (f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for "
+            "this model")
+
+
+def check_attention_length(block, family, tokens: int | None) -> None:
+    """Refuses torch_backend.attention=fp8 (`block`) for calls past the family's verified length,
+    before anything is loaded."""
+    why = past_verified_length(tokens, family.fp8_attention_tokens)
+    if block.quantized == "fp8" and block.attention == "fp8" and why:
+        raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
+
+
 def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, quant_level: float | None = None,
                          tokens: int | None = None, verified_tokens: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
@@ -117,10 +134,8 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, 
                         "torch_backend.attention=auto")
     if attention == "fp16" or not ranges:
         return {}
-    if tokens is not None and verified_tokens is not None and tokens > verified_tokens:
-        why = (f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for "
-               "this model (at 75,600 it drew wrong values on an H100: benchmarks/results/"
-               "wan_fp8_attention_length_h100.txt)")
+    why = past_verified_length(tokens, verified_tokens)
+    if why:
         if attention == "fp8":
             raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
         print(f"note: {named}: {why}; its attention runs in 16 bits (its GEMMs stay FP8)", flush=True)

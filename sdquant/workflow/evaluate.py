@@ -40,6 +40,11 @@ def run_evaluate(cfg) -> dict:
         key = f"variant_cache.{name}" if name in cfg.variant_cache else "sampling.cache"
         caches[name] = checked_cache(OmegaConf.select(cfg, key), key, cfg.model, sampling.parts,
                                      "modules" if kind in ("unquantized", "checkpoint") else "one file")
+    if "checkpoint" in kinds.values():
+        from ..runtime.torch_backend import check_attention_length
+
+        check_attention_length(cfg.torch_backend, sampling.family,
+                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry))
     runs = [dataclasses.replace(settings, cache=None) for settings in sampling.runs]
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)

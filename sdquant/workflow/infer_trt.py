@@ -65,6 +65,11 @@ def run_infer(cfg) -> dict:
     sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
     report.require_writer(sampling.family.output, cfg.model.name)
     files = stage_files(cfg, sampling)
+    if cfg.backend == "torch":
+        from ..runtime.torch_backend import check_attention_length
+
+        check_attention_length(cfg.torch_backend, sampling.family,
+                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry))
     world = parallel.current_world()
     split = checked_split(cfg, sampling, world)
     device = parallel.rank_device(resolve_device(cfg.device), world)
