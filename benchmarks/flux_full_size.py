@@ -104,14 +104,14 @@ def build_variant(family, variant: str) -> tuple[object, dict]:
     return pipe, setup
 
 
-def hook_cache(setting: str) -> HookCache | None:
+def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
     """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' as a
-    cache hook; '' as none."""
+    cache hook on a transformer of these block lists (Flux's by default); '' as none."""
     if not setting:
         return None
     method, value = setting.split(":")
-    return (HookCache(method, int(value), 0.0, flux.BLOCK_STACKS) if method in TAYLORSEER_METHODS
-            else HookCache(method, 1, float(value), flux.BLOCK_STACKS))
+    return (HookCache(method, int(value), 0.0, stacks) if method in TAYLORSEER_METHODS
+            else HookCache(method, 1, float(value), stacks))
 
 
 def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False,

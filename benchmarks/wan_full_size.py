@@ -63,9 +63,9 @@ from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
-from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 from sdquant.runtime.compiled_forms import use_persistent_rows
 from sdquant.runtime.stages import StageTimer
+from flux_full_size import hook_cache
 from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
 
 PROMPT = "a red fox running through fresh snow in a pine forest at dawn, cinematic"
@@ -229,21 +229,10 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
     return {**record, **row, "step_s": row["best_call_s"]}
 
 
-def hook_cache(setting: str) -> HookCache | None:
-    """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' on Wan's
-    blocks; '' as none."""
-    if not setting:
-        return None
-    method, value = setting.split(":")
-    if method in TAYLORSEER_METHODS:
-        return HookCache(method, int(value), 0.0, BLOCK_STACKS)
-    return HookCache(method, 1, float(value), BLOCK_STACKS)
-
-
 def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     """One whole video through the torch backend's pipeline, after a two-step call that compiles
     both experts; the stages' times from its StageTimer."""
-    cache = hook_cache(args.cache)
+    cache = hook_cache(args.cache, BLOCK_STACKS)
     if variant in FP8_LEVELS:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
     else:

@@ -307,6 +307,33 @@ class ModelFamily:
         return pipe
 
 
+class HookCaching:
+    """Step caching through diffusers' cache hooks on the backbones (First Block Cache, TaylorSeer),
+    for a family whose transformers take them: each backbone's stage hooked on its own module, so
+    each keeps its own hook state. The family names its block lists (`hook_block_stacks`)."""
+
+    cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
+    # The backbone's block lists, in the order its forward runs them.
+    hook_block_stacks: tuple[str, ...]
+
+    def step_cache(self, block):
+        from ..runtime.cache_hooks import HookCache
+
+        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
+                                                             self.hook_block_stacks)
+
+    def cache_stages(self, modules: dict, dtype, cache) -> dict:
+        from ..runtime.cache_hooks import HookedStage
+
+        stages = self.backbone_stages(modules, dtype)
+        return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute], cache)
+                for backbone in self.backbones}
+
+    def release_cache(self, backbone) -> None:
+        if backbone.is_cache_enabled:
+            backbone.disable_cache()
+
+
 def built_in(dtype: torch.dtype, device: torch.device, build):
     """`build()`'s modules created directly in `dtype` on `device` (the meta device: their sizes
     alone)."""

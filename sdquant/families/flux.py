@@ -20,7 +20,7 @@ import torch
 
 from ..quantize.recipe import LayerGroup, LevelTable
 from . import components
-from .base import SEED, Backbone, ModelFamily, vae_scale_factor
+from .base import SEED, Backbone, HookCaching, ModelFamily, vae_scale_factor
 from .encoders import ClipGraph, T5Graph, VaeDecoderGraph, clip_network, t5_network
 from ..graphs.networks import BATCH, HEIGHT, TEXT_TOKENS, TOKENS, VAE, WIDTH, Network, Role
 from .pipeline import SamplingSettings, TextToImage, padded_ids, say_truncated, t5_dropped_words
@@ -465,10 +465,10 @@ TRANSFORMER = Backbone("transformer", "transformer")
 BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(HookCaching, ModelFamily):
     name = "flux"
     backbones = (TRANSFORMER,)
-    cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
+    hook_block_stacks = BLOCK_STACKS
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     components = ("text_encoder", "text_encoder_2", "transformer", "vae")
     # As diffusers runs Flux.1: its activations overflow fp16.
@@ -546,12 +546,6 @@ class FluxFamily(ModelFamily):
 
     # --- running it ----------------------------------------------------------------------------
 
-    def step_cache(self, block):
-        from ..runtime.cache_hooks import HookCache
-
-        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
-                                                             BLOCK_STACKS)
-
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
         from ..runtime.stages import TorchStage
 
@@ -568,16 +562,6 @@ class FluxFamily(ModelFamily):
         from ..runtime.stages import TorchStage
 
         return TorchStage(TransformerGraph(backbone), transformer_network(backbone.config.guidance_embeds), dtype)
-
-    def cache_stages(self, modules: dict, dtype, cache) -> dict:
-        from ..runtime.cache_hooks import HookedStage
-
-        backbone = modules[TRANSFORMER.attribute]
-        return {TRANSFORMER.graph: HookedStage(self.backbone_stage(backbone, dtype), backbone, cache)}
-
-    def release_cache(self, backbone) -> None:
-        if backbone.is_cache_enabled:
-            backbone.disable_cache()
 
     def use_family_forms(self, backbone) -> None:
         from ..runtime.step_modulations import use_step_modulations

@@ -13,7 +13,7 @@ from ...errors import UserError
 from ...graphs.geometry import SampleGeometry
 from ...quantize.recipe import LayerGroup, LevelTable
 from .. import components
-from ..base import SEED, Backbone, ModelFamily
+from ..base import SEED, Backbone, HookCaching, ModelFamily
 from .flow import WanTextToVideo, latent_frames, latent_tokens, text_tokens
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 
@@ -117,13 +117,13 @@ EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "tr
 BLOCK_STACKS = ("blocks",)
 
 
-class WanFamily(ModelFamily):
+class WanFamily(HookCaching, ModelFamily):
     """Wan2.2 text-to-video: UMT5, one or two experts, the Wan VAE, UniPC over flow sigmas. Each
     model kind is a subclass that says its experts, timestep and defaults."""
 
     tokenizer_folders = ("tokenizer",)
     clip_tokenizers = ()
-    cache_methods = ("none", "first_block", "taylorseer", "taylorseer_blocks")
+    hook_block_stacks = BLOCK_STACKS
     gpu_dtype = torch.bfloat16
     default_scheduler = "unipc"
     size_reason = "the VAE's spatial scale factor times the experts' 2x2 patches"
@@ -258,12 +258,6 @@ class WanFamily(ModelFamily):
 
     # --- running it ----------------------------------------------------------------------------
 
-    def step_cache(self, block):
-        from ...runtime.cache_hooks import HookCache
-
-        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
-                                                             BLOCK_STACKS)
-
     def torch_stages(self, pipe, dtype, cache=None) -> dict:
         from ...runtime.stages import TorchStage
 
@@ -277,19 +271,6 @@ class WanFamily(ModelFamily):
 
         return {backbone.graph: TorchStage(ExpertGraph(modules[backbone.attribute]), expert_network(backbone.graph),
                                            dtype) for backbone in self.backbones}
-
-    def cache_stages(self, modules: dict, dtype, cache) -> dict:
-        """Each expert's stage with the hook on its own module, so each keeps its own hook state (the
-        flow starts them all afresh with each video)."""
-        from ...runtime.cache_hooks import HookedStage
-
-        stages = self.backbone_stages(modules, dtype)
-        return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute], cache)
-                for backbone in self.backbones}
-
-    def release_cache(self, backbone) -> None:
-        if backbone.is_cache_enabled:
-            backbone.disable_cache()
 
     def fp8_attention_processor(self, attn):
         """The processor for text-to-video attention layers diffusers runs with its WanAttnProcessor."""
