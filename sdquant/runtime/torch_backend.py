@@ -100,21 +100,18 @@ def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
     return reasons
 
 
-def past_verified_length(tokens: int | None, verified_tokens: int | None) -> str | None:
+def check_attention_length(quantized: str, attention: str, tokens: int | None,
+                           verified_tokens: int | None) -> str | None:
     """Why calls of `tokens` run no FP8 attention, where they are longer than the family's FP8
-    attention was verified right on (ModelFamily.fp8_attention_tokens); None where they may."""
+    attention was verified right on (ModelFamily.fp8_attention_tokens), None where they may;
+    refuses torch_backend.attention=fp8 for such calls (infer_trt.py and evaluate.py ask before
+    loading anything)."""
     if tokens is None or verified_tokens is None or tokens <= verified_tokens:
         return None
-    return (f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for "
-            "this model")
-
-
-def check_attention_length(block, family, tokens: int | None) -> None:
-    """Refuses torch_backend.attention=fp8 (`block`) for calls past the family's verified length,
-    before anything is loaded."""
-    why = past_verified_length(tokens, family.fp8_attention_tokens)
-    if block.quantized == "fp8" and block.attention == "fp8" and why:
+    why = f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for this model"
+    if quantized == "fp8" and attention == "fp8":
         raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
+    return why
 
 
 def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, quant_level: float | None = None,
@@ -134,10 +131,8 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, 
                         "torch_backend.attention=auto")
     if attention == "fp16" or not ranges:
         return {}
-    why = past_verified_length(tokens, verified_tokens)
+    why = check_attention_length("fp8", attention, tokens, verified_tokens)
     if why:
-        if attention == "fp8":
-            raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
         print(f"note: {named}: {why}; its attention runs in 16 bits (its GEMMs stay FP8)", flush=True)
         return {}
     device = next(backbone.parameters()).device

@@ -43,8 +43,9 @@ def run_evaluate(cfg) -> dict:
     if "checkpoint" in kinds.values():
         from ..runtime.torch_backend import check_attention_length
 
-        check_attention_length(cfg.torch_backend, sampling.family,
-                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry))
+        check_attention_length(cfg.torch_backend.quantized, cfg.torch_backend.attention,
+                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry),
+                               sampling.family.fp8_attention_tokens)
     runs = [dataclasses.replace(settings, cache=None) for settings in sampling.runs]
     world = parallel.current_world()
     device = parallel.rank_device(resolve_device(cfg.device), world)

@@ -68,8 +68,9 @@ def run_infer(cfg) -> dict:
     if cfg.backend == "torch":
         from ..runtime.torch_backend import check_attention_length
 
-        check_attention_length(cfg.torch_backend, sampling.family,
-                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry))
+        check_attention_length(cfg.torch_backend.quantized, cfg.torch_backend.attention,
+                               sampling.family.sequence_tokens(sampling.parts, sampling.geometry),
+                               sampling.family.fp8_attention_tokens)
     world = parallel.current_world()
     split = checked_split(cfg, sampling, world)
     device = parallel.rank_device(resolve_device(cfg.device), world)
