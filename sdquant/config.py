@@ -445,6 +445,25 @@ class FluxSceneArchitecture:
 
 
 @dataclass
+class WanSceneArchitecture:
+    """Sizes of the Wan2.2 scene model: two WanTransformer3DModel experts of heads x head_dim width
+    (as the A14B's high- and low-noise experts), a UMT5 encoder of heads of 32, and a Wan VAE of 16
+    latent channels that scales each side by 2 per level after the first and the frames by 4 (9
+    frames of 64x64: 3 latent frames of 16x16, 192 tokens after the experts' 2x2 patches)."""
+
+    heads: int = 4
+    head_dim: int = 32
+    layers: int = 8
+    ffn: int = 512
+    text_width: int = 128
+    text_layers: int = 2
+    vae_base: int = 16
+    # Each level's width as a multiple of vae_base; three levels scale 4x in space and time.
+    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
+    vae_res_blocks: int = 1
+
+
+@dataclass
 class VaeTraining:
     steps: int = 4000
     batch_size: int = 128
@@ -503,6 +522,21 @@ class TrainFluxSceneApp(TrainSceneApp):
     guidance_scale: float = 1.0
 
 
+@dataclass
+class TrainWanSceneApp(TrainSceneApp):
+    """The built-in Wan2.2 scene model, on clips of moving shapes (tools/train_scene_model.py
+    --config-name train_scene_wan)."""
+
+    out_dir: str = "scenes_wan"
+    family: Family = Family.wan
+    dataset_size: int = 32768
+    architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=3000, batch_size=32))
+    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=6000, batch_size=256))
+    # WanPipeline's guidance (the A14B's second expert takes guidance_scale_2, here the same).
+    guidance_scale: float = 4.0
+
+
 def shipped_model_folder(name: str) -> str:
     """Where a model shipped inside the package lives, wherever the package is installed."""
     return str(Path(__file__).resolve().parent / "models" / name)
@@ -521,6 +555,7 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="train_scene_schema", node=TrainSceneApp)
     store.store(name="train_scene_flux_schema", node=TrainFluxSceneApp)
+    store.store(name="train_scene_wan_schema", node=TrainWanSceneApp)
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
@@ -728,6 +763,14 @@ def validate_train_scene(cfg) -> None:
     if "text_widths" in arch and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
                                                                     for width in arch.text_widths)):
         raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
+    if "text_width" in arch and (arch.text_width < 32 or arch.text_width % 32):
+        raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 wide)")
+    if "vae_dim_mult" in arch and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
+        raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
+                        "multiples (each level after the first halves the sides, the last two also the frames)")
+    if "layers" in arch and (arch.head_dim % 8 or min(arch.heads, arch.head_dim, arch.layers, arch.ffn) < 1):
+        raise UserError(f"architecture.head_dim={arch.head_dim}: give a positive multiple of 8 (the rotary "
+                        "embedding's frame, height and width parts), and positive heads, layers and ffn")
     if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
         raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
                         f"architecture.head_dim={arch.head_dim}")

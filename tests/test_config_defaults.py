@@ -12,7 +12,8 @@ from conftest import compose_config
 
 SCHEMAS = {"sd_xl_quantize": config.QuantizeApp, "sd_xl_export": config.ExportApp,
            "sd_xl_trt_inference": config.InferApp, "sd_xl_evaluate": config.EvaluateApp,
-           "train_scene_model": config.TrainSceneApp, "train_scene_flux": config.TrainFluxSceneApp}
+           "train_scene_model": config.TrainSceneApp, "train_scene_flux": config.TrainFluxSceneApp,
+           "train_scene_wan": config.TrainWanSceneApp}
 
 
 def _leaves(node, prefix: str = "") -> dict:

@@ -87,3 +87,41 @@ def test_flux_smoke_run_writes_a_folder_that_loads_as_flux(tmp_path):
     pipe("a red circle on the left, white background", num_inference_steps=1, height=64, width=64,
          output_type="latent", **FLUX.pipeline_call_kwargs(pipe))
     assert [shape[1] for shape in seen] == [32]
+
+
+WAN_SMOKE = ["--config-name", "train_scene_wan", "device=cpu", "dataset_size=16", "vae.steps=2", "vae.batch_size=2",
+             "denoiser.steps=2", "denoiser.batch_size=2", "eval_prompts=1", "eval_steps=2", "architecture.layers=1",
+             "architecture.vae_base=8", "architecture.ffn=64"]
+
+
+def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(tmp_path):
+    from sdquant.quality import clips
+
+    out = tmp_path / "scenes_wan"
+    result = _train(tmp_path, f"out_dir={out}", smoke=WAN_SMOKE)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((out / "training.json").read_text())
+    assert record["family"] == "wan" and set(record["final_loss"]) == {"vae", "transformer+transformer_2"}
+    assert set(record["parameters"]) == {"text_encoder", "transformer", "transformer_2", "vae"}
+    assert record["held_out_adherence"]["prompts"] == 2 and "direction" in record["held_out_adherence"]
+    assert "direction" in record["reconstruction_adherence"]
+    assert {tuple(pair) for pair in record["held_out_pairs"]} == clips.held_out_pairs()
+    held_out = (out / "heldout_prompts.txt").read_text().splitlines()
+    assert [clips.parse_caption(prompt).objects for prompt in held_out] == [1] * 64 + [2] * 64
+    assert all(not clips.is_held_out(clips.parse_caption(prompt))
+               for prompt in (out / "calib_prompts.txt").read_text().splitlines())
+
+    pipe = load_pipeline(ModelConfig(name="scenes_wan", family="wan", source=str(out)), torch.device("cpu"),
+                         torch.float32)
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2.config.num_layers == 1
+    # A 4x VAE in space and time (9 frames of 64x64 -> 3 latent frames of 16x16), its latents'
+    # statistics measured on the training clips, not the unit ones it was built with.
+    assert pipe.vae_scale_factor_spatial == 4 and pipe.vae_scale_factor_temporal == 4
+    assert pipe.vae.config.latents_std != [1.0] * 16
+    stored = {t.dtype for part in ("transformer", "transformer_2", "vae", "text_encoder")
+              for t in load_file(next((out / part).glob("*.safetensors"))).values()}
+    assert stored == {torch.float16}
+    # Every caption word is one piece of the UMT5 tokenizer (and the end token).
+    caption = "a red circle at the top moving from left to right and a blue square at the bottom moving from " \
+              "right to left, white background"
+    assert len(pipe.tokenizer(caption).input_ids) == len(caption.replace(",", " ,").split()) + 1

@@ -309,7 +309,9 @@ def flicker(video: np.ndarray) -> float:
     background = np.median(np.concatenate([levels[:, 0], levels[:, -1], levels[:, :, 0], levels[:, :, -1]], axis=1),
                            axis=1)
     still = np.linalg.norm(levels - background[:, None, None], axis=-1) < 20
-    changes = [np.abs(levels[i + 1] - levels[i])[still[i] & still[i + 1]].mean() for i in range(len(video) - 1)]
+    # Where no pixel keeps the background in both frames, the whole frame's change is the flicker.
+    changes = [np.abs(levels[i + 1] - levels[i])[both if both.any() else slice(None)].mean()
+               for i, both in enumerate(still[:-1] & still[1:])]
     return float(np.mean(changes)) if changes else 0.0
 
 

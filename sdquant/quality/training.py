@@ -1,14 +1,15 @@
 """Training stage: a built-in scene model, a pipeline of any family with a scene architecture
-(SDXL's and Flux's so far), trained from scratch on captioned scenes of one and two objects
-(``sdquant.quality.scenes``) with diffusers' and transformers' own classes.
+(SDXL's, Flux's and Wan2.2's), trained from scratch with diffusers' and transformers' own classes:
+an image family on captioned scenes of one and two objects (``sdquant.quality.scenes``), a video
+family on captioned clips of moving shapes (``sdquant.quality.clips``).
 
-Two phases, as latent diffusion is trained: first the AutoencoderKL on the images alone, until its
-reconstructions keep every attribute; then the denoiser and its text encoders together on the
-autoencoder's clean latents (the posterior mode, so the target carries no posterior noise), on the
-family's own loss (ModelFamily.scene_loss: the SDXL UNet's noise prediction, the Flux
-transformer's flow-matching velocity), with a tenth of the captions dropped so that guidance works
-at sampling time. Each result is saved with ``save_pretrained`` in fp16 and loads like any folder
-of its family.
+Two phases, as latent diffusion is trained: first the autoencoder (AutoencoderKL, or the Wan VAE
+with its frame axis) on the pixels alone, until its reconstructions keep every attribute; then the
+denoisers and their text encoders together on the autoencoder's clean latents (the posterior mode,
+so the target carries no posterior noise), on the family's own loss (ModelFamily.scene_loss: the
+SDXL UNet's noise prediction, the Flux transformer's and each Wan expert's flow-matching velocity),
+with a share of the captions dropped so that guidance works at sampling time. Each result is saved
+with ``save_pretrained`` in fp16 and loads like any folder of its family.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from . import scenes
+from . import clips, scenes
+from .scoring import adherence, adherence_summary, video_adherence
 from ..artifacts import atomic_folder
 from ..cli import stage
 from ..errors import UserError
@@ -45,9 +48,9 @@ HELD_OUT_PROMPTS = "heldout_prompts.txt"
 SCENE_TEXT_TOKENS = 32
 
 
-def scene_tokenizer():
-    """A CLIP tokenizer whose merges spell every caption word as one token; any other word still
-    encodes, letter by letter."""
+def scene_tokenizer(vocabulary: list[str]):
+    """A CLIP tokenizer whose merges spell every caption word (`vocabulary`) as one token; any other
+    word still encodes, letter by letter."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
@@ -56,7 +59,7 @@ def scene_tokenizer():
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=alphabet, end_of_word_suffix="</w>",
                                   show_progress=False)
-    bpe.train_from_iterator([" ".join(scenes.caption_vocabulary())] * 4, trainer)
+    bpe.train_from_iterator([" ".join(vocabulary)] * 4, trainer)
     learned = json.loads(bpe.to_str())["model"]
     vocab = dict(learned["vocab"])
     for piece in alphabet + [letter + "</w>" for letter in alphabet]:
@@ -66,16 +69,51 @@ def scene_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=[tuple(pair) for pair in learned["merges"]], model_max_length=77)
 
 
-def scene_t5_tokenizer():
-    """A T5 tokenizer (SentencePiece-style unigram) with every caption word as one piece; any other
-    word still encodes, letter by letter. It saves and loads as T5's own."""
+def scene_t5_tokenizer(vocabulary: list[str]):
+    """A T5 tokenizer (SentencePiece-style unigram) with every caption word (`vocabulary`) as one
+    piece; any other word still encodes, letter by letter. It saves and loads as T5's own (and as
+    UMT5's, which is T5's tokenizer with another vocabulary)."""
     from transformers import T5TokenizerFast
 
     letters = list(string.ascii_letters + string.digits + string.punctuation)
-    words = [("\u2581" + word, 0.0) for word in scenes.caption_vocabulary() if word.isalnum()]
+    words = [("\u2581" + word, 0.0) for word in vocabulary if word.isalnum()]
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -5.0), *words,
              *[(letter, -10.0) for letter in letters]]
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=SCENE_TEXT_TOKENS)
+
+
+@dataclass(frozen=True)
+class SceneKind:
+    """What a family's scene model learns from and is scored on: still scenes for an image family,
+    clips of moving shapes for a video family (ModelFamily.output says which)."""
+
+    module: object                    # sdquant.quality.scenes or .clips
+    # From the renders (N, [frames,] 64, 64, 3) to the autoencoder's (N, 3, [frames,] 64, 64), and
+    # from the autoencoder's to the pipelines' samples (N, [frames,] 3, 64, 64), which `score` reads.
+    permutation: tuple[int, ...]
+    sampled: tuple[int, ...]
+    # Per sample, what the detector reads back against its prompt (scoring.adherence or video_adherence).
+    score: Callable[[torch.Tensor, list[str]], list[dict]]
+    # What the family's diffusers pipeline is asked for besides the prompts, and where its result
+    # holds the samples.
+    call_kwargs: dict
+    result: str
+    # The module's functions that name what training never sees, for the training record.
+    held_out: tuple[str, ...]
+
+    def pixels(self, rendered: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rendered).permute(*self.permutation).contiguous()
+
+    def held_out_record(self) -> dict:
+        return {name: sorted(map(list, getattr(self.module, name)())) for name in self.held_out}
+
+
+SCENE_KINDS = {
+    "image": SceneKind(scenes, (0, 3, 1, 2), (0, 1, 2, 3), adherence, {}, "images",
+                       ("held_out_combinations", "held_out_colour_orders")),
+    "video": SceneKind(clips, (0, 4, 1, 2, 3), (0, 2, 1, 3, 4), video_adherence, {"num_frames": clips.FRAMES}, "frames",
+                       ("held_out_combinations", "held_out_pairs")),
+}
 
 
 @dataclass
@@ -83,7 +121,7 @@ class Dataset:
     """Rendered training scenes on the training device: pixels, each tokenizer's ids of their
     captions, and of the empty caption."""
 
-    pixels: torch.Tensor                 # (N, 3, 64, 64) uint8
+    pixels: torch.Tensor                 # (N, 3, 64, 64) or (N, 3, frames, 64, 64) uint8
     token_ids: dict[str, torch.Tensor]   # per tokenizer, (N, its length) int64
     empty_ids: dict[str, torch.Tensor]   # per tokenizer, (1, its length)
 
@@ -91,17 +129,18 @@ class Dataset:
         return self.pixels[indices].float() / 127.5 - 1
 
 
-def training_scenes(size: int, seed: int, two_object_share: float) -> list:
-    """`size` training scenes, that share of them with two objects, in an order mixed by seed
-    (so that any first few, such as calibration's prompts, hold both kinds)."""
+def training_scenes(kind: SceneKind, size: int, seed: int, two_object_share: float) -> list:
+    """`size` training scenes (or clips), that share of them with two objects, in an order mixed by
+    seed (so that any first few, such as calibration's prompts, hold both kinds)."""
     two = round(size * two_object_share)
-    chosen = scenes.sample(size - two, seed) + scenes.sample(two, seed, objects=2)
+    chosen = kind.module.sample(size - two, seed) + kind.module.sample(two, seed, objects=2)
     return [chosen[i] for i in np.random.default_rng(seed).permutation(size)]
 
 
-def make_dataset(size: int, seed: int, two_object_share: float, tokenizers: dict, device: torch.device) -> Dataset:
-    chosen = training_scenes(size, seed, two_object_share)
-    pixels = torch.from_numpy(scenes.render(chosen, seed=seed)).permute(0, 3, 1, 2).contiguous()
+def make_dataset(kind: SceneKind, size: int, seed: int, two_object_share: float, tokenizers: dict,
+                 device: torch.device) -> Dataset:
+    chosen = training_scenes(kind, size, seed, two_object_share)
+    pixels = kind.pixels(kind.module.render(chosen, seed=seed))
 
     def ids(tokenizer, captions: list[str]) -> torch.Tensor:
         # As the pipelines tokenize: padded to the tokenizer's length, which is what the encoders see.
@@ -161,12 +200,19 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
 
 @torch.no_grad()
 def encode_latents(vae, data: Dataset, chunk: int = 1024) -> torch.Tensor:
-    """Every training image's posterior mode, shifted and scaled to zero mean and unit variance;
-    sets the VAE's factors to match (a VAE with a shift factor, as Flux.1's, gets the mean; one
-    without, as Stable Diffusion's, only the scale)."""
+    """Every training sample's posterior mode, brought to zero mean and unit variance; sets the VAE's
+    statistics to match: the Wan VAE's per channel (latents_mean, latents_std, which WanPipeline
+    decodes with), else a VAE with a shift factor (Flux.1's) gets the mean and a scale, one without
+    (Stable Diffusion's) only the scale."""
     latents = torch.cat([vae.encode(data.batch(torch.arange(i, min(i + chunk, len(data.pixels)),
                                                             device=data.pixels.device))).latent_dist.mode()
                          for i in range(0, len(data.pixels), chunk)])
+    if "latents_mean" in vae.config:
+        per_channel = [0, *range(2, latents.dim())]
+        mean, std = latents.mean(per_channel), latents.std(per_channel)
+        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        shape = (1, -1, *[1] * (latents.dim() - 2))
+        return (latents - mean.view(shape)) / std.view(shape)
     if vae.config.shift_factor is not None:
         vae.register_to_config(shift_factor=float(latents.mean()))
     shifted = latents - (vae.config.shift_factor or 0.0)
@@ -210,26 +256,41 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
 
 
 @torch.no_grad()
-def held_out_adherence(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int,
+def held_out_adherence(pipe, kind: SceneKind, prompts: list[str], steps: int, guidance_scale: float, seed: int,
                        call_kwargs: dict) -> dict:
-    """The trained pipeline's prompt adherence on held-out scenes, with diffusers' own sampler."""
-    from .scoring import adherence, adherence_summary
-
+    """The trained pipeline's prompt adherence on held-out prompts, with diffusers' own sampler."""
     rows = []
     batch = 16
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         generator = torch.Generator(pipe.device).manual_seed(seed + start)
-        images = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance_scale, output_type="pt",
-                      height=scenes.IMAGE_SIZE, width=scenes.IMAGE_SIZE, generator=generator, **call_kwargs).images
-        rows += adherence(images.float(), chunk)
+        result = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance_scale, output_type="pt",
+                      height=scenes.IMAGE_SIZE, width=scenes.IMAGE_SIZE, generator=generator, **kind.call_kwargs,
+                      **call_kwargs)
+        rows += kind.score(getattr(result, kind.result).float(), chunk)
     return adherence_summary(rows)["mean"]
 
 
-def held_out_prompts(count: int) -> list[str]:
-    """`count` held-out captions of one object, then `count` of two."""
-    return [scene.caption() for objects in (1, 2)
-            for scene in scenes.sample(count, scenes.HELD_OUT_SEED, held_out=True, objects=objects)]
+@torch.no_grad()
+def reconstruction_adherence(vae, kind: SceneKind, held_out: list) -> dict:
+    """The detector's reading of the VAE's reconstructions of held-out scenes' renders: about the
+    most a denoiser on its latents can score."""
+    device = next(vae.parameters()).device
+    rows = []
+    for start in range(0, len(held_out), 64):
+        chunk = held_out[start:start + 64]
+        rendered = kind.pixels(kind.module.render(chunk)).to(device)
+        with autocast(device):
+            decoded = vae.decode(vae.encode(rendered.float() / 127.5 - 1).latent_dist.mode()).sample
+        rows += kind.score((decoded.float() / 2 + 0.5).clamp(0, 1).permute(*kind.sampled),
+                           [scene.caption() for scene in chunk])
+    return adherence_summary(rows)["mean"] if rows else {}
+
+
+def held_out_scenes(kind: SceneKind, count: int) -> list:
+    """`count` held-out scenes (or clips) of one object, then `count` of two."""
+    return [scene for objects in (1, 2)
+            for scene in kind.module.sample(count, kind.module.HELD_OUT_SEED, held_out=True, objects=objects)]
 
 
 SCENE_TOKENIZERS = {"clip": scene_tokenizer, "t5": scene_t5_tokenizer}
@@ -243,13 +304,17 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     if out.exists() and not cfg.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
     family = family_of(cfg.family)
+    kind = SCENE_KINDS[family.output]
     backbone = "+".join(family.backbone_attributes)
+    # Everything but the autoencoder learns in the second phase: the denoisers and text encoders.
+    trained = [name for name in family.components if name != "vae"]
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
-    tokenizers = {kind: SCENE_TOKENIZERS[kind]() for kind in family.scene_tokenizers}
+    vocabulary = kind.module.caption_vocabulary()
+    tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in family.scene_tokenizers}
     pipe = family.build_pipeline(family.scene_sizes(cfg.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
-    data = make_dataset(cfg.dataset_size, cfg.seed, cfg.two_object_share, tokenizers, device)
+    data = make_dataset(kind, cfg.dataset_size, cfg.seed, cfg.two_object_share, tokenizers, device)
     log = LossLog()
     seconds = {}
 
@@ -258,19 +323,22 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         train_vae(pipe.vae, data, cfg.vae, generator, log)
         latents = encode_latents(pipe.vae, data)
     seconds["vae"] = time.perf_counter() - phase_start
+    held_out = held_out_scenes(kind, cfg.eval_prompts)
+    prompts = [scene.caption() for scene in held_out]
+    with stage("scoring the VAE's reconstructions of held-out scenes"):
+        reconstructed = reconstruction_adherence(pipe.vae, kind, held_out)
 
     phase_start = time.perf_counter()
     with stage(f"the {backbone}'s training"):
-        train_denoiser([*family.backbone_modules(pipe).values(), pipe.text_encoder, pipe.text_encoder_2],
+        train_denoiser([getattr(pipe, name) for name in trained],
                        family.scene_loss(pipe, latents, data, cfg.denoiser, generator), len(latents), cfg.denoiser,
                        generator, log, backbone)
     seconds[backbone] = time.perf_counter() - phase_start
 
     # What ships is the fp16 pipeline, so that is what gets scored.
     pipe.to(torch.float16).set_progress_bar_config(disable=True)
-    prompts = held_out_prompts(cfg.eval_prompts)
     with stage("scoring the held-out prompts"):
-        adherence = held_out_adherence(pipe, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
+        adherence = held_out_adherence(pipe, kind, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
                                        family.pipeline_call_kwargs(pipe)) if prompts else {}
     record = {
         "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True),
@@ -278,26 +346,25 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "final_loss": {"vae": log.final("vae"), backbone: log.final(backbone)},
-        "parameters": {name: sum(p.numel() for p in getattr(pipe, name).parameters())
-                       for name in (*family.backbone_attributes, "vae", "text_encoder", "text_encoder_2")},
+        "parameters": {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in family.components},
         "held_out_adherence": {"prompts": len(prompts), "steps": cfg.eval_steps,
                                "guidance_scale": cfg.guidance_scale, **adherence},
-        "held_out_combinations": sorted(map(list, scenes.held_out_combinations())),
-        "held_out_colour_orders": sorted(map(list, scenes.held_out_colour_orders())),
+        "reconstruction_adherence": reconstructed,
+        **kind.held_out_record(),
         "versions": library_versions(),
     }
     with stage(f"saving the model to {out}"):
-        save(pipe, out, record, log)
+        save(pipe, kind, out, record, log)
     record["seconds"]["total"] = round(time.perf_counter() - started, 1)
     return out, record
 
 
-def save(pipe, out: Path, record: dict, log: LossLog) -> None:
+def save(pipe, kind: SceneKind, out: Path, record: dict, log: LossLog) -> None:
     """Writes the whole folder under a temporary name and renames it when complete."""
     with atomic_folder(out) as staging:
         pipe.save_pretrained(staging, safe_serialization=True)
         (staging / TRAINING_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         log.write(staging / LOSS_LOG)
-        calibration = training_scenes(256, seed=1, two_object_share=record["config"]["two_object_share"])
+        calibration = training_scenes(kind, 256, seed=1, two_object_share=record["config"]["two_object_share"])
         (staging / CALIBRATION_PROMPTS).write_text("\n".join(scene.caption() for scene in calibration) + "\n")
-        (staging / HELD_OUT_PROMPTS).write_text("\n".join(held_out_prompts(64)) + "\n")
+        (staging / HELD_OUT_PROMPTS).write_text("\n".join(scene.caption() for scene in held_out_scenes(kind, 64)) + "\n")

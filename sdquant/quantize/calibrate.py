@@ -490,6 +490,12 @@ def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, s
     for attribute, module in modules.items():
         clock = StepClock()
         recorders[attribute] = ActivationRecorder(module, entries, block, clock)
+        if not recorders[attribute].inputs:
+            for recorder in recorders.values():
+                recorder.remove()
+            raise UserError(f"quantize.quant_level={block.quant_level:g}: the {attribute} of this model has no layer "
+                            "to quantize at this level (the family keeps the rest in high precision, e.g. a "
+                            "Wan expert's first and last three blocks): choose a model with more blocks or another level")
         if cuda_graph and module.device.type == "cuda":
             captured.append(CapturedBackbone(module, recorders[attribute]))
         hooks += [attach_clock(pipe, family, module, clock),

@@ -93,6 +93,21 @@ TI2V_TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width
                           ("temperal_downsample", [False, True, True]), *UNIT_STATISTICS_48))
 
 
+def scene_sizes(arch) -> WanSizes:
+    """The Wan scene model's architecture (config's WanSceneArchitecture): UMT5 with heads of 32, a
+    Wan VAE of 16 channels whose levels after the first each halve the sides (the last two also the
+    frames, 4x as the Wan VAE), unit latent statistics that training replaces with the latents' own,
+    and the A14B's flow shift."""
+    levels = len(arch.vae_dim_mult) - 1
+    return WanSizes(text_width=arch.text_width, text_layers=arch.text_layers, text_heads=arch.text_width // 32,
+                    text_head_width=32, text_ff=2 * arch.text_width, heads=arch.heads, head_dim=arch.head_dim,
+                    ffn=arch.ffn, layers=arch.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
+                    flow_shift=3.0,
+                    vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
+                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - 2) + [True] * 2),
+                         ("scale_factor_spatial", 2 ** levels), ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
+
+
 def umt5_encoder(tokenizer, sizes: WanSizes):
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -312,6 +327,48 @@ class WanT2VFamily(WanFamily):
     sizes = {"tiny": TINY, "full": FULL}
     boundary_ratio = 0.875
     default_frames, default_fps, default_size = 81, 16, (720, 1280)
+    scene_tokenizers = ("t5",)
+
+    # --- the scene model -----------------------------------------------------------------------
+
+    def scene_sizes(self, arch, image_size: int) -> WanSizes:
+        return scene_sizes(arch)
+
+    def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator):
+        """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
+        latent to noise, on its own share of the noise levels as the A14B's experts are trained: the
+        first (high noise) from the boundary up, the second below it; logit-normal levels within each
+        share. Both see the same clips each step, with their own noise. UMT5's states go in as the
+        pipeline feeds them (zero past each caption); a dropped caption is the empty one, WanPipeline's
+        negative prompt."""
+        import torch.nn.functional as F
+
+        from ..training import autocast, kept
+
+        device = latents.device
+        experts = list(self.backbone_modules(pipe).values())
+        shares = [(self.boundary_ratio, 1.0), (0.0, self.boundary_ratio)]
+        encoder = Umt5Graph(pipe.text_encoder)
+        pad = pipe.tokenizer.pad_token_id
+
+        def expert_loss(expert, share: tuple[float, float], indices: torch.Tensor) -> torch.Tensor:
+            clean = latents[indices]
+            noise = torch.randn(clean.shape, device=device, generator=generator)
+            low, high = share
+            sigma = low + (high - low) * torch.sigmoid(torch.randn(len(indices), device=device, generator=generator))
+            noisy = clean + sigma.view(-1, 1, 1, 1, 1) * (noise - clean)
+            ids = torch.where(kept(block, generator, device)[:, None], data.token_ids["t5"][indices],
+                              data.empty_ids["t5"])
+            with autocast(device):
+                text = encoder(ids, (ids != pad).long())
+                velocity = expert(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=text,
+                                  return_dict=False)[0]
+            return F.mse_loss(velocity.float(), noise - clean)
+
+        def loss_of(indices: torch.Tensor) -> torch.Tensor:
+            return sum(expert_loss(expert, share, indices) for expert, share in zip(experts, shares)) / len(experts)
+
+        return loss_of
 
 
 class WanTI2VFamily(WanFamily):
