@@ -33,10 +33,16 @@ SETTINGS = {
                     "fp16_taylorseer_blocks2": (None, TAYLORSEER_BLOCKS_2),
                     "fp8_l4_taylorseer_blocks2": ("fp8_l4", TAYLORSEER_BLOCKS_2)},
 }
-# Points of two-object adherence a setting may lose against the model it is held to.
+# Points of adherence a setting may lose against the model it is held to: two-object adherence for
+# an image model, adherence over all prompts (every attribute and the motion right) for a video one.
 WITHIN = 3.0
 FIRST_SEED = 42
 FIGURES = {"two objects": ("adherence", "two_objects"), "all prompts": ("adherence", "all"), "PSNR": ("psnr", None)}
+# A video model's temporal figures besides (clips.score): clips whose objects keep colour and shape in
+# every frame (percent), the tracks' largest stray from a straight line (pixels), and the
+# background's change from frame to frame (0-255 levels).
+TEMPORAL_FIGURES = {"identity kept": ("temporal", "identity_kept"), "jitter (px)": ("temporal", "jitter"),
+                    "flicker": ("temporal", "flicker")}
 
 
 def main() -> None:
@@ -119,11 +125,19 @@ def calibrated_variants(args, settings: dict) -> tuple[dict, dict]:
     return variants, caches
 
 
+def figures_of(report: dict) -> dict:
+    """The figures a report gives: a video model's temporal ones besides the adherence and PSNR."""
+    return FIGURES | (TEMPORAL_FIGURES if "temporal" in report["adherence"][report["reference"]["name"]] else {})
+
+
 def figure(report: dict, variant: str, figure_name: str) -> float:
-    """Two-object or all-prompt adherence in percent, or the mean PSNR in dB, of one variant."""
-    source, key = FIGURES[figure_name]
+    """Two-object or all-prompt adherence in percent, the mean PSNR in dB, or a temporal figure of one
+    variant (the reference itself where `variant` is its name)."""
+    source, key = figures_of(report)[figure_name]
     if source == "adherence":
         return 100 * report["adherence"][variant]["mean"][key]
+    if source == "temporal":
+        return (100 if key == "identity_kept" else 1) * report["adherence"][variant]["temporal"][key]
     return report["variants"][variant]["mean"]["psnr"]
 
 
@@ -131,39 +145,44 @@ def summarized(report: dict, settings: dict, args) -> dict:
     """Per setting, each figure's values over the calibrations with their mean and range, and the
     mean's distance to the model it is held to (the unquantized backbone, uncached)."""
     reference = report["reference"]["name"]
-    unquantized = {name: 100 * report["adherence"][reference]["mean"][key]
-                   for name, (source, key) in FIGURES.items() if source == "adherence"}
+    figures = figures_of(report)
+    judged = "all prompts" if "identity kept" in figures else "two objects"
+    unquantized = {name: figure(report, reference, name) for name, (source, _) in figures.items() if source != "psnr"}
     rows = {}
     for setting, (recipe, _) in settings.items():
         runs = [variant_name(setting, index if recipe else None) for index in range(args.calibrations if recipe else 1)]
         row = {}
-        for figure_name in FIGURES:
+        for figure_name in figures:
             values = [figure(report, run, figure_name) for run in runs]
             row[figure_name] = {"values": values, "mean": statistics.fmean(values), "low": min(values),
                                 "high": max(values)}
-        row["two objects against unquantized"] = row["two objects"]["mean"] - unquantized["two objects"]
-        row["within"] = row["two objects against unquantized"] >= -WITHIN
+        row[f"{judged} against unquantized"] = row[judged]["mean"] - unquantized[judged]
+        row["within"] = row[f"{judged} against unquantized"] >= -WITHIN
         rows[setting] = row
     return {"model": args.model, "device": report["settings"]["device"], "kernels": args.kernels,
             "calibrations": args.calibrations, "calib_size": args.calib_size, "reference": reference,
-            "unquantized": unquantized, "prompts": report["adherence"][reference]["scored"], "settings": rows}
+            "judged": judged, "unquantized": unquantized, "prompts": report["adherence"][reference]["scored"],
+            "settings": rows}
 
 
 def summary_markdown(summary: dict) -> str:
-    unquantized = summary["unquantized"]
+    unquantized, judged = summary["unquantized"], summary.get("judged", "two objects")
+    first = next(iter(summary["settings"].values()))
+    names = [name for name in FIGURES | TEMPORAL_FIGURES if name in first]
     lines = [f"# Quality over {summary['calibrations']} calibrations: {summary['model']}", "",
              f"{summary['device']}, checkpoints run as {summary['kernels']}, {summary['prompts']} held-out prompts; "
              f"calibration k: captions {summary['calib_size']}k to {summary['calib_size']}(k+1), seed {FIRST_SEED}+k. "
-             f"Unquantized ({summary['reference']}): two objects {unquantized['two objects']:.1f}%, all prompts "
-             f"{unquantized['all prompts']:.1f}%. Each cell: the mean over the calibrations, then its lowest and "
-             "highest; a setting is within target where its mean two-object adherence is at most "
-             f"{WITHIN:g} points under the unquantized model's.", "",
-             "| setting | two objects | all prompts | PSNR (dB) | against unquantized | within |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"Unquantized ({summary['reference']}): "
+             + ", ".join(f"{name} {value:.1f}" + ("%" if name in ("two objects", "all prompts", "identity kept") else "")
+                         for name, value in unquantized.items())
+             + ". Each cell: the mean over the calibrations, then its lowest and highest; a setting is within "
+             f"target where its mean {judged} adherence is at most {WITHIN:g} points under the unquantized model's.",
+             "", "| setting | " + " | ".join(name.replace("PSNR", "PSNR (dB)") for name in names)
+             + " | against unquantized | within |", "| --- " * (len(names) + 3) + "|"]
     for setting, row in summary["settings"].items():
-        cells = [f"{row[name]['mean']:.1f} ({row[name]['low']:.1f}-{row[name]['high']:.1f})" for name in FIGURES]
+        cells = [f"{row[name]['mean']:.1f} ({row[name]['low']:.1f}-{row[name]['high']:.1f})" for name in names]
         lines.append(f"| {setting} | " + " | ".join(cells)
-                     + f" | {row['two objects against unquantized']:+.1f} | {'yes' if row['within'] else 'no'} |")
+                     + f" | {row[f'{judged} against unquantized']:+.1f} | {'yes' if row['within'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ class Picture:
     reports: tuple[str, ...]   # the reports (results/<name>.md and <name>_grid.png) its columns come from
     shown: dict[str, str]      # column -> label; the first report's reference is "reference"
     out: str
+    scale: int = 2             # how much each cell is enlarged
 
 
 PICTURES = {
@@ -40,7 +41,7 @@ PICTURES = {
          "fp8_l4_taylorseer_blocks2_c0": "FP8 L4 + TaylorSeer/2"},
         "scenes_flux_fp16_int8_fp8.png"),
 }
-CELL, SCALE, LABEL_HEIGHT = 64, 2, 20
+CELL, LABEL_HEIGHT = 64, 20
 
 
 def grid_columns(report: str) -> list[str]:
@@ -50,10 +51,15 @@ def grid_columns(report: str) -> list[str]:
     return ["reference", *names[1:]]
 
 
-def cell(report: str, column: str, row: int) -> Image.Image:
+def cell(report: str, column: str, row: int, scale: int) -> Image.Image:
+    """One prompt's cell of one column, enlarged: a 64x64 image, or a video's strip of frames (as
+    wide as the grid's width over its columns)."""
     grid = Image.open(RESULTS / f"{report}_grid.png").convert("RGB")
-    left = grid_columns(report).index(column) * CELL
-    return grid.crop((left, row * CELL, left + CELL, (row + 1) * CELL)).resize((CELL * SCALE,) * 2, Image.NEAREST)
+    columns = grid_columns(report)
+    width = grid.width // len(columns)
+    left = columns.index(column) * width
+    return grid.crop((left, row * CELL, left + width, (row + 1) * CELL)).resize((width * scale, CELL * scale),
+                                                                               Image.NEAREST)
 
 
 def source(shape: Picture, column: str) -> str:
@@ -66,15 +72,15 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(PICTURES), default="scenes_sdxl")
     args = parser.parse_args()
     shape = PICTURES[args.model]
-    side = CELL * SCALE
-    picture = Image.new("RGB", (side * len(shape.shown), LABEL_HEIGHT + side * len(ROWS)), "white")
+    cells = {column: [cell(source(shape, column), column, row, shape.scale) for row in ROWS] for column in shape.shown}
+    width, height = next(iter(cells.values()))[0].size
+    picture = Image.new("RGB", (width * len(shape.shown), LABEL_HEIGHT + height * len(ROWS)), "white")
     draw = ImageDraw.Draw(picture)
     font = ImageFont.load_default()
     for x, (column, label) in enumerate(shape.shown.items()):
-        report = source(shape, column)
-        draw.text((x * side + 4, 4), label, fill="black", font=font)
-        for y, row in enumerate(ROWS):
-            picture.paste(cell(report, column, row), (x * side, LABEL_HEIGHT + y * side))
+        draw.text((x * width + 4, 4), label, fill="black", font=font)
+        for y, image in enumerate(cells[column]):
+            picture.paste(image, (x * width, LABEL_HEIGHT + y * height))
     out = RESULTS / shape.out
     picture.save(out)
     print(f"wrote {out}")

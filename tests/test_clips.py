@@ -107,3 +107,9 @@ def test_evaluate_reads_each_videos_attributes_motion_and_temporal_figures(tmp_p
     assert set(adherence["temporal"]) == {"identity_kept", "jitter", "flicker"}
     assert adherence["per_prompt"][1]["never_captioned"]["direction"] == ["diagonally"]
     assert "Over time (the clip detector)" in (tmp_path / "quality.md").read_text()
+    from PIL import Image
+
+    # One row per prompt, a column per model (reference, self), each cell the first, middle and last
+    # frames side by side.
+    with Image.open(tmp_path / "grid.png") as grid:
+        assert grid.size == (2 * 3 * 64, 3 * 64)

@@ -295,8 +295,8 @@ class ImageScores:
 
 class VideoScores(ImageScores):
     """A video family's samples (N, F, 3, H, W): adherence and motion read by the clip detector,
-    PSNR/SSIM and the optional metrics over every frame, the temporal PSNR, and the middle frame as
-    the grid's cell."""
+    PSNR/SSIM and the optional metrics over every frame, the temporal PSNR, and the first, middle
+    and last frames side by side as the grid's cell (a strip that shows the motion)."""
 
     def adherence(self, samples: torch.Tensor, prompts: list[str]) -> list[dict]:
         return [{"prompt": prompt, **row} for prompt, row in zip(prompts, video_adherence(samples, prompts))]
@@ -306,7 +306,8 @@ class VideoScores(ImageScores):
         return score_videos(reference, candidate, prompts, optional)
 
     def cells(self, samples: torch.Tensor) -> torch.Tensor:
-        return samples[:, samples.shape[1] // 2]
+        frames = samples.shape[1]
+        return torch.cat([samples[:, index] for index in (0, frames // 2, frames - 1)], dim=-1)
 
 
 # How each family's output is scored (ModelFamily.output).

@@ -199,7 +199,7 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
 
 
 @torch.no_grad()
-def encode_latents(vae, data: Dataset, chunk: int = 1024) -> torch.Tensor:
+def encode_latents(vae, data: Dataset, chunk: int = 256) -> torch.Tensor:
     """Every training sample's posterior mode, brought to zero mean and unit variance; sets the VAE's
     statistics to match: the Wan VAE's per channel (latents_mean, latents_std, which WanPipeline
     decodes with), else a VAE with a shift factor (Flux.1's) gets the mean and a scale, one without
