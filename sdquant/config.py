@@ -533,8 +533,6 @@ class TrainWanSceneApp(TrainSceneApp):
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
     vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=3000, batch_size=32))
     denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=6000, batch_size=256))
-    # WanPipeline's guidance (the A14B's second expert takes guidance_scale_2, here the same).
-    guidance_scale: float = 4.0
 
 
 def shipped_model_folder(name: str) -> str:
