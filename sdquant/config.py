@@ -499,6 +499,10 @@ class TrainSceneApp:
     seed: int = 0
     device: str = "auto"
     force: bool = False
+    # A scene model folder trained before whose VAE this run keeps instead of training one (its
+    # vae.* settings and architecture's VAE sizes are then not used): the denoisers can be trained
+    # again on one autoencoder, in a device call of their own. Its training time is counted in.
+    vae_from: Optional[str] = None
     architecture: SceneArchitecture = field(default_factory=SceneArchitecture)
     vae: VaeTraining = field(default_factory=VaeTraining)
     denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)
@@ -531,8 +535,9 @@ class TrainWanSceneApp(TrainSceneApp):
     family: Family = Family.wan
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=3000, batch_size=32))
-    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=6000, batch_size=256))
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=5000, batch_size=64))
+    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=3000, batch_size=512,
+                                                                                learning_rate=1e-3))
 
 
 def shipped_model_folder(name: str) -> str:
@@ -772,6 +777,11 @@ def validate_train_scene(cfg) -> None:
     if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
         raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
                         f"architecture.head_dim={arch.head_dim}")
+    if cfg.vae_from is not None:
+        earlier = Path(cfg.vae_from).expanduser()
+        if not all((earlier / name).is_file() for name in ("vae/config.json", "training.json", "loss_log.csv")):
+            raise UserError(f"vae_from={cfg.vae_from}: not a scene model folder written by tools/train_scene_model.py "
+                            "(it needs vae/, training.json and loss_log.csv): give such a folder, or null to train the VAE")
     for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")

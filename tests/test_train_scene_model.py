@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -94,12 +95,20 @@ WAN_SMOKE = ["--config-name", "train_scene_wan", "device=cpu", "dataset_size=16"
              "architecture.vae_base=8", "architecture.ffn=64"]
 
 
-def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(tmp_path):
-    from sdquant.quality import clips
-
+@pytest.fixture(scope="module")
+def wan_smoke(tmp_path_factory):
+    """One smoke run of the Wan scene model's training, which two tests read."""
+    tmp_path = tmp_path_factory.mktemp("wan_smoke")
     out = tmp_path / "scenes_wan"
     result = _train(tmp_path, f"out_dir={out}", smoke=WAN_SMOKE)
     assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(wan_smoke):
+    from sdquant.quality import clips
+
+    out = wan_smoke
     record = json.loads((out / "training.json").read_text())
     assert record["family"] == "wan" and set(record["final_loss"]) == {"vae", "transformer+transformer_2"}
     assert set(record["parameters"]) == {"text_encoder", "transformer", "transformer_2", "vae"}
@@ -125,3 +134,22 @@ def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(tmp_pa
     caption = "a red circle at the top moving from left to right and a blue square at the bottom moving from " \
               "right to left, white background"
     assert len(pipe.tokenizer(caption).input_ids) == len(caption.replace(",", " ,").split()) + 1
+
+
+def test_a_second_run_keeps_the_first_runs_vae_and_refuses_a_folder_without_one(wan_smoke, tmp_path):
+    out = tmp_path / "again"
+    result = _train(tmp_path, f"out_dir={out}", f"vae_from={wan_smoke}", "denoiser.learning_rate=1e-3", smoke=WAN_SMOKE)
+    assert result.returncode == 0, result.stderr
+    first, second = (json.loads((folder / "training.json").read_text()) for folder in (wan_smoke, out))
+    # The VAE's weights and latent statistics are the first run's, and so is its training time.
+    assert load_file(out / "vae/diffusion_pytorch_model.safetensors").keys() == \
+        load_file(wan_smoke / "vae/diffusion_pytorch_model.safetensors").keys()
+    assert all(torch.equal(a, b) for a, b in zip(
+        load_file(out / "vae/diffusion_pytorch_model.safetensors").values(),
+        load_file(wan_smoke / "vae/diffusion_pytorch_model.safetensors").values()))
+    assert second["seconds"]["vae"] == first["seconds"]["vae"] and second["vae_from"] == str(wan_smoke)
+    assert (out / "loss_log.csv").read_text().count("\nvae,") == (wan_smoke / "loss_log.csv").read_text().count("\nvae,")
+
+    refused = _train(tmp_path, f"out_dir={tmp_path / 'none'}", f"vae_from={tmp_path}", smoke=WAN_SMOKE)
+    assert refused.returncode == EXIT_USER_ERROR and f"vae_from={tmp_path}" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()

@@ -287,6 +287,17 @@ def reconstruction_adherence(vae, kind: SceneKind, held_out: list) -> dict:
     return adherence_summary(rows)["mean"] if rows else {}
 
 
+def keep_trained_vae(pipe, earlier: Path, log: LossLog) -> float:
+    """Puts the VAE of an earlier scene model folder into `pipe` and its loss rows into `log`;
+    returns the seconds its training took there."""
+    pipe.vae = type(pipe.vae).from_pretrained(earlier / "vae").to(next(pipe.vae.parameters()).device, torch.float32)
+    for line in (earlier / LOSS_LOG).read_text().splitlines()[1:]:
+        phase, step, loss = line.split(",")
+        if phase == "vae":
+            log.add(phase, int(step), float(loss))
+    return json.loads((earlier / TRAINING_RECORD).read_text())["seconds"]["vae"]
+
+
 def held_out_scenes(kind: SceneKind, count: int) -> list:
     """`count` held-out scenes (or clips) of one object, then `count` of two."""
     return [scene for objects in (1, 2)
@@ -319,10 +330,14 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     seconds = {}
 
     phase_start = time.perf_counter()
-    with stage("the VAE's training"):
-        train_vae(pipe.vae, data, cfg.vae, generator, log)
+    if cfg.vae_from is None:
+        with stage("the VAE's training"):
+            train_vae(pipe.vae, data, cfg.vae, generator, log)
+        seconds["vae"] = time.perf_counter() - phase_start
+    else:
+        seconds["vae"] = keep_trained_vae(pipe, Path(cfg.vae_from).expanduser(), log)
+    with stage("encoding the training samples"):
         latents = encode_latents(pipe.vae, data)
-    seconds["vae"] = time.perf_counter() - phase_start
     held_out = held_out_scenes(kind, cfg.eval_prompts)
     prompts = [scene.caption() for scene in held_out]
     with stage("scoring the VAE's reconstructions of held-out scenes"):
@@ -351,6 +366,7 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
                                "guidance_scale": cfg.guidance_scale, **adherence},
         "reconstruction_adherence": reconstructed,
         **kind.held_out_record(),
+        "vae_from": cfg.vae_from,
         "versions": library_versions(),
     }
     with stage(f"saving the model to {out}"):
