@@ -26,6 +26,12 @@ case "$model" in
         "a red circle at the top moving from left to right and a blue square at the bottom moving from right to left, pink background") ;;
     *) echo "demo_tiny.sh: the model is scenes_sdxl, scenes_flux or scenes_wan, not '$model'" >&2; exit 2 ;;
 esac
+folder="$(python -c "from sdquant.config import shipped_model_folder as f; print(f('$model'))")"
+if [ ! -f "$folder/model_index.json" ]; then
+    echo "demo_tiny.sh: $model is not in this checkout ($folder): train it with" \
+        "python tools/train_scene_model.py --config-name train_scene_${model#scenes_} out_dir=$folder (one GPU)" >&2
+    exit 2
+fi
 python "$here/quantize.py" model="$model" quantize.quant_level=3 out_dir=quantized
 # The folder is named from the settings and ends in their fingerprint.
 checkpoint="$(ls -d "quantized/nemo_${model}_int8_l3_a0.8_min-mean_p1_s20_c32_b1_seed42_"*)"
@@ -33,7 +39,7 @@ python "$here/export_trt.py" model="$model" quantized_unet="$checkpoint" infer.w
 quoted=$(printf '"%s",' "${prompts[@]}")
 python "$here/infer_trt.py" model="$model" backend=onnxruntime sampling.width=64 sampling.height=64 sampling.steps=20 \
     "sampling.prompts=[${quoted%,}]"
-held_out="$(python -c "from sdquant.config import shipped_model_folder as f; print(f('$model'))")/heldout_prompts.txt"
+held_out="$folder/heldout_prompts.txt"
 # The file holds 64 one-object prompts, then 64 two-object ones: eight of each.
 { head -n 8 "$held_out"; sed -n 65,72p "$held_out"; } > prompts.txt
 onnx_variant=()
