@@ -105,12 +105,13 @@ def build_variant(family, variant: str) -> tuple[object, dict]:
 
 
 def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
-    """'taylorseer:<interval>', 'taylorseer_blocks:<interval>' or 'first_block:<threshold>' as a
-    cache hook on a transformer of these block lists (Flux's by default); '' as none."""
+    """'taylorseer:<interval>[:<warm-up passes>]', 'taylorseer_blocks:<interval>[:<warm-up passes>]'
+    (3 unless given) or 'first_block:<threshold>' as a cache hook on a transformer of these block
+    lists (Flux's by default); '' as none."""
     if not setting:
         return None
-    method, value = setting.split(":")
-    return (HookCache(method, int(value), 0.0, stacks) if method in TAYLORSEER_METHODS
+    method, value, *warmup = setting.split(":")
+    return (HookCache(method, int(value), 0.0, stacks, *map(int, warmup)) if method in TAYLORSEER_METHODS
             else HookCache(method, 1, float(value), stacks))
 
 

@@ -25,7 +25,8 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
 A whole video (--whole; ours): 20 steps of MLPerf's settings (guidance 4.0 / 3.0, boundary 0.875)
 through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after a two-step
 call that compiles both experts; the VAE decodes eagerly there (its 81-frame compile is timed in the
-vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> / first_block:<threshold> runs it under
+vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
+the first prediction, 3 unless given) / first_block:<threshold> runs it under
 a diffusers cache hook.
     python benchmarks/wan_full_size.py --variants fp8_l4 --whole --out benchmarks/results/wan_video_h100.json
 
@@ -364,7 +365,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2, help="timed calls after the first")
     parser.add_argument("--whole", action="store_true", help="ours: a whole video through the pipeline")
     parser.add_argument("--steps", type=int, default=0, help="--whole: steps (0: the model's settings)")
-    parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>, taylorseer_blocks:<n>, first_block:<t>")
+    parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours: GPU time per kernel of one call")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
@@ -380,8 +381,9 @@ def main() -> None:
         parser.error("--split and --whole run our variants (compiled, fp8, fp8_l4), not peer or vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
         parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
-    if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+|first_block:[\d.]+", args.cache):
-        parser.error(f"--cache {args.cache}: give taylorseer:<n>, taylorseer_blocks:<n> or first_block:<threshold>")
+    if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+(:\d+)?|first_block:[\d.]+", args.cache):
+        parser.error(f"--cache {args.cache}: give taylorseer:<n>[:<warm-up passes>], taylorseer_blocks:<n>[:<warm-up "
+                     "passes>] or first_block:<threshold>")
     if one_process_each(args, variants):
         return
     quiet_libraries()

@@ -220,6 +220,10 @@ class CacheBlock:
     # the next pair too. DeepCache's reference package counts layers: its cache_branch_id is 3 * branch + 2.
     branch: int = 0
     threshold: float = 0.05
+    # TaylorSeer's full passes at a transformer's (each expert's) first calls of a sample, before it
+    # predicts any (diffusers' disable_cache_before_step). A Wan expert's hook starts afresh where it
+    # takes over, so each expert pays them: at 3, a 20-step A14B video runs 13 full passes, at 1, 11.
+    warmup: int = 3
 
 
 CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_blocks")

@@ -95,6 +95,22 @@ def test_taylorseer_runs_each_experts_attention_or_whole_blocks_on_about_half_it
         assert difference.max() > 1e-4 and difference.mean() < 0.02
 
 
+# With one full pass before TaylorSeer predicts (sampling.cache.warmup=1): each expert's calls 1, 3,
+# 5, ... computed, the others predicted.
+FULL_PASSES_AFTER_ONE = {"tiny_wan": {"transformer": 2, "transformer_2": 4}, "tiny_wan_ti2v": {"transformer": 6}}
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_taylorseer_with_one_warm_up_pass_predicts_from_each_experts_second_call(model_cache, model):
+    plain = Videos(model).draw()
+    blocks = Videos(model, "sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2",
+                    "sampling.cache.warmup=1")
+    predicted = blocks.draw()
+    assert blocks.counted("feed-forward") == FULL_PASSES_AFTER_ONE[model]
+    difference = (predicted - plain).abs()
+    assert difference.max() > 1e-4 and difference.mean() < 0.02
+
+
 @pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
                                    ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
                          ids=["first_block", "taylorseer_blocks"])
@@ -157,12 +173,14 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     ([*FIRST_BLOCK, "sampling.cache.threshold=-0.1"], "sampling.cache.threshold=-0.1: give 0 (never skip) or more"),
     (["sampling.cache.method=taylorseer", "sampling.cache.interval=0"],
      "sampling.cache.interval=0: give a full pass every 1 or more steps"),
+    (["sampling.cache.method=taylorseer_blocks", "sampling.cache.warmup=0"],
+     "sampling.cache.warmup=0: give 1 or more full passes before TaylorSeer predicts"),
     (["model=tiny_wan_ti2v", "sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=0"],
      "sampling.cache.interval=0: give a full pass every 1 or more steps"),
     (["sampling.cache.method=deepcache"], "sampling.cache.method=deepcache: model=tiny_wan's transformer and "
                                           "transformer_2 take none or first_block or taylorseer or taylorseer_blocks"),
     ([*FIRST_BLOCK, "backend=onnxruntime"], "is a diffusers hook on the transformer module: run it with backend=torch"),
-], ids=["threshold", "interval", "ti2v_interval", "deepcache", "graphs"])
+], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"

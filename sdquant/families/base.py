@@ -320,7 +320,7 @@ class HookCaching:
         from ..runtime.cache_hooks import HookCache
 
         return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
-                                                             self.hook_block_stacks)
+                                                             self.hook_block_stacks, block.warmup)
 
     def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.cache_hooks import HookedStage

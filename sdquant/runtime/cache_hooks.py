@@ -48,6 +48,8 @@ class HookCache:
     threshold: float
     # The transformer's block lists, in the order its forward runs them (the family's).
     block_stacks: tuple[str, ...]
+    # TaylorSeer's full passes before its first prediction (config.CacheBlock.warmup).
+    warmup: int = 3
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
@@ -59,19 +61,23 @@ class HookCache:
         # `taylorseer` predicts only the attention modules, as diffusers' TaylorSeer does at its
         # defaults, so every block's feed-forward GEMMs still run on a predicted step.
         identifiers = (whole_block_identifiers if self.method == "taylorseer_blocks" else attention_identifiers)
-        return TaylorSeerCacheConfig(cache_interval=self.interval, **identifiers(transformer, self.block_stacks))
+        return TaylorSeerCacheConfig(cache_interval=self.interval, disable_cache_before_step=self.warmup,
+                                     **identifiers(transformer, self.block_stacks))
 
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:
             raise UserError(f"{key}.threshold={self.threshold}: give 0 (never skip) or more")
         if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
+        if self.method in TAYLORSEER_METHODS and self.warmup < 1:
+            raise UserError(f"{key}.warmup={self.warmup}: give 1 or more full passes before TaylorSeer predicts "
+                            "(it predicts from what the full passes computed)")
 
     def describe(self) -> str:
         if self.method == "first_block":
             return f"First Block Cache, threshold {self.threshold}"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
-        return f"TaylorSeer{scope}, a full pass every {self.interval} steps"
+        return f"TaylorSeer{scope}, a full pass every {self.interval} steps after the first {self.warmup}"
 
 
 class HookedStage:
