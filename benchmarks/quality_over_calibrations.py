@@ -3,8 +3,10 @@ calibration k takes its own slice of the model's calibration captions (prompts c
 and its own seed (42 + k), so each checkpoint of a recipe sees other prompts and other noise. All
 checkpoints and cached settings run in one evaluate.py pass against one unquantized reference on the
 scene model's held-out prompts; the summary gives, per setting, the mean, lowest and highest
-two-object adherence, adherence over all prompts and PSNR, and whether the mean stays within
-3 points of the unquantized model (of the uncached one for a cached setting).
+two-object adherence, adherence over all prompts and PSNR (for a video model also the temporal
+figures), and whether the mean stays within 3 points of the unquantized model (of the uncached one
+for a cached setting): two-object adherence for an image model, adherence over all prompts for a
+video one.
 
     python benchmarks/quality_over_calibrations.py                      # scenes_sdxl on a CPU
     python benchmarks/quality_over_calibrations.py --model scenes_flux --calib-batch 8 --device cuda --kernels fp8
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from sdquant.config import register_schemas, shipped_model_folder
@@ -37,12 +40,24 @@ SETTINGS = {
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
 WITHIN = 3.0
 FIRST_SEED = 42
-FIGURES = {"two objects": ("adherence", "two_objects"), "all prompts": ("adherence", "all"), "PSNR": ("psnr", None)}
+
+@dataclass(frozen=True)
+class Figure:
+    """Where a report holds a figure, what it is multiplied by for the table, and its unit."""
+
+    source: str            # "adherence" (its mean), "temporal" (its temporal means) or "psnr"
+    key: str | None
+    scale: float = 1.0
+    unit: str = ""
+
+
+FIGURES = {"two objects": Figure("adherence", "two_objects", 100, "%"), "all prompts": Figure("adherence", "all", 100, "%"),
+           "PSNR": Figure("psnr", None, unit=" dB")}
 # A video model's temporal figures besides (clips.score): clips whose objects keep colour and shape in
-# every frame (percent), the tracks' largest stray from a straight line (pixels), and the
-# background's change from frame to frame (0-255 levels).
-TEMPORAL_FIGURES = {"identity kept": ("temporal", "identity_kept"), "jitter (px)": ("temporal", "jitter"),
-                    "flicker": ("temporal", "flicker")}
+# every frame, the tracks' largest stray from a straight line (pixels), and the background's change
+# from frame to frame (0-255 levels).
+TEMPORAL_FIGURES = {"identity kept": Figure("temporal", "identity_kept", 100, "%"),
+                    "jitter (px)": Figure("temporal", "jitter"), "flicker": Figure("temporal", "flicker")}
 
 
 def main() -> None:
@@ -133,12 +148,10 @@ def figures_of(report: dict) -> dict:
 def figure(report: dict, variant: str, figure_name: str) -> float:
     """Two-object or all-prompt adherence in percent, the mean PSNR in dB, or a temporal figure of one
     variant (the reference itself where `variant` is its name)."""
-    source, key = figures_of(report)[figure_name]
-    if source == "adherence":
-        return 100 * report["adherence"][variant]["mean"][key]
-    if source == "temporal":
-        return (100 if key == "identity_kept" else 1) * report["adherence"][variant]["temporal"][key]
-    return report["variants"][variant]["mean"]["psnr"]
+    shown = figures_of(report)[figure_name]
+    if shown.source == "psnr":
+        return report["variants"][variant]["mean"]["psnr"]
+    return shown.scale * report["adherence"][variant][{"adherence": "mean"}.get(shown.source, shown.source)][shown.key]
 
 
 def summarized(report: dict, settings: dict, args) -> dict:
@@ -147,7 +160,7 @@ def summarized(report: dict, settings: dict, args) -> dict:
     reference = report["reference"]["name"]
     figures = figures_of(report)
     judged = "all prompts" if "identity kept" in figures else "two objects"
-    unquantized = {name: figure(report, reference, name) for name, (source, _) in figures.items() if source != "psnr"}
+    unquantized = {name: figure(report, reference, name) for name, shown in figures.items() if shown.source != "psnr"}
     rows = {}
     for setting, (recipe, _) in settings.items():
         runs = [variant_name(setting, index if recipe else None) for index in range(args.calibrations if recipe else 1)]
@@ -173,11 +186,11 @@ def summary_markdown(summary: dict) -> str:
              f"{summary['device']}, checkpoints run as {summary['kernels']}, {summary['prompts']} held-out prompts; "
              f"calibration k: captions {summary['calib_size']}k to {summary['calib_size']}(k+1), seed {FIRST_SEED}+k. "
              f"Unquantized ({summary['reference']}): "
-             + ", ".join(f"{name} {value:.1f}" + ("%" if name in ("two objects", "all prompts", "identity kept") else "")
-                         for name, value in unquantized.items())
+             + ", ".join(f"{name} {value:.1f}{(FIGURES | TEMPORAL_FIGURES)[name].unit}" for name, value in unquantized.items())
              + ". Each cell: the mean over the calibrations, then its lowest and highest; a setting is within "
              f"target where its mean {judged} adherence is at most {WITHIN:g} points under the unquantized model's.",
-             "", "| setting | " + " | ".join(name.replace("PSNR", "PSNR (dB)") for name in names)
+             "", "| setting | " + " | ".join(f"{name} ({FIGURES['PSNR'].unit.strip()})" if name == "PSNR" else name
+                                            for name in names)
              + " | against unquantized | within |", "| --- " * (len(names) + 3) + "|"]
     for setting, row in summary["settings"].items():
         cells = [f"{row[name]['mean']:.1f} ({row[name]['low']:.1f}-{row[name]['high']:.1f})" for name in names]

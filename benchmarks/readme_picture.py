@@ -1,5 +1,6 @@
-"""The README's pictures of the scene models: chosen columns of a quality report's grid (one 64x64 cell
-per prompt and variant, its columns in the order the report's header names them), the first eight
+"""The README's pictures of the scene models: chosen columns of a quality report's grid (one cell per
+prompt and variant, a 64x64 image or a video's strip of frames, its columns in the order the
+report's header names them), the first eight
 held-out two-object prompts (the report's rows 64 to 71, as the held-out file lists them), enlarged,
 with a label over each column. Each column's checkpoint is the first calibration's.
 
@@ -26,7 +27,6 @@ class Picture:
     reports: tuple[str, ...]   # the reports (results/<name>.md and <name>_grid.png) its columns come from
     shown: dict[str, str]      # column -> label; the first report's reference is "reference"
     out: str
-    scale: int = 2             # how much each cell is enlarged
 
 
 PICTURES = {
@@ -41,7 +41,7 @@ PICTURES = {
          "fp8_l4_taylorseer_blocks2_c0": "FP8 L4 + TaylorSeer/2"},
         "scenes_flux_fp16_int8_fp8.png"),
 }
-CELL, LABEL_HEIGHT = 64, 20
+CELL, SCALE, LABEL_HEIGHT = 64, 2, 20
 
 
 def grid_columns(report: str) -> list[str]:
@@ -51,14 +51,14 @@ def grid_columns(report: str) -> list[str]:
     return ["reference", *names[1:]]
 
 
-def cell(report: str, column: str, row: int, scale: int) -> Image.Image:
+def cell(report: str, column: str, row: int) -> Image.Image:
     """One prompt's cell of one column, enlarged: a 64x64 image, or a video's strip of frames (as
     wide as the grid's width over its columns)."""
     grid = Image.open(RESULTS / f"{report}_grid.png").convert("RGB")
     columns = grid_columns(report)
     width = grid.width // len(columns)
     left = columns.index(column) * width
-    return grid.crop((left, row * CELL, left + width, (row + 1) * CELL)).resize((width * scale, CELL * scale),
+    return grid.crop((left, row * CELL, left + width, (row + 1) * CELL)).resize((width * SCALE, CELL * SCALE),
                                                                                Image.NEAREST)
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(PICTURES), default="scenes_sdxl")
     args = parser.parse_args()
     shape = PICTURES[args.model]
-    cells = {column: [cell(source(shape, column), column, row, shape.scale) for row in ROWS] for column in shape.shown}
+    cells = {column: [cell(source(shape, column), column, row) for row in ROWS] for column in shape.shown}
     width, height = next(iter(cells.values()))[0].size
     picture = Image.new("RGB", (width * len(shape.shown), LABEL_HEIGHT + height * len(ROWS)), "white")
     draw = ImageDraw.Draw(picture)

@@ -8,6 +8,7 @@ calls first.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -484,7 +485,8 @@ class DenoiserTraining:
     batch_size: int = 512
     learning_rate: float = 5e-4
     # Share of captions dropped (to zeros for SDXL, as its pipeline feeds an empty negative prompt;
-    # to the empty caption for Flux, what diffusers' true CFG feeds), for classifier-free guidance.
+    # to the empty caption for Flux and Wan, what diffusers' true CFG and WanPipeline feed), for
+    # classifier-free guidance.
     empty_caption_rate: float = 0.1
     ema_decay: float = 0.999
 
@@ -761,7 +763,20 @@ def validate_evaluate(cfg) -> None:
                         f"{', '.join(LPIPS_NETS)} or null")
 
 
+# The training config of each family's scene model (tools/train_scene_model.py --config-name).
+SCENE_CONFIGS = {Family.sdxl: "train_scene_model", Family.flux: "train_scene_flux", Family.wan: "train_scene_wan"}
+# The Wan scene architecture's counts, each at least 1.
+WAN_SCENE_COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
+
+
 def validate_train_scene(cfg) -> None:
+    # Each config's schema holds one family's architecture: another family needs its own config.
+    schema_family = OmegaConf.get_type(cfg).family
+    if cfg.family != schema_family:
+        own = (f"--config-name {SCENE_CONFIGS[cfg.family]}" if cfg.family in SCENE_CONFIGS
+               else f"a family with a scene model ({', '.join(plain(f) for f in SCENE_CONFIGS)})")
+        raise UserError(f"family={plain(cfg.family)}: this config trains a {plain(schema_family)} scene model, whose "
+                        f"architecture it holds: use {own}")
     arch = cfg.architecture
     for key in [key for key in ("unet_channels", "vae_channels") if key in arch]:
         if not arch[key] or any(width < arch.norm_groups or width % arch.norm_groups for width in arch[key]):
@@ -775,9 +790,12 @@ def validate_train_scene(cfg) -> None:
     if "vae_dim_mult" in arch and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
         raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
                         "multiples (each level after the first halves the sides, the last two also the frames)")
-    if "layers" in arch and (arch.head_dim % 8 or min(arch.heads, arch.head_dim, arch.layers, arch.ffn) < 1):
-        raise UserError(f"architecture.head_dim={arch.head_dim}: give a positive multiple of 8 (the rotary "
-                        "embedding's frame, height and width parts), and positive heads, layers and ffn")
+    if "layers" in arch and (arch.head_dim < 6 or arch.head_dim % 2):
+        raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
+                        "embedding splits it into frame, height and width parts)")
+    for key in [key for key in WAN_SCENE_COUNTS if key in arch]:
+        if arch[key] < 1:
+            raise UserError(f"architecture.{key}={arch[key]}: give 1 or more")
     if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
         raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
                         f"architecture.head_dim={arch.head_dim}")
@@ -786,6 +804,10 @@ def validate_train_scene(cfg) -> None:
         if not all((earlier / name).is_file() for name in ("vae/config.json", "training.json", "loss_log.csv")):
             raise UserError(f"vae_from={cfg.vae_from}: not a scene model folder written by tools/train_scene_model.py "
                             "(it needs vae/, training.json and loss_log.csv): give such a folder, or null to train the VAE")
+        trained_for = json.loads((earlier / "training.json").read_text()).get("family")
+        if trained_for != plain(cfg.family):
+            raise UserError(f"vae_from={cfg.vae_from}: a {trained_for} scene model's folder, and this run trains a "
+                            f"{plain(cfg.family)} one: give one of its own family")
     for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")

@@ -153,3 +153,49 @@ def test_a_second_run_keeps_the_first_runs_vae_and_refuses_a_folder_without_one(
     refused = _train(tmp_path, f"out_dir={tmp_path / 'none'}", f"vae_from={tmp_path}", smoke=WAN_SMOKE)
     assert refused.returncode == EXIT_USER_ERROR and f"vae_from={tmp_path}" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()
+
+
+def test_quantize_refuses_a_level_that_leaves_an_expert_nothing_to_quantize(wan_smoke, tmp_path):
+    """The smoke model's one block per expert is one the Wan recipe keeps in high precision."""
+    result = subprocess.run([sys.executable, str(REPO / "quantize.py"), "model=scenes_wan",
+                             f"model.source={wan_smoke}", f"out_dir={tmp_path / 'quantized'}",
+                             f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == EXIT_USER_ERROR and "Traceback" not in result.stderr
+    assert "every layer of this model's transformer and transformer_2 is one its family keeps" in result.stderr
+    assert not (tmp_path / "quantized").exists() or not any((tmp_path / "quantized").iterdir())
+
+
+def test_each_wan_expert_is_trained_and_sampled_on_its_own_side_of_the_boundary():
+    """Training draws each expert's noise levels where WanPipeline's sampler hands it its steps:
+    the high-noise expert from the boundary (t >= 875) up, near the pure noise a video starts from
+    too; the low-noise expert below, near the boundary too."""
+    from sdquant.config import DenoiserTraining, WanSceneArchitecture
+    from sdquant.families.wan import WAN
+    from sdquant.quality import clips
+    from sdquant.quality.training import SCENE_KINDS, make_dataset, scene_t5_tokenizer
+
+    cpu = torch.device("cpu")
+    tokenizer = scene_t5_tokenizer(clips.caption_vocabulary())
+    arch = WanSceneArchitecture(heads=2, layers=1, ffn=64, text_layers=1, vae_base=8)
+    pipe = WAN.build_pipeline(WAN.scene_sizes(arch, 64), {"t5": tokenizer})
+    data = make_dataset(SCENE_KINDS["video"], 8, 0, 0.5, {"t5": tokenizer}, cpu)
+    seen = {name: [] for name in ("transformer", "transformer_2")}
+    for name in seen:
+        getattr(pipe, name).register_forward_pre_hook(
+            lambda _module, _args, kwargs, name=name: seen[name].append(kwargs["timestep"].flatten().float()),
+            with_kwargs=True)
+    loss_of = WAN.scene_loss(pipe, torch.randn(8, 16, 3, 16, 16), data, DenoiserTraining(batch_size=256),
+                             torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss_of(torch.randint(8, (256,), generator=torch.Generator().manual_seed(0)))
+    high, low = (torch.cat(seen[name]) for name in ("transformer", "transformer_2"))
+    assert high.min() >= 875 and low.max() < 875
+    # The sampler's first two steps (t = 1000, 983) and the two after the boundary (848, 818): 16% and
+    # 14% of each expert's draws fall beyond them, where levels squeezed into each share gave 3% and 0.4%.
+    assert (high > 983).float().mean() > 0.08 and (low > 818).float().mean() > 0.07
+
+    seen = {name: [] for name in seen}
+    pipe("a red circle moving slowly from left to right, white background", num_inference_steps=20, num_frames=9,
+         height=64, width=64, output_type="latent", max_sequence_length=32)
+    assert torch.cat(seen["transformer"]).min() >= 875 and torch.cat(seen["transformer_2"]).max() < 875
+    assert len(seen["transformer"]) + len(seen["transformer_2"]) == 2 * 20

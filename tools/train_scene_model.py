@@ -1,8 +1,10 @@
 """Trains a built-in scene model from scratch on captioned scenes of one and two objects: the
-SDXL-architecture one (the default config) or the Flux-architecture one (train_scene_flux).
+SDXL-architecture one (the default config), the Flux-architecture one (train_scene_flux), or the
+Wan2.2-architecture one on clips of moving shapes (train_scene_wan).
 
     python tools/train_scene_model.py out_dir=scenes_sdxl                        # one H100
     python tools/train_scene_model.py --config-name train_scene_flux out_dir=scenes_flux
+    python tools/train_scene_model.py --config-name train_scene_wan out_dir=scenes_wan
     python tools/train_scene_model.py device=cpu vae.steps=2 denoiser.steps=2 ...   # a CPU smoke run
 """
 

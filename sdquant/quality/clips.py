@@ -304,7 +304,8 @@ def _track(found: list) -> Track:
 
 def flicker(video: np.ndarray) -> float:
     """The background's mean change from frame to frame (0-255 levels), over the pixels no object
-    covers in either frame: zero for a steady background, whatever moves across it."""
+    covers in either frame: zero for a steady background, whatever moves across it. Between two
+    frames with no background pixel in common, the whole frame's change counts."""
     levels = video.astype(np.float64) * 255
     background = np.median(np.concatenate([levels[:, 0], levels[:, -1], levels[:, :, 0], levels[:, :, -1]], axis=1),
                            axis=1)

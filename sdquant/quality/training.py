@@ -18,6 +18,7 @@ import json
 import math
 import string
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -87,33 +88,44 @@ class SceneKind:
     """What a family's scene model learns from and is scored on: still scenes for an image family,
     clips of moving shapes for a video family (ModelFamily.output says which)."""
 
-    module: object                    # sdquant.quality.scenes or .clips
-    # From the renders (N, [frames,] 64, 64, 3) to the autoencoder's (N, 3, [frames,] 64, 64), and
-    # from the autoencoder's to the pipelines' samples (N, [frames,] 3, 64, 64), which `score` reads.
-    permutation: tuple[int, ...]
-    sampled: tuple[int, ...]
+    module: types.ModuleType          # sdquant.quality.scenes or .clips: sample, render, caption_vocabulary
+    # Axis orders: from the renders (N, [frames,] 64, 64, 3) to the autoencoder's input
+    # (N, 3, [frames,] 64, 64), and from that to the pipelines' samples (N, [frames,] 3, 64, 64).
+    to_autoencoder: tuple[int, ...]
+    to_samples: tuple[int, ...]
     # Per sample, what the detector reads back against its prompt (scoring.adherence or video_adherence).
     score: Callable[[torch.Tensor, list[str]], list[dict]]
     # What the family's diffusers pipeline is asked for besides the prompts, and where its result
     # holds the samples.
     call_kwargs: dict
     result: str
-    # The module's functions that name what training never sees, for the training record.
-    held_out: tuple[str, ...]
+    # What training never sees, by the training record's name for it.
+    held_out: dict[str, Callable[[], set]]
+
+    @property
+    def attributes(self) -> tuple[str, ...]:
+        """What the detector reads: the scenes' place and size, or the clips' motion."""
+        return self.module.ATTRIBUTES
 
     def pixels(self, rendered: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(rendered).permute(*self.permutation).contiguous()
+        return torch.from_numpy(rendered).permute(*self.to_autoencoder).contiguous()
 
     def held_out_record(self) -> dict:
-        return {name: sorted(map(list, getattr(self.module, name)())) for name in self.held_out}
+        return {name: sorted(map(list, combinations())) for name, combinations in self.held_out.items()}
 
 
 SCENE_KINDS = {
     "image": SceneKind(scenes, (0, 3, 1, 2), (0, 1, 2, 3), adherence, {}, "images",
-                       ("held_out_combinations", "held_out_colour_orders")),
+                       {"held_out_combinations": scenes.held_out_combinations,
+                        "held_out_colour_orders": scenes.held_out_colour_orders}),
     "video": SceneKind(clips, (0, 4, 1, 2, 3), (0, 2, 1, 3, 4), video_adherence, {"num_frames": clips.FRAMES}, "frames",
-                       ("held_out_combinations", "held_out_pairs")),
+                       {"held_out_combinations": clips.held_out_combinations, "held_out_pairs": clips.held_out_pairs}),
 }
+
+
+def signed(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as the autoencoder takes them, in [-1, 1]."""
+    return pixels.float() / 127.5 - 1
 
 
 @dataclass
@@ -126,7 +138,7 @@ class Dataset:
     empty_ids: dict[str, torch.Tensor]   # per tokenizer, (1, its length)
 
     def batch(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.pixels[indices].float() / 127.5 - 1
+        return signed(self.pixels[indices])
 
 
 def training_scenes(kind: SceneKind, size: int, seed: int, two_object_share: float) -> list:
@@ -161,9 +173,13 @@ class LossLog:
     def add(self, phase: str, step: int, loss: float) -> None:
         self.rows.append((phase, step, loss))
 
-    def final(self, phase: str, last: int = 100) -> float:
-        values = [loss for name, _, loss in self.rows if name == phase][-last:]
-        return float(np.mean(values)) if values else math.nan
+    def final(self, phase: str, last_steps: int = 100) -> float:
+        """The mean loss the phase logged over its last `last_steps` steps."""
+        rows = [(step, loss) for name, step, loss in self.rows if name == phase]
+        if not rows:
+            return math.nan
+        end = rows[-1][0]
+        return float(np.mean([loss for step, loss in rows if step > end - last_steps]))
 
     def write(self, path: Path) -> None:
         path.write_text("phase,step,loss\n" + "".join(f"{p},{s},{v:.6f}\n" for p, s, v in self.rows))
@@ -173,6 +189,15 @@ def _every(step: int, total: int) -> bool:
     """Whether to read the loss back this step: often enough for a curve, rarely enough that the
     GPU never waits on the host."""
     return step % 25 == 0 or step == total
+
+
+def kl_divergence(posterior) -> torch.Tensor:
+    """The posterior's KL divergence from the unit normal, summed over every latent element and
+    averaged over the batch. diffusers' DiagonalGaussianDistribution.kl() sums axes 1-3 only, which
+    for the Wan VAE's (N, C, frames, h, w) latents leaves the width out, and a mean over it would
+    weigh the term 16x less than for an image VAE."""
+    terms = posterior.mean.float() ** 2 + posterior.var.float() - 1.0 - posterior.logvar.float()
+    return 0.5 * terms.flatten(1).sum(1).mean()
 
 
 def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLog) -> None:
@@ -187,7 +212,7 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
         with autocast(device):
             posterior = vae.encode(pixels).latent_dist
             reconstruction = vae.decode(posterior.sample(generator)).sample
-        loss = F.mse_loss(reconstruction.float(), pixels) + block.kl_weight * posterior.kl().mean()
+        loss = F.mse_loss(reconstruction.float(), pixels) + block.kl_weight * kl_divergence(posterior)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -281,16 +306,24 @@ def reconstruction_adherence(vae, kind: SceneKind, held_out: list) -> dict:
         chunk = held_out[start:start + 64]
         rendered = kind.pixels(kind.module.render(chunk)).to(device)
         with autocast(device):
-            decoded = vae.decode(vae.encode(rendered.float() / 127.5 - 1).latent_dist.mode()).sample
-        rows += kind.score((decoded.float() / 2 + 0.5).clamp(0, 1).permute(*kind.sampled),
+            decoded = vae.decode(vae.encode(signed(rendered)).latent_dist.mode()).sample
+        rows += kind.score((decoded.float() / 2 + 0.5).clamp(0, 1).permute(*kind.to_samples),
                            [scene.caption() for scene in chunk])
     return adherence_summary(rows)["mean"] if rows else {}
 
 
 def keep_trained_vae(pipe, earlier: Path, log: LossLog) -> float:
-    """Puts the VAE of an earlier scene model folder into `pipe` and its loss rows into `log`;
-    returns the seconds its training took there."""
-    pipe.vae = type(pipe.vae).from_pretrained(earlier / "vae").to(next(pipe.vae.parameters()).device, torch.float32)
+    """Loads the VAE of an earlier scene model folder into `pipe`'s, which must have its sizes, and
+    its loss rows into `log`; returns the seconds its training took there."""
+    trained = type(pipe.vae).from_pretrained(earlier / "vae")
+    # What training measures or sets on a VAE of given sizes (encode_latents sets them again).
+    measured = {"latents_mean", "latents_std", "shift_factor", "scaling_factor"}
+    differing = [f"{key} {value} against this run's {pipe.vae.config.get(key)}" for key, value in trained.config.items()
+                 if not key.startswith("_") and key not in measured and pipe.vae.config.get(key) != value]
+    if differing:
+        raise UserError(f"vae_from={earlier}: its VAE has other sizes ({'; '.join(differing)}): give this run the "
+                        "architecture's VAE sizes that folder was trained with")
+    pipe.vae.load_state_dict(trained.state_dict())
     for line in (earlier / LOSS_LOG).read_text().splitlines()[1:]:
         phase, step, loss = line.split(",")
         if phase == "vae":
@@ -350,11 +383,15 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
                        generator, log, backbone)
     seconds[backbone] = time.perf_counter() - phase_start
 
-    # What ships is the fp16 pipeline, so that is what gets scored.
+    # What ships is the fp16 pipeline, so that is what gets scored, its VAE decoding as the
+    # family's runtime decodes it (the Wan VAE in fp32).
     pipe.to(torch.float16).set_progress_bar_config(disable=True)
+    pipe.vae.to(family.decoder_dtype(pipe.vae.config, torch.float16))
     with stage("scoring the held-out prompts"):
         adherence = held_out_adherence(pipe, kind, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
                                        family.pipeline_call_kwargs(pipe)) if prompts else {}
+    # Its weights were fp16 before the upcast, so they are stored in fp16 without loss.
+    pipe.vae.to(torch.float16)
     record = {
         "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True),
         "family": plain(cfg.family),
@@ -365,6 +402,7 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         "held_out_adherence": {"prompts": len(prompts), "steps": cfg.eval_steps,
                                "guidance_scale": cfg.guidance_scale, **adherence},
         "reconstruction_adherence": reconstructed,
+        "attributes": list(kind.attributes),
         **kind.held_out_record(),
         "vae_from": cfg.vae_from,
         "versions": library_versions(),

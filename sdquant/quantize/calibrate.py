@@ -487,15 +487,18 @@ def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, s
     modules = {backbone.attribute: getattr(pipe, backbone.attribute) for backbone in family.backbones}
     entries = family.quant_cfg_entries(block.format, block.quant_level)
     recorders, captured, hooks, backbone_calls = {}, [], [], []
+    clocks = {attribute: StepClock() for attribute in modules}
     for attribute, module in modules.items():
-        clock = StepClock()
-        recorders[attribute] = ActivationRecorder(module, entries, block, clock)
-        if not recorders[attribute].inputs:
-            for recorder in recorders.values():
-                recorder.remove()
-            raise UserError(f"quantize.quant_level={block.quant_level:g}: the {attribute} of this model has no layer "
-                            "to quantize at this level (the family keeps the rest in high precision, e.g. a "
-                            "Wan expert's first and last three blocks): choose a model with more blocks or another level")
+        recorders[attribute] = ActivationRecorder(module, entries, block, clocks[attribute])
+    idle = [attribute for attribute, recorder in recorders.items() if not recorder.inputs]
+    if idle:
+        for recorder in reversed(recorders.values()):
+            recorder.remove()
+        raise UserError(f"quantize.quant_level={block.quant_level:g}: every layer of this model's {' and '.join(idle)} "
+                        "is one its family keeps in high precision at this level, so nothing would be quantized: "
+                        "choose another level, or a model with more blocks")
+    for attribute, module in modules.items():
+        clock = clocks[attribute]
         if cuda_graph and module.device.type == "cuda":
             captured.append(CapturedBackbone(module, recorders[attribute]))
         hooks += [attach_clock(pipe, family, module, clock),

@@ -8,13 +8,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import validate_train_scene
-from ..quality.clips import ATTRIBUTES as CLIP_ATTRIBUTES
-from ..quality.scenes import ATTRIBUTES as SCENE_ATTRIBUTES
 from ..load import resolve_device
 from ..report import print_summary
-
-
-ATTRIBUTES = tuple(dict.fromkeys(SCENE_ATTRIBUTES + CLIP_ATTRIBUTES))
 
 
 def run_train_scene_model(cfg) -> Path:
@@ -27,8 +22,7 @@ def run_train_scene_model(cfg) -> Path:
     out, record = train_scene_model(OmegaConf.to_object(cfg), resolve_device(cfg.device))
     adherence = record["held_out_adherence"]
     if adherence["prompts"]:
-        # Each attribute the detector read: the scenes' place and size, or the clips' motion.
-        attributes = [name for name in ATTRIBUTES if adherence.get(name) is not None]
+        attributes = [name for name in record["attributes"] if adherence.get(name) is not None]
         print(f"held-out prompts, all attributes right: one object {adherence['one_object']:.1%}, two objects "
               f"{adherence['two_objects']:.1%} of {adherence['prompts']} "
               f"({', '.join(f'{name} {adherence[name]:.0%}' for name in attributes)})")

@@ -335,37 +335,49 @@ class WanT2VFamily(WanFamily):
 
     def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator):
         """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
-        latent to noise, on its own share of the noise levels as the A14B's experts are trained: the
-        first (high noise) from the boundary up, the second below it; logit-normal levels within each
-        share. Both see the same clips each step, with their own noise. UMT5's states go in as the
-        pipeline feeds them (zero past each caption); a dropped caption is the empty one, WanPipeline's
-        negative prompt."""
+        latent to noise, on its own share of the noise levels as the A14B's experts serve them: the
+        first from the pipeline's boundary up, the second below it. Within each share the levels are
+        drawn as the sampler steps through them: uniform before the scheduler's flow shift, then
+        shifted, so the pure noise a video starts from and the levels either side of the boundary
+        are trained as often as the sampler visits them. Both experts see the same clips and captions
+        each step (UMT5 runs once), each with its own noise; UMT5's states go in as the pipeline feeds
+        them (zero past each caption), a dropped caption being the empty one, WanPipeline's negative
+        prompt."""
         import torch.nn.functional as F
 
         from ..training import autocast, kept
 
         device = latents.device
         experts = list(self.backbone_modules(pipe).values())
-        shares = [(self.boundary_ratio, 1.0), (0.0, self.boundary_ratio)]
+        config = pipe.scheduler.config
+        shift, train_steps = config.flow_shift, config.num_train_timesteps
+
+        def unshifted(sigma: float) -> float:
+            return sigma / (shift - (shift - 1) * sigma)
+
+        boundary = unshifted(pipe.config.boundary_ratio)
+        shares = [(boundary, 1.0), (0.0, boundary)]
         encoder = Umt5Graph(pipe.text_encoder)
         pad = pipe.tokenizer.pad_token_id
 
-        def expert_loss(expert, share: tuple[float, float], indices: torch.Tensor) -> torch.Tensor:
-            clean = latents[indices]
+        def expert_loss(expert, share: tuple[float, float], clean: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
             noise = torch.randn(clean.shape, device=device, generator=generator)
             low, high = share
-            sigma = low + (high - low) * torch.sigmoid(torch.randn(len(indices), device=device, generator=generator))
+            drawn = low + (high - low) * torch.rand(len(clean), device=device, generator=generator)
+            sigma = shift * drawn / (1 + (shift - 1) * drawn)
             noisy = clean + sigma.view(-1, 1, 1, 1, 1) * (noise - clean)
-            ids = torch.where(kept(block, generator, device)[:, None], data.token_ids["t5"][indices],
-                              data.empty_ids["t5"])
             with autocast(device):
-                text = encoder(ids, (ids != pad).long())
-                velocity = expert(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=text,
+                velocity = expert(hidden_states=noisy, timestep=sigma * train_steps, encoder_hidden_states=text,
                                   return_dict=False)[0]
             return F.mse_loss(velocity.float(), noise - clean)
 
         def loss_of(indices: torch.Tensor) -> torch.Tensor:
-            return sum(expert_loss(expert, share, indices) for expert, share in zip(experts, shares)) / len(experts)
+            ids = torch.where(kept(block, generator, device)[:, None], data.token_ids["t5"][indices],
+                              data.empty_ids["t5"])
+            with autocast(device):
+                text = encoder(ids, (ids != pad).long())
+            return sum(expert_loss(expert, share, latents[indices], text)
+                       for expert, share in zip(experts, shares)) / len(experts)
 
         return loss_of
 
