@@ -67,6 +67,13 @@ def test_flicker_and_an_object_that_changes_show_in_the_temporal_figures():
     square = np.all(changing[4:] == clips.COLOURS["red"], axis=-1)
     changing[4:][square] = clips.COLOURS["blue"]
     assert not clips.score(changing / 255.0, clip.caption())["identity_kept"]
+    # A clip that draws nothing, or one of the two objects asked for, keeps no identity.
+    blank = np.broadcast_to(np.asarray(clips.BACKGROUNDS["gray"]), video.shape)
+    assert not clips.score(blank / 255.0, clip.caption())["identity_kept"]
+    pair = clips.sample(1, 2, objects=2)[0]
+    one_of_two = clips.render([pair])[0]
+    one_of_two[np.all(one_of_two == clips.COLOURS[pair.second.colour], axis=-1)] = clips.BACKGROUNDS[pair.background]
+    assert not clips.score(one_of_two / 255.0, pair.caption())["identity_kept"]
 
 
 @pytest.mark.parametrize("prompt, unknown", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -199,3 +200,18 @@ def test_each_wan_expert_is_trained_and_sampled_on_its_own_side_of_the_boundary(
          height=64, width=64, output_type="latent", max_sequence_length=32)
     assert torch.cat(seen["transformer"]).min() >= 875 and torch.cat(seen["transformer_2"]).max() < 875
     assert len(seen["transformer"]) + len(seen["transformer_2"]) == 2 * 20
+
+
+def test_the_one_cycle_schedule_runs_through_any_number_of_steps_and_keeps_the_recipes_warm_up():
+    from sdquant.quality.training import one_cycle
+    for steps in range(1, 61):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        schedule = one_cycle(optimizer, 1e-3, steps)
+        for _ in range(steps):
+            optimizer.step()
+            schedule.step()
+        assert all(math.isfinite(group["lr"]) for group in optimizer.param_groups), steps
+    # The shipped models' step counts keep OneCycleLR's 5% warm-up they were trained with.
+    assert one_cycle(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), 1e-3, 3000).total_steps == 3000
+    assert one_cycle(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), 1e-3, 3000)._schedule_phases[0][
+        "end_step"] == 0.05 * 3000 - 1

@@ -325,8 +325,12 @@ def score(video: np.ndarray, prompt: str) -> dict:
     # The directions, speeds and lanes are read in the renderer's pixels.
     if wanted is None or video.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
         return {"scorable": False}
-    background, found = tracks(video, 1 if isinstance(wanted, Clip) else 2)
-    temporal = {"identity_kept": all(track.changed == 0 and None not in track.centres for track in found),
+    count = 1 if isinstance(wanted, Clip) else 2
+    background, found = tracks(video, count)
+    # Kept where every object asked for is followed through every frame in one colour and shape (a
+    # never-captioned prompt: every object found); a clip that draws nothing keeps nothing.
+    shown = len(found) == count if not isinstance(wanted, dict) else bool(found)
+    temporal = {"identity_kept": shown and all(track.changed == 0 and None not in track.centres for track in found),
                 "jitter": max((track.jitter() for track in found), default=0.0), "flicker": flicker(video)}
     if isinstance(wanted, dict):
         return {"scorable": True, "all": False, "never_captioned": wanted, **temporal}

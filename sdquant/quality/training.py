@@ -200,12 +200,19 @@ def kl_divergence(posterior) -> torch.Tensor:
     return 0.5 * terms.flatten(1).sum(1).mean()
 
 
+def one_cycle(optimizer, learning_rate: float, steps: int):
+    """A one-cycle schedule warming up over 5% of the steps, or a step and a half where that is less:
+    torch's OneCycleLR divides by zero where its warm-up ends exactly on its first step (20 steps at
+    5%)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate, total_steps=steps,
+                                               pct_start=min(0.9, max(0.05, 1.5 / steps)))
+
+
 def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLog) -> None:
     device = data.pixels.device
     vae.train()
     optimizer = torch.optim.AdamW(vae.parameters(), lr=block.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, block.learning_rate, total_steps=block.steps,
-                                                   pct_start=0.05)
+    schedule = one_cycle(optimizer, block.learning_rate, block.steps)
     bar = Progress(range(1, block.steps + 1), "vae", "steps")
     for step in bar:
         pixels = data.batch(torch.randint(len(data.pixels), (block.batch_size,), device=device, generator=generator))
@@ -257,8 +264,7 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
     for module in modules:
         module.train()
     optimizer = torch.optim.AdamW(parameters, lr=block.learning_rate, weight_decay=1e-2)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, block.learning_rate, total_steps=block.steps,
-                                                   pct_start=0.05)
+    schedule = one_cycle(optimizer, block.learning_rate, block.steps)
     ema = EMAModel(parameters, decay=block.ema_decay, use_ema_warmup=True, foreach=True)
     bar = Progress(range(1, block.steps + 1), phase, "steps")
     for step in bar:
