@@ -453,8 +453,8 @@ class FluxSceneArchitecture:
 class WanSceneArchitecture:
     """Sizes of the Wan2.2 scene model: two WanTransformer3DModel experts of heads x head_dim width
     (as the A14B's high- and low-noise experts), a UMT5 encoder of heads of 32, and a Wan VAE of 16
-    latent channels that scales each side by 2 per level after the first and the frames by 4 (9
-    frames of 64x64: 3 latent frames of 16x16, 192 tokens after the experts' 2x2 patches)."""
+    latent channels that scales each side by 2 per level after the first and the frames by 2 in each
+    of its last vae_frame_levels levels."""
 
     heads: int = 4
     head_dim: int = 32
@@ -463,9 +463,11 @@ class WanSceneArchitecture:
     text_width: int = 128
     text_layers: int = 2
     vae_base: int = 16
-    # Each level's width as a multiple of vae_base; three levels scale 4x in space and time.
+    # Each level's width as a multiple of vae_base; three levels scale the sides 4x.
     vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
     vae_res_blocks: int = 1
+    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames).
+    vae_frame_levels: int = 2
 
 
 @dataclass
@@ -541,8 +543,8 @@ class TrainWanSceneApp(TrainSceneApp):
     family: Family = Family.wan
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=5000, batch_size=64))
-    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=3000, batch_size=512,
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=5000, batch_size=64, kl_weight=1e-7))
+    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=3200, batch_size=512,
                                                                                 learning_rate=1e-3))
 
 
@@ -789,7 +791,10 @@ def validate_train_scene(cfg) -> None:
         raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 wide)")
     if "vae_dim_mult" in arch and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
         raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
-                        "multiples (each level after the first halves the sides, the last two also the frames)")
+                        "multiples (each level after the first halves the sides)")
+    if "vae_frame_levels" in arch and not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
+        raise UserError(f"architecture.vae_frame_levels={arch.vae_frame_levels}: give 0 to "
+                        f"{len(arch.vae_dim_mult) - 1}, the levels after the first of vae_dim_mult")
     if "layers" in arch and (arch.head_dim < 6 or arch.head_dim % 2):
         raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
                         "embedding splits it into frame, height and width parts)")

@@ -215,3 +215,19 @@ def test_the_one_cycle_schedule_runs_through_any_number_of_steps_and_keeps_the_r
     assert one_cycle(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), 1e-3, 3000).total_steps == 3000
     assert one_cycle(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), 1e-3, 3000)._schedule_phases[0][
         "end_step"] == 0.05 * 3000 - 1
+
+
+@pytest.mark.parametrize("frame_levels, refused", [(-1, True), (0, False), (2, False), (3, True)])
+def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, refused):
+    from conftest import compose_config
+    from sdquant.config import validate_train_scene
+    from sdquant.errors import UserError
+    from sdquant.families.wan import WAN
+    cfg = compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"])
+    if refused:
+        with pytest.raises(UserError, match="architecture.vae_frame_levels"):
+            validate_train_scene(cfg)
+    else:
+        validate_train_scene(cfg)
+        vae = dict(WAN.scene_sizes(cfg.architecture, 64).vae)
+        assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels

@@ -370,7 +370,8 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
 
     phase_start = time.perf_counter()
     if cfg.vae_from is None:
-        with stage("the VAE's training"):
+        # The VAE's convolutions keep one shape all training: let cuDNN time its algorithms once.
+        with stage("the VAE's training"), torch.backends.cudnn.flags(enabled=True, benchmark=True):
             train_vae(pipe.vae, data, cfg.vae, generator, log)
         seconds["vae"] = time.perf_counter() - phase_start
     else:

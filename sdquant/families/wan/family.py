@@ -95,16 +95,17 @@ TI2V_TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width
 
 def scene_sizes(arch) -> WanSizes:
     """The Wan scene model's architecture (config's WanSceneArchitecture): UMT5 with heads of 32, a
-    Wan VAE of 16 channels whose levels after the first each halve the sides (the last two also the
-    frames, 4x as the Wan VAE), unit latent statistics that training replaces with the latents' own,
-    and the A14B's flow shift."""
+    Wan VAE of 16 channels whose levels after the first each halve the sides (the last
+    vae_frame_levels also the frames), unit latent statistics that training replaces with the
+    latents' own, and the A14B's flow shift."""
     levels = len(arch.vae_dim_mult) - 1
+    frame_levels = arch.vae_frame_levels
     return WanSizes(text_width=arch.text_width, text_layers=arch.text_layers, text_heads=arch.text_width // 32,
                     text_head_width=32, text_ff=2 * arch.text_width, heads=arch.heads, head_dim=arch.head_dim,
                     ffn=arch.ffn, layers=arch.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
                     flow_shift=3.0,
                     vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
-                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - 2) + [True] * 2),
+                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
                          ("scale_factor_spatial", 2 ** levels), ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
 
 
