@@ -491,6 +491,9 @@ class DenoiserTraining:
     # classifier-free guidance.
     empty_caption_rate: float = 0.1
     ema_decay: float = 0.999
+    # torch.compile the step's forward and backward: at the scene models' sizes the GPU waits on
+    # kernel launches, which fusing cuts.
+    compile: bool = False
 
 
 @dataclass

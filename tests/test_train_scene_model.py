@@ -231,3 +231,19 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
         validate_train_scene(cfg)
         vae = dict(WAN.scene_sizes(cfg.architecture, 64).vae)
         assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels
+
+
+def test_a_compiled_training_step_learns_as_the_eager_one(wan_smoke, tmp_path):
+    """denoiser.compile=true (torch.compile of the step, for launch-bound GPUs) on the same seed and
+    draws: the same losses as the eager smoke run, up to the fused kernels' rounding."""
+    out = tmp_path / "compiled"
+    result = _train(tmp_path, f"out_dir={out}", "denoiser.compile=true", smoke=WAN_SMOKE)
+    assert result.returncode == 0, result.stderr
+
+    def denoiser_losses(folder):
+        rows = [line.split(",") for line in (folder / "loss_log.csv").read_text().splitlines()[1:]]
+        return [float(loss) for phase, _, loss in rows if phase != "vae"]
+
+    eager, compiled = denoiser_losses(wan_smoke), denoiser_losses(out)
+    assert len(compiled) == len(eager) > 0
+    assert compiled == pytest.approx(eager, rel=1e-3)

@@ -266,6 +266,8 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
     optimizer = torch.optim.AdamW(parameters, lr=block.learning_rate, weight_decay=1e-2)
     schedule = one_cycle(optimizer, block.learning_rate, block.steps)
     ema = EMAModel(parameters, decay=block.ema_decay, use_ema_warmup=True, foreach=True)
+    # Only the training step is compiled: the evaluation after it samples other batch sizes eagerly.
+    loss_of = torch.compile(loss_of) if block.compile else loss_of
     bar = Progress(range(1, block.steps + 1), phase, "steps")
     for step in bar:
         # Not cuDNN's attention: on an H100 (torch 2.11) its backward fails at the Flux scene
