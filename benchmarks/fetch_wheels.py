@@ -15,6 +15,7 @@ With --extras, the optional dependencies of those extras in pyproject.toml are r
 rest; install them there with `pip install --no-index --find-links .whl -e ".[peers]"`. (`peers`
 adds 3.3 MB; `fp8-attention` brings nvidia-cutlass-dsl's ~190 MB with nvidia-cudnn-frontend,
 more than the device tool carries: its wheel alone, installed with --no-deps, has been enough.)
+pulp, which ModelOpt imports, travels without the CBC solver binaries its wheel bundles (SLIMMED).
 
 Run it with the project's own Python (it reads packaging and pyproject.toml); it needs PyPI and pip
 23.3 or newer (the first that resolves for another platform without --target).
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import tomllib
 import venv
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -40,6 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # Published as a source archive only: built into a (pure Python) wheel here.
 SOURCE_ONLY = ("antlr4-python3-runtime",)
+# Wheels carried without a folder that sdquant never runs, which alone would overfill the device
+# tool's 64 MiB: ModelOpt imports pulp, whose wheel bundles CBC solver binaries (16 MB) that only
+# ModelOpt's AutoQuantize search calls.
+SLIMMED = {"pulp": "pulp/solverdir/cbc/"}
 # The first pip whose `install --dry-run --report` takes --platform and --python-version.
 PIP_FOR_OTHER_PLATFORMS = Version("23.3")
 # Specifier operators that put a minimum on a version.
@@ -144,6 +150,22 @@ def unrecorded_fallbacks(image: dict[str, str | None], tested: dict[str, str], a
     return carried
 
 
+def slim(wheel: Path, dropped: str) -> None:
+    """Rewrites `wheel` without the files under `dropped`, and without their lines in its RECORD."""
+    slimmed = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as target:
+        for item in source.infolist():
+            if item.filename.startswith(dropped):
+                continue
+            data = source.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(dropped.encode()))
+            target.writestr(item, data)
+    print(f"slimmed: {wheel.name} without {dropped} ({wheel.stat().st_size / 2**20:.1f} -> "
+          f"{slimmed.stat().st_size / 2**20:.1f} MiB)")
+    slimmed.replace(wheel)
+
+
 def require_recent_pip() -> None:
     from importlib.metadata import version
 
@@ -187,6 +209,9 @@ def main() -> None:
         downloads = [f"{m['name']}=={m['version']}" for name, m in missing.items() if name not in SOURCE_ONLY]
         if downloads:
             pip("download", "--quiet", "--no-deps", *flags, "-d", str(dest), *downloads)
+    for wheel in sorted(dest.glob("*.whl")):
+        if canonical(wheel.name.split("-")[0]) in SLIMMED:
+            slim(wheel, SLIMMED[canonical(wheel.name.split("-")[0])])
     # pip builds sdquant in an isolated environment of its own, where the machine's packages do
     # not count: its build backend always travels.
     build_requires = pyproject()["build-system"]["requires"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Trains the built-in scene models on the GPU machine, side by side in the background, from a copy
-# of the tree outside it (the device tool lays the tree anew on each call), one log each in /tmp.
+# Trains the built-in scene models on the GPU machine, side by side in the background (one GPU each
+# in turn), from a copy of the tree outside it (the device tool lays the tree anew on each call),
+# one log each in /tmp.
 #   bash benchmarks/train_scene_model_gpu.sh start "<config-name>:<out_dir> [override ...]" ...   (carry .whl)
 # The copy and the install happen once per machine, so a short run can measure the speed first and
 # a second `start` launch the real one.
@@ -26,11 +27,16 @@ if [ "$action" = collect ]; then
 fi
 bash "$(dirname "$0")/gpu_queue.sh" install
 cd /tmp/w
+# One job a GPU where the host has several (a 4-GPU host trains four recipes side by side).
+gpus=$(nvidia-smi -L | wc -l)
+n=0
 for job in "$@"; do
     read -r spec overrides <<< "$job"
     config=${spec%%:*} out=${spec#*:}
+    gpu=$((n % gpus))
+    n=$((n + 1))
     # shellcheck disable=SC2086  # the overrides are words for Hydra
-    setsid nohup python3 tools/train_scene_model.py --config-name "$config" out_dir="$out" $overrides \
-        hydra.run.dir="/tmp/hydra_$(basename "$out")" > "/tmp/train_$(basename "$out").log" 2>&1 < /dev/null &
-    echo "training $config into $out in the background (log /tmp/train_$(basename "$out").log)"
+    CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 tools/train_scene_model.py --config-name "$config" out_dir="$out" \
+        $overrides hydra.run.dir="/tmp/hydra_$(basename "$out")" > "/tmp/train_$(basename "$out").log" 2>&1 < /dev/null &
+    echo "training $config into $out on GPU $gpu in the background (log /tmp/train_$(basename "$out").log)"
 done
