@@ -65,7 +65,7 @@ def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
 # and a denoising run calls each attention shape thousands of times.
 _HANDLES: dict[int, object] = {}
 _SOFTMAX_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-_GRAPHS: dict[tuple, "_CudnnGraph"] = {}
+_GRAPHS: dict[tuple, "CudnnGraph"] = {}
 
 
 def cuda_kernel_missing(device: torch.device) -> str | None:
@@ -97,12 +97,13 @@ def _softmax_scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _SOFTMAX_SCALES[device.index]
 
 
-class _CudnnGraph:
+class CudnnGraph:
     """cuDNN's FP8 attention graph for one set of shapes and strides, built and planned once, with
-    the graph tensors each execution binds."""
+    the graph tensors each execution binds. `every_plan`: the plans of cuDNN's heuristic B too, for
+    use_plan (benchmarks/fp8_attention_plans.py times each); the first plan that builds runs."""
 
     def __init__(self, handle, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 softmax_scale: float):
+                 softmax_scale: float, every_plan: bool = False):
         import cudnn
 
         fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
@@ -121,17 +122,29 @@ class _CudnnGraph:
         self.out, self.amax_o = out_tensor, amax_o
         graph.validate()
         graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        heuristics = [cudnn.heur_mode.A, cudnn.heur_mode.B] if every_plan else [cudnn.heur_mode.A]
+        graph.create_execution_plans([*heuristics, cudnn.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
         self.graph = graph
         # Made once: executions of one graph follow each other on the stream, and allocating per call
         # costs host time on the paths that run without CUDA graphs (the step caches' hooks). cuDNN
         # writes the output's range too; nothing reads it.
-        device = q.device
-        workspace_bytes = graph.get_workspace_size()
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-        self.unread_amax = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+        self.unread_amax = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        self.workspace = self._workspace(q.device)
+
+    def _workspace(self, device: torch.device) -> torch.Tensor | None:
+        workspace_bytes = self.graph.get_workspace_size()
+        return torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+
+    def plan_names(self) -> list[str]:
+        """The name of each plan the heuristics ranked, in their order."""
+        return [self.graph.get_plan_name_at_index(index) for index in range(self.graph.get_execution_plan_count())]
+
+    def use_plan(self, index: int) -> None:
+        """Builds the plan at `index` and runs it from now on; cuDNN's error where it declines."""
+        self.graph.build_plan_at_index(index)
+        self.workspace = self._workspace(self.unread_amax.device)
 
     def execute(self, handle, tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
                 out: torch.Tensor) -> None:
@@ -142,13 +155,13 @@ class _CudnnGraph:
         self.graph.execute(pack, self.workspace, handle=handle)
 
 
-def _graph(handle, q, k, v, out, softmax_scale: float) -> _CudnnGraph:
+def _graph(handle, q, k, v, out, softmax_scale: float) -> CudnnGraph:
     import cudnn
 
     key = (q.device.index, softmax_scale, *((tuple(t.shape), t.stride()) for t in (q, k, v)))
     if key not in _GRAPHS:
         try:
-            _GRAPHS[key] = _CudnnGraph(handle, q, k, v, out, softmax_scale)
+            _GRAPHS[key] = CudnnGraph(handle, q, k, v, out, softmax_scale)
         except (cudnn.cudnnGraphNotSupportedError, RuntimeError, ValueError) as error:
             raise RuntimeError(f"cuDNN builds no FP8 attention for q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                                f"{tuple(v.shape)} (batch, heads, tokens, head_dim; head_dim must be a multiple of 16): "

@@ -1,0 +1,125 @@
+"""cuDNN's FP8 attention at one shape (by default the Wan2.2-T2V-A14B's self-attention at MLPerf's
+720x1280, 81 frames: both guidance halves, 40 heads, 75,600 tokens, head_dim 128), run by each plan
+cuDNN's heuristics A and B rank and in two layouts, beside torch's bf16 attention (flash and cuDNN
+backends): milliseconds a call, TFLOP/s, and each plan's largest difference from the default plan's
+output. At that shape attention is 76% of an FP8 level-4 expert step and the default FP8 plan runs
+about 1.4x the 16-bit kernel (RESULTS.md); this says whether another plan or layout runs faster.
+
+Layouts: "tokens-major" is (batch, tokens, heads, head_dim) memory read as (batch, heads, tokens,
+head_dim), what the projections hand the torch backend's attention; "heads-major" is that shape
+contiguous (a copy first).
+
+    python benchmarks/fp8_attention_plans.py --out benchmarks/results/fp8_attention_plans_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sdquant import report
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.runtime.kernels.fp8_attention import CudnnGraph, _handle, _softmax_scales
+
+LAYOUTS = ("tokens-major", "heads-major")
+
+
+def timed_ms(call, repeats: int) -> float:
+    """The mean time of `repeats` calls after two unmeasured ones, by CUDA events."""
+    for _ in range(2):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def inputs(shape: tuple[int, int, int, int], layout: str, seed: int) -> dict[str, torch.Tensor]:
+    """bf16 q, k and v of (batch, heads, tokens, head_dim) in `layout`, with a common part in v as
+    the A14B's values have."""
+    batch, heads, tokens, head_dim = shape
+    generator = torch.Generator("cuda").manual_seed(seed)
+    made = {}
+    for name in ("q", "k", "v"):
+        x = torch.randn((batch, tokens, heads, head_dim), generator=generator, device="cuda", dtype=torch.bfloat16)
+        x = x.transpose(1, 2)
+        made[name] = x.contiguous() if layout == "heads-major" else x
+    return made
+
+
+def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
+    """Each plan's time on FP8 copies of one layout's q, k and v, and its output's largest
+    difference from the first plan's."""
+    bf16 = inputs(shape, layout, seed=0)
+    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
+    fp8 = {name: to_fp8(x, scales[name][0]) for name, x in bf16.items()}
+    if layout == "heads-major":
+        fp8 = {name: x.contiguous() for name, x in fp8.items()}
+    out_inverse, _ = fp8_scales(bf16["v"].abs().amax().float())
+    device = fp8["q"].device
+    probability_inverse, probability_scale = _softmax_scales(device)
+    graph_scales = {"descale_q": scales["q"][1], "descale_k": scales["k"][1], "descale_v": scales["v"][1],
+                    "descale_s": probability_scale, "scale_s": probability_inverse, "scale_o": out_inverse}
+    handle = _handle(device)
+    batch, heads, tokens, head_dim = shape
+    out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=device).transpose(1, 2)
+    graph = CudnnGraph(handle, fp8["q"], fp8["k"], fp8["v"], out, head_dim ** -0.5, every_plan=True)
+    rows, first = [], None
+    for index, name in enumerate(graph.plan_names()):
+        row = {"layout": layout, "kernel": "cudnn fp8", "plan": index, "name": name}
+        try:
+            graph.use_plan(index)
+        except Exception as error:  # a plan cuDNN declines for this graph is a row, not the end
+            rows.append({**row, "declined": f"{type(error).__name__}: {error}"[:300]})
+            continue
+        ms = timed_ms(lambda: graph.execute(handle, fp8, graph_scales, out), repeats)
+        result = out.float()
+        first = result if first is None else first
+        rows.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
+                     "largest_difference_from_first_plan": float((result - first).abs().max())})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bf16_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
+    q, k, v = inputs(shape, layout, seed=0).values()
+    rows = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel([backend]):
+            ms = timed_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
+        rows.append({"layout": layout, "kernel": f"torch bf16 {backend.name.lower()}", "ms": ms,
+                     "tflops": flops / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="2,40,75600,128", help="batch,heads,tokens,head_dim")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_attention_plans.py times cuDNN's kernels: it needs a CUDA GPU (Hopper or newer)")
+    shape = tuple(int(size) for size in args.shape.split(","))
+    batch, heads, tokens, head_dim = shape
+    flops = 4.0 * batch * heads * tokens * tokens * head_dim
+    rows = []
+    for layout in LAYOUTS:
+        rows += bf16_rows(shape, layout, args.repeats, flops) + fp8_rows(shape, layout, args.repeats, flops)
+        torch.cuda.empty_cache()
+    record = {"device": torch.cuda.get_device_name(), "versions": report.library_versions(), "shape": list(shape),
+              "repeats": args.repeats, "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
