@@ -42,8 +42,8 @@ def timed_ms(call, repeats: int) -> float:
 
 
 def inputs(shape: tuple[int, int, int, int], layout: str, seed: int) -> dict[str, torch.Tensor]:
-    """bf16 q, k and v of (batch, heads, tokens, head_dim) in `layout`, with a common part in v as
-    the A14B's values have."""
+    """Random bf16 q, k and v of (batch, heads, tokens, head_dim) in `layout` (the kernels' speed
+    does not depend on the values)."""
     batch, heads, tokens, head_dim = shape
     generator = torch.Generator("cuda").manual_seed(seed)
     made = {}
