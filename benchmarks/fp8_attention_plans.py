@@ -25,20 +25,9 @@ from sdquant import report
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import CudnnGraph, _handle, _softmax_scales
 
+from group_norm_kernels import ms_per_call
+
 LAYOUTS = ("tokens-major", "heads-major")
-
-
-def timed_ms(call, repeats: int) -> float:
-    """The mean time of `repeats` calls after two unmeasured ones, by CUDA events."""
-    for _ in range(2):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def inputs(shape: tuple[int, int, int, int], layout: str, seed: int) -> dict[str, torch.Tensor]:
@@ -79,7 +68,7 @@ def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
         except Exception as error:  # a plan cuDNN declines for this graph is a row, not the end
             rows.append({**row, "declined": f"{type(error).__name__}: {error}"[:300]})
             continue
-        ms = timed_ms(lambda: graph.execute(handle, fp8, graph_scales, out), repeats)
+        ms = ms_per_call(lambda: graph.execute(handle, fp8, graph_scales, out), repeats)
         result = out.float()
         first = result if first is None else first
         rows.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
@@ -93,7 +82,7 @@ def bf16_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
     rows = []
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         with sdpa_kernel([backend]):
-            ms = timed_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
+            ms = ms_per_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
         rows.append({"layout": layout, "kernel": f"torch bf16 {backend.name.lower()}", "ms": ms,
                      "tflops": flops / ms / 1e9})
         print(json.dumps(rows[-1]), flush=True)
