@@ -231,6 +231,8 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
         validate_train_scene(cfg)
         vae = dict(WAN.scene_sizes(cfg.architecture, 64).vae)
         assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels
+        # WanPipeline reads the frame scale from the config: a wrong one drew 5 of 9 frames.
+        assert vae["scale_factor_temporal"] == 2 ** frame_levels
 
 
 def test_a_compiled_training_step_learns_as_the_eager_one(wan_smoke, tmp_path):

@@ -14,12 +14,13 @@ from ...graphs.geometry import SampleGeometry
 from ...quantize.recipe import LayerGroup, LevelTable
 from .. import components
 from ..base import SEED, Backbone, HookCaching, ModelFamily
-from .flow import WanTextToVideo, latent_frames, latent_tokens, text_tokens
+from .flow import WanTextToVideo, latent_frames, latent_tokens, temporal_scale, text_tokens
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 
 # WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
 UMT5_TOKENS = 512
-# Frames a latent frame stands for after the first, the VAE's temporal factor.
+# Frames a latent frame stands for after the first in the Wan VAEs (a scene model's VAE may pack
+# fewer, but the 4k + 1 frames every Wan VAE takes suit it too).
 TEMPORAL_SCALE = 4
 # The experts' levels: every layer of their blocks is a Linear (the patch embedding, a Conv3d, stays
 # in 16 bits), so there is no level 1: 2 the feed-forward layers; 2.5 + the q/k/v projections of the
@@ -106,7 +107,9 @@ def scene_sizes(arch) -> WanSizes:
                     flow_shift=3.0,
                     vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
                          ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
-                         ("scale_factor_spatial", 2 ** levels), ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
+                         # WanPipeline sizes its latent frames by this, not by the levels.
+                         ("scale_factor_spatial", 2 ** levels), ("scale_factor_temporal", 2 ** frame_levels),
+                         ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
 
 
 def umt5_encoder(tokenizer, sizes: WanSizes):
@@ -234,8 +237,8 @@ class WanFamily(HookCaching, ModelFamily):
 
     def sequence_tokens(self, parts: dict, geometry) -> int:
         scale = self.vae_scale(parts["vae_config"])
-        return latent_tokens(latent_frames(geometry.frames, TEMPORAL_SCALE), geometry.height // scale,
-                             geometry.width // scale)
+        return latent_tokens(latent_frames(geometry.frames, temporal_scale(parts["vae_config"])),
+                             geometry.height // scale, geometry.width // scale)
 
     # --- export and engines --------------------------------------------------------------------
 
@@ -247,7 +250,8 @@ class WanFamily(HookCaching, ModelFamily):
         from ...quantize.quantizers import unsupported_quantizers
 
         scale = pipe.vae_scale_factor_spatial
-        shape = (latent_frames(geometry.frames, TEMPORAL_SCALE), geometry.height // scale, geometry.width // scale)
+        shape = (latent_frames(geometry.frames, pipe.vae_scale_factor_temporal), geometry.height // scale,
+                 geometry.width // scale)
         text = text_tokens(pipe.tokenizer, UMT5_TOKENS)
         samples = 2 * batch
         specs = [GraphSpec(UMT5, Umt5Graph(pipe.text_encoder.to(dtype)),

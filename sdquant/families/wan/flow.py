@@ -19,6 +19,12 @@ def text_tokens(tokenizer, max_tokens: int) -> int:
     return min(max_tokens, int(tokenizer.model_max_length))
 
 
+def temporal_scale(vae_config) -> int:
+    """Frames a latent frame stands for after the first: the Wan VAEs' 4 (configs saved before
+    diffusers wrote the key are the Wan2.1 VAE's), a scene model's own where it packs fewer."""
+    return vae_config.get("scale_factor_temporal", 4)
+
+
 def latent_frames(frames: int, temporal_scale: int) -> int:
     """Latent frames of a video of `frames` (4k + 1 for a temporal scale of 4: the first frame alone,
     then 4 a latent frame)."""
@@ -40,9 +46,9 @@ class WanTextToVideo(TextToImage):
     def __init__(self, stages: dict, tokenizers: list, scheduler, backbone_config, vae_config: dict,
                  device: torch.device, experts: tuple[str, ...], boundary_ratio: float | None,
                  expand_timesteps: bool, max_text_tokens: int):
-        # Configs saved before diffusers wrote the keys are the Wan2.1 VAE's: 8x in space, 4x in time.
+        # Configs saved before diffusers wrote the key are the Wan2.1 VAE's: 8x in space.
         spatial = vae_config.get("scale_factor_spatial", 8)
-        self.temporal_scale = vae_config.get("scale_factor_temporal", 4)
+        self.temporal_scale = temporal_scale(vae_config)
         super().__init__(stages, tokenizers, scheduler, backbone_config, spatial, device)
         (self.tokenizer,) = tokenizers
         self.experts = experts
