@@ -497,6 +497,15 @@ class DenoiserTraining:
 
 
 @dataclass
+class ExpertsTraining(DenoiserTraining):
+    """The experts of a model with several (the Wan2.2 scene model's two) and its text encoder."""
+
+    # Steps in which the first expert learns every noise level alone before both start from its
+    # weights for `steps` more on their own shares (0: each learns its share from the start).
+    shared_steps: int = 0
+
+
+@dataclass
 class TrainSceneApp:
     """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
 
@@ -547,8 +556,8 @@ class TrainWanSceneApp(TrainSceneApp):
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
     vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=5000, batch_size=64, kl_weight=1e-7))
-    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=3200, batch_size=512,
-                                                                                learning_rate=1e-3))
+    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=3200, batch_size=512,
+                                                                              learning_rate=1e-3))
 
 
 def shipped_model_folder(name: str) -> str:
@@ -819,6 +828,8 @@ def validate_train_scene(cfg) -> None:
     for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
+    if cfg.denoiser.get("shared_steps", 0) < 0:
+        raise UserError(f"denoiser.shared_steps={cfg.denoiser.shared_steps}: give 0 or more")
     if not 0 <= cfg.denoiser.empty_caption_rate < 1:
         raise UserError(f"denoiser.empty_caption_rate={cfg.denoiser.empty_caption_rate} is outside [0, 1)")
     if not 0 <= cfg.two_object_share <= 1:

@@ -92,8 +92,8 @@ def test_flux_smoke_run_writes_a_folder_that_loads_as_flux(tmp_path):
 
 
 WAN_SMOKE = ["--config-name", "train_scene_wan", "device=cpu", "dataset_size=16", "vae.steps=2", "vae.batch_size=2",
-             "denoiser.steps=2", "denoiser.batch_size=2", "eval_prompts=1", "eval_steps=2", "architecture.layers=1",
-             "architecture.vae_base=8", "architecture.ffn=64"]
+             "denoiser.steps=2", "denoiser.shared_steps=2", "denoiser.batch_size=2", "eval_prompts=1", "eval_steps=2",
+             "architecture.layers=1", "architecture.vae_base=8", "architecture.ffn=64"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,8 @@ def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(wan_sm
 
     out = wan_smoke
     record = json.loads((out / "training.json").read_text())
-    assert record["family"] == "wan" and set(record["final_loss"]) == {"vae", "transformer+transformer_2"}
+    assert record["family"] == "wan"
+    assert set(record["final_loss"]) == {"vae", "transformer at every noise level", "transformer+transformer_2"}
     assert set(record["parameters"]) == {"text_encoder", "transformer", "transformer_2", "vae"}
     assert record["held_out_adherence"]["prompts"] == 2 and "direction" in record["held_out_adherence"]
     assert "direction" in record["reconstruction_adherence"]
@@ -154,6 +155,25 @@ def test_a_second_run_keeps_the_first_runs_vae_and_refuses_a_folder_without_one(
     refused = _train(tmp_path, f"out_dir={tmp_path / 'none'}", f"vae_from={tmp_path}", smoke=WAN_SMOKE)
     assert refused.returncode == EXIT_USER_ERROR and f"vae_from={tmp_path}" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "none").exists()
+
+
+def test_shared_steps_train_the_first_expert_alone_then_start_the_second_from_it(wan_smoke, tmp_path):
+    """denoiser.shared_steps: a phase of the first expert at every noise level, logged and timed on
+    its own, whose weights both experts then start from. At a learning rate of 1e-12 the second
+    phase leaves them where they started, so the experts end equal; built apart, they differ."""
+    out = tmp_path / "shared"
+    result = _train(tmp_path, f"out_dir={out}", f"vae_from={wan_smoke}", "denoiser.shared_steps=3",
+                    "denoiser.learning_rate=1e-12", smoke=WAN_SMOKE)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((out / "training.json").read_text())
+    alone = "transformer at every noise level"
+    assert set(record["final_loss"]) == {"vae", alone, "transformer+transformer_2"} and alone in record["seconds"]
+    assert f"\n{alone},3," in (out / "loss_log.csv").read_text()
+    first, second = (load_file(out / part / "diffusion_pytorch_model.safetensors")
+                     for part in ("transformer", "transformer_2"))
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    built_apart = load_file(wan_smoke / "transformer_2/diffusion_pytorch_model.safetensors")
+    assert not all(torch.equal(first[key], built_apart[key]) for key in first)
 
 
 def test_quantize_refuses_a_level_that_leaves_an_expert_nothing_to_quantize(wan_smoke, tmp_path):
@@ -233,6 +253,18 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
         assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels
         # WanPipeline reads the frame scale from the config: a wrong one drew 5 of 9 frames.
         assert vae["scale_factor_temporal"] == 2 ** frame_levels
+
+
+def test_shared_steps_below_zero_are_refused_and_an_image_config_has_none():
+    from conftest import compose_config
+    from hydra.errors import ConfigCompositionException
+    from sdquant.config import validate_train_scene
+    from sdquant.errors import UserError
+    with pytest.raises(UserError, match="denoiser.shared_steps=-1"):
+        validate_train_scene(compose_config("train_scene_wan", ["denoiser.shared_steps=-1"]))
+    # One backbone has no expert to share: the key is the Wan schema's alone.
+    with pytest.raises(ConfigCompositionException, match="shared_steps"):
+        compose_config("train_scene_flux", ["denoiser.shared_steps=1"])
 
 
 def test_a_compiled_training_step_learns_as_the_eager_one(wan_smoke, tmp_path):

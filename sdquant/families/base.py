@@ -306,6 +306,17 @@ class ModelFamily:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    # --- its scene model -----------------------------------------------------------------------
+
+    def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
+        """How the scene model's backbones and text encoders learn on the VAE's latents (a list of
+        training.ScenePhase): by default all of them together on the family's scene_loss."""
+        from .training import ScenePhase
+
+        trained = [getattr(pipe, name) for name in self.components if name != "vae"]
+        return [ScenePhase("+".join(self.backbone_attributes), trained,
+                           self.scene_loss(pipe, latents, data, block, generator), block.steps)]
+
 
 class HookCaching:
     """Step caching through diffusers' cache hooks on the backbones (First Block Cache, TaylorSeer),

@@ -1,9 +1,25 @@
-"""What the families' scene-training losses share: mixed precision on GPUs and which captions of a
-batch stay (the rest are dropped, so that guidance works at sampling time)."""
+"""What the families' scene training shares: its phases, mixed precision on GPUs and which captions
+of a batch stay (the rest are dropped, so that guidance works at sampling time)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+
+@dataclass
+class ScenePhase:
+    """One phase of a scene model's training after its VAE: `modules` learn together on `loss_of`
+    (random batch indices to a loss) for `steps` steps, logged as `name`; `then` runs once the
+    phase's moving averages are in the weights."""
+
+    name: str
+    modules: list[torch.nn.Module]
+    loss_of: Callable[[torch.Tensor], torch.Tensor]
+    steps: int
+    then: Callable[[], None] = lambda: None
 
 
 def autocast(device: torch.device):

@@ -5,10 +5,11 @@ family on captioned clips of moving shapes (``sdquant.quality.clips``).
 
 Two phases, as latent diffusion is trained: first the autoencoder (AutoencoderKL, or the Wan VAE
 with its frame axis) on the pixels alone, until its reconstructions keep every attribute; then the
-denoisers and their text encoders together on the autoencoder's clean latents (the posterior mode,
-so the target carries no posterior noise), on the family's own loss (ModelFamily.scene_loss: the
-SDXL UNet's noise prediction, the Flux transformer's and each Wan expert's flow-matching velocity),
-with a share of the captions dropped so that guidance works at sampling time. Each result is saved
+denoisers and their text encoders on the autoencoder's clean latents (the posterior mode, so the
+target carries no posterior noise), on the family's own loss (ModelFamily.scene_loss: the SDXL
+UNet's noise prediction, the Flux transformer's and each Wan expert's flow-matching velocity), in
+the family's phases (ModelFamily.scene_phases: all together, or one Wan expert first), with a share
+of the captions dropped so that guidance works at sampling time. Each result is saved
 with ``save_pretrained`` in fp16 and loads like any folder of its family.
 """
 
@@ -211,7 +212,9 @@ def one_cycle(optimizer, learning_rate: float, steps: int):
 def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLog) -> None:
     device = data.pixels.device
     vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=block.learning_rate, weight_decay=0.0)
+    # One fused kernel for the whole update on a GPU, where these small models wait on launches.
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=block.learning_rate, weight_decay=0.0,
+                                  fused=device.type == "cuda")
     schedule = one_cycle(optimizer, block.learning_rate, block.steps)
     bar = Progress(range(1, block.steps + 1), "vae", "steps")
     for step in bar:
@@ -252,9 +255,9 @@ def encode_latents(vae, data: Dataset, chunk: int = 256) -> torch.Tensor:
     return shifted * vae.config.scaling_factor
 
 
-def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block, generator: torch.Generator,
-                   log: LossLog, phase: str) -> None:
-    """Trains `modules` together on `loss_of(indices)` over random batches of the `samples`
+def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, steps: int, block,
+                   generator: torch.Generator, log: LossLog, phase: str) -> None:
+    """Trains `modules` together on `loss_of(indices)` for `steps` random batches of the `samples`
     training scenes, with an exponential moving average of their weights copied in at the end."""
     from diffusers.training_utils import EMAModel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -263,12 +266,12 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
     device = parameters[0].device
     for module in modules:
         module.train()
-    optimizer = torch.optim.AdamW(parameters, lr=block.learning_rate, weight_decay=1e-2)
-    schedule = one_cycle(optimizer, block.learning_rate, block.steps)
+    optimizer = torch.optim.AdamW(parameters, lr=block.learning_rate, weight_decay=1e-2, fused=device.type == "cuda")
+    schedule = one_cycle(optimizer, block.learning_rate, steps)
     ema = EMAModel(parameters, decay=block.ema_decay, use_ema_warmup=True, foreach=True)
     # Only the training step is compiled: the evaluation after it samples other batch sizes eagerly.
     loss_of = torch.compile(loss_of) if block.compile else loss_of
-    bar = Progress(range(1, block.steps + 1), phase, "steps")
+    bar = Progress(range(1, steps + 1), phase, "steps")
     for step in bar:
         # Not cuDNN's attention: on an H100 (torch 2.11) its backward fails at the Flux scene
         # model's shapes from batch 64 up and gives NaN below.
@@ -280,7 +283,7 @@ def train_denoiser(modules: list[torch.nn.Module], loss_of, samples: int, block,
         optimizer.step()
         schedule.step()
         ema.step(parameters)
-        if _every(step, block.steps):
+        if _every(step, steps):
             log.add(phase, step, loss.item())
             bar.note(loss=f"{log.rows[-1][2]:.4f}")
     ema.copy_to(parameters)
@@ -357,9 +360,6 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
     family = family_of(cfg.family)
     kind = SCENE_KINDS[family.output]
-    backbone = "+".join(family.backbone_attributes)
-    # Everything but the autoencoder learns in the second phase: the denoisers and text encoders.
-    trained = [name for name in family.components if name != "vae"]
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
@@ -385,12 +385,14 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     with stage("scoring the VAE's reconstructions of held-out scenes"):
         reconstructed = reconstruction_adherence(pipe.vae, kind, held_out)
 
-    phase_start = time.perf_counter()
-    with stage(f"the {backbone}'s training"):
-        train_denoiser([getattr(pipe, name) for name in trained],
-                       family.scene_loss(pipe, latents, data, cfg.denoiser, generator), len(latents), cfg.denoiser,
-                       generator, log, backbone)
-    seconds[backbone] = time.perf_counter() - phase_start
+    phases = family.scene_phases(pipe, latents, data, cfg.denoiser, generator)
+    for phase in phases:
+        phase_start = time.perf_counter()
+        with stage(f"the {phase.name}'s training"):
+            train_denoiser(phase.modules, phase.loss_of, len(latents), phase.steps, cfg.denoiser, generator, log,
+                           phase.name)
+            phase.then()
+        seconds[phase.name] = time.perf_counter() - phase_start
 
     # What ships is the fp16 pipeline, so that is what gets scored, its VAE decoding as the
     # family's runtime decodes it (the Wan VAE in fp32).
@@ -406,7 +408,7 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
         "family": plain(cfg.family),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
-        "final_loss": {"vae": log.final("vae"), backbone: log.final(backbone)},
+        "final_loss": {"vae": log.final("vae"), **{phase.name: log.final(phase.name) for phase in phases}},
         "parameters": {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in family.components},
         "held_out_adherence": {"prompts": len(prompts), "steps": cfg.eval_steps,
                                "guidance_scale": cfg.guidance_scale, **adherence},

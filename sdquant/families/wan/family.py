@@ -338,10 +338,32 @@ class WanT2VFamily(WanFamily):
     def scene_sizes(self, arch, image_size: int) -> WanSizes:
         return scene_sizes(arch)
 
-    def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator):
+    def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
+        """With denoiser.shared_steps, the first expert and UMT5 learn every noise level first (one
+        expert's cost a step, where the experts would each learn the captions' binding apart), then
+        both experts start from its weights and learn their own shares together."""
+        from ..training import ScenePhase
+
+        together = super().scene_phases(pipe, latents, data, block, generator)
+        if not block.shared_steps:
+            return together
+        first, *others = self.backbone_modules(pipe).values()
+
+        def share() -> None:
+            for other in others:
+                other.load_state_dict(first.state_dict())
+
+        alone = ScenePhase(f"{self.backbone_attributes[0]} at every noise level", [pipe.text_encoder, first],
+                           self.scene_loss(pipe, latents, data, block, generator, everywhere=True),
+                           block.shared_steps, share)
+        return [alone, *together]
+
+    def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator,
+                   everywhere: bool = False):
         """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
         latent to noise, on its own share of the noise levels as the A14B's experts serve them: the
-        first from the pipeline's boundary up, the second below it. Within each share the levels are
+        first from the pipeline's boundary up, the second below it (`everywhere`: the first alone,
+        on every level). Within each share the levels are
         drawn as the sampler steps through them: uniform before the scheduler's flow shift, then
         shifted, so the pure noise a video starts from and the levels either side of the boundary
         are trained as often as the sampler visits them. Both experts see the same clips and captions
@@ -361,7 +383,7 @@ class WanT2VFamily(WanFamily):
             return sigma / (shift - (shift - 1) * sigma)
 
         boundary = unshifted(pipe.config.boundary_ratio)
-        shares = [(boundary, 1.0), (0.0, boundary)]
+        shares = [(0.0, 1.0)] if everywhere else [(boundary, 1.0), (0.0, boundary)]
         encoder = Umt5Graph(pipe.text_encoder)
         pad = pipe.tokenizer.pad_token_id
 
@@ -382,7 +404,7 @@ class WanT2VFamily(WanFamily):
             with autocast(device):
                 text = encoder(ids, (ids != pad).long())
             return sum(expert_loss(expert, share, latents[indices], text)
-                       for expert, share in zip(experts, shares)) / len(experts)
+                       for expert, share in zip(experts, shares)) / len(shares)
 
         return loss_of
 
