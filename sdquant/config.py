@@ -466,8 +466,9 @@ class WanSceneArchitecture:
     # Each level's width as a multiple of vae_base; three levels scale the sides 4x.
     vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
     vae_res_blocks: int = 1
-    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames).
-    vae_frame_levels: int = 2
+    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames;
+    # the scene model's clips keep their shapes whole only at 1).
+    vae_frame_levels: int = 1
 
 
 @dataclass
@@ -555,9 +556,9 @@ class TrainWanSceneApp(TrainSceneApp):
     family: Family = Family.wan
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=5000, batch_size=64, kl_weight=1e-7))
-    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=3200, batch_size=512,
-                                                                              learning_rate=1e-3))
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, kl_weight=1e-7))
+    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=1700, shared_steps=3000,
+                                                                              batch_size=512, learning_rate=1e-3))
 
 
 def shipped_model_folder(name: str) -> str:

@@ -125,9 +125,9 @@ def test_wan_smoke_run_writes_a_two_expert_video_folder_that_loads_as_wan(wan_sm
     pipe = load_pipeline(ModelConfig(name="scenes_wan", family="wan", source=str(out)), torch.device("cpu"),
                          torch.float32)
     assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2.config.num_layers == 1
-    # A 4x VAE in space and time (9 frames of 64x64 -> 3 latent frames of 16x16), its latents'
-    # statistics measured on the training clips, not the unit ones it was built with.
-    assert pipe.vae_scale_factor_spatial == 4 and pipe.vae_scale_factor_temporal == 4
+    # A VAE of 4x in space and 2x in time (9 frames of 64x64 -> 5 latent frames of 16x16), its
+    # latents' statistics measured on the training clips, not the unit ones it was built with.
+    assert pipe.vae_scale_factor_spatial == 4 and pipe.vae_scale_factor_temporal == 2
     assert pipe.vae.config.latents_std != [1.0] * 16
     stored = {t.dtype for part in ("transformer", "transformer_2", "vae", "text_encoder")
               for t in load_file(next((out / part).glob("*.safetensors"))).values()}
