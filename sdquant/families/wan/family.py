@@ -363,13 +363,12 @@ class WanT2VFamily(WanFamily):
         """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
         latent to noise, on its own share of the noise levels as the A14B's experts serve them: the
         first from the pipeline's boundary up, the second below it (`everywhere`: the first alone,
-        on every level). Within each share the levels are
-        drawn as the sampler steps through them: uniform before the scheduler's flow shift, then
-        shifted, so the pure noise a video starts from and the levels either side of the boundary
-        are trained as often as the sampler visits them. Both experts see the same clips and captions
-        each step (UMT5 runs once), each with its own noise; UMT5's states go in as the pipeline feeds
-        them (zero past each caption), a dropped caption being the empty one, WanPipeline's negative
-        prompt."""
+        on every level). Within each share the levels are drawn as the sampler steps through them:
+        uniform before the scheduler's flow shift, then shifted, so the pure noise a video starts
+        from and the levels either side of the boundary are trained as often as the sampler visits
+        them. Both experts see the same clips and captions each step (UMT5 runs once), each with its
+        own noise; UMT5's states go in as the pipeline feeds them (zero past each caption), a dropped
+        caption being the empty one, WanPipeline's negative prompt."""
         import torch.nn.functional as F
 
         from ..training import autocast, kept
