@@ -131,10 +131,12 @@ class CudnnGraph:
         # costs host time on the paths that run without CUDA graphs (the step caches' hooks). cuDNN
         # writes the output's range too; nothing reads it.
         self.unread_amax = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        self.workspace = self._workspace(q.device)
+        self.workspace = self._workspace(graph.get_workspace_size())
+        # None: the plan cuDNN's build chose; an index once use_plan pins one.
+        self.plan: int | None = None
 
-    def _workspace(self, device: torch.device) -> torch.Tensor | None:
-        workspace_bytes = self.graph.get_workspace_size()
+    def _workspace(self, workspace_bytes: int) -> torch.Tensor | None:
+        device = self.unread_amax.device
         return torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
 
     def plan_names(self) -> list[str]:
@@ -142,9 +144,11 @@ class CudnnGraph:
         return [self.graph.get_plan_name_at_index(index) for index in range(self.graph.get_execution_plan_count())]
 
     def use_plan(self, index: int) -> None:
-        """Builds the plan at `index` and runs it from now on; cuDNN's error where it declines."""
+        """Builds the plan at `index` and runs it from now on (a plain execute would keep running the
+        plan the first build chose); cuDNN's error where it declines."""
         self.graph.build_plan_at_index(index)
-        self.workspace = self._workspace(self.unread_amax.device)
+        self.workspace = self._workspace(self.graph.get_workspace_size_plan_at_index(index))
+        self.plan = index
 
     def execute(self, handle, tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
                 out: torch.Tensor) -> None:
@@ -152,7 +156,10 @@ class CudnnGraph:
         pack.update({self.scales[name]: scales[name] for name in self.scales})
         pack[self.amax_o] = self.unread_amax
         pack[self.out] = out
-        self.graph.execute(pack, self.workspace, handle=handle)
+        if self.plan is None:
+            self.graph.execute(pack, self.workspace, handle=handle)
+        else:
+            self.graph.execute_plan_at_index(pack, self.workspace, index=self.plan, handle=handle)
 
 
 def _graph(handle, q, k, v, out, softmax_scale: float) -> CudnnGraph:
