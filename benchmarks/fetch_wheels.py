@@ -210,8 +210,9 @@ def main() -> None:
         if downloads:
             pip("download", "--quiet", "--no-deps", *flags, "-d", str(dest), *downloads)
     for wheel in sorted(dest.glob("*.whl")):
-        if canonical(wheel.name.split("-")[0]) in SLIMMED:
-            slim(wheel, SLIMMED[canonical(wheel.name.split("-")[0])])
+        dropped = SLIMMED.get(canonical(wheel.name.split("-")[0]))
+        if dropped:
+            slim(wheel, dropped)
     # pip builds sdquant in an isolated environment of its own, where the machine's packages do
     # not count: its build backend always travels.
     build_requires = pyproject()["build-system"]["requires"]
