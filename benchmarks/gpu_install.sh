@@ -4,8 +4,11 @@
 # benchmarks/fetch_wheels.py put in .whl/, then this checks that pip kept the machine's torch and
 # added no broken requirement. Every GPU benchmark starts with it. With `tiny`, it then runs the
 # tiny workflow there: quantize.py, then infer_trt.py backend=torch with the quantized UNet (its
-# first call on a GPU builds ModelOpt's CUDA extension).
-#   bash benchmarks/gpu_install.sh [tiny]          (carry .whl)
+# first call on a GPU builds ModelOpt's CUDA extension). With `extensions`, it builds ModelOpt's
+# CUDA extensions (fake quantization in INT8 and FP8) before any test needs them: a test stopped by
+# a timeout while its first call builds one leaves torch's build lock behind, and every later
+# build on that machine then waits on the lock for ever.
+#   bash benchmarks/gpu_install.sh [tiny|extensions]          (carry .whl)
 # Logs, the image's package list and the results go to $OUT (./gpu_install_out when unset).
 # PYTHON (default python3) and DEVICE (default cuda) let it be tried elsewhere.
 set -euo pipefail
@@ -34,6 +37,12 @@ if new=$(grep -vxF -f "$out/pip_check_before.txt" "$out/pip_check_after.txt" | g
 fi
 echo "gpu_install: sdquant $("$python" -c 'import sdquant; print(sdquant.__version__)') installed; torch $after kept;" \
      "pip check: $(cat "$out/pip_check_after.txt")"
+
+if [ "${1:-}" = extensions ]; then
+    "$python" -c "from modelopt.torch.quantization import extensions as e
+assert e.get_cuda_ext() is not None and e.get_cuda_ext_fp8() is not None, 'a ModelOpt CUDA extension did not build'"
+    echo "gpu_install: ModelOpt's CUDA extensions built"
+fi
 
 if [ "${1:-}" = tiny ]; then
     device=${DEVICE:-cuda}
