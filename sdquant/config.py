@@ -557,8 +557,9 @@ class TrainWanSceneApp(TrainSceneApp):
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
     vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, kl_weight=1e-7))
-    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=1700, shared_steps=3000,
-                                                                              batch_size=512, learning_rate=1e-3))
+    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=1900, shared_steps=3000,
+                                                                              batch_size=512, learning_rate=1e-3,
+                                                                              compile=True))
 
 
 def shipped_model_folder(name: str) -> str:
