@@ -478,6 +478,10 @@ class VaeTraining:
     learning_rate: float = 1e-3
     # Weight of the KL term: small, so the latent keeps detail, as in Stable Diffusion's VAE.
     kl_weight: float = 1e-6
+    # Replay the step's forward and backward as CUDA graphs (a CUDA device only): the Wan VAE steps
+    # through its frames in Python, thousands of small kernels a step whose launches the GPU waits
+    # on, and torch.compile recompiles at each chunk of frames.
+    cuda_graph: bool = False
 
 
 @dataclass

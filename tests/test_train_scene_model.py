@@ -267,6 +267,14 @@ def test_shared_steps_below_zero_are_refused_and_an_image_config_has_none():
         compose_config("train_scene_flux", ["denoiser.shared_steps=1"])
 
 
+def test_a_vae_step_in_cuda_graphs_is_refused_on_the_cpu_before_anything_is_written(tmp_path):
+    out = tmp_path / "graphed"
+    result = _train(tmp_path, f"out_dir={out}", "vae.cuda_graph=true", smoke=WAN_SMOKE)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "vae.cuda_graph=true" in result.stderr and "device=cuda" in result.stderr
+    assert not out.exists()
+
+
 def test_a_compiled_training_step_learns_as_the_eager_one(wan_smoke, tmp_path):
     """denoiser.compile=true (torch.compile of the step, for launch-bound GPUs) on the same seed and
     draws: the same losses as the eager smoke run, up to the fused kernels' rounding."""

@@ -209,6 +209,26 @@ def one_cycle(optimizer, learning_rate: float, steps: int):
                                                pct_start=min(0.9, max(0.05, 1.5 / steps)))
 
 
+class VaeLoss(torch.nn.Module):
+    """The VAE's training loss on a batch of pixels (reconstruction plus the weighted KL term), the
+    posterior sampled with the `noise` given, so that a CUDA graph can replay the whole step."""
+
+    def __init__(self, vae, kl_weight: float):
+        super().__init__()
+        self.vae = vae
+        self.kl_weight = kl_weight
+
+    def posterior(self, pixels: torch.Tensor):
+        with autocast(pixels.device):
+            return self.vae.encode(pixels).latent_dist
+
+    def forward(self, pixels: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        posterior = self.posterior(pixels)
+        with autocast(pixels.device):
+            reconstruction = self.vae.decode(posterior.mean + posterior.std * noise).sample
+        return F.mse_loss(reconstruction.float(), pixels) + self.kl_weight * kl_divergence(posterior)
+
+
 def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLog) -> None:
     device = data.pixels.device
     vae.train()
@@ -216,13 +236,19 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
     optimizer = torch.optim.AdamW(vae.parameters(), lr=block.learning_rate, weight_decay=0.0,
                                   fused=device.type == "cuda")
     schedule = one_cycle(optimizer, block.learning_rate, block.steps)
+    loss_of = VaeLoss(vae, block.kl_weight)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = data.batch(torch.randint(len(data.pixels), (block.batch_size,), device=device, generator=generator))
+        return pixels, torch.randn(latent.shape, dtype=latent.dtype, device=device, generator=generator)
+
+    with torch.no_grad():
+        latent = loss_of.posterior(data.batch(torch.arange(block.batch_size, device=device) % len(data.pixels))).mean
+    if block.cuda_graph:
+        loss_of = torch.cuda.make_graphed_callables(loss_of, batch())
     bar = Progress(range(1, block.steps + 1), "vae", "steps")
     for step in bar:
-        pixels = data.batch(torch.randint(len(data.pixels), (block.batch_size,), device=device, generator=generator))
-        with autocast(device):
-            posterior = vae.encode(pixels).latent_dist
-            reconstruction = vae.decode(posterior.sample(generator)).sample
-        loss = F.mse_loss(reconstruction.float(), pixels) + block.kl_weight * kl_divergence(posterior)
+        loss = loss_of(*batch())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -358,6 +384,9 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     out = Path(cfg.out_dir).expanduser()
     if out.exists() and not cfg.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
+    if cfg.vae.cuda_graph and cfg.vae_from is None and device.type != "cuda":
+        raise UserError(f"vae.cuda_graph=true replays CUDA graphs, and this run trains on {device}: "
+                        "set vae.cuda_graph=false, or device=cuda on a machine with a GPU")
     family = family_of(cfg.family)
     kind = SCENE_KINDS[family.output]
     started = time.perf_counter()
