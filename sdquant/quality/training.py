@@ -237,14 +237,16 @@ def train_vae(vae, data: Dataset, block, generator: torch.Generator, log: LossLo
                                   fused=device.type == "cuda")
     schedule = one_cycle(optimizer, block.learning_rate, block.steps)
     loss_of = VaeLoss(vae, block.kl_weight)
+    # The posterior's shape and dtype, which the noise drawn for each step takes.
+    with torch.no_grad():
+        latent = loss_of.posterior(data.batch(torch.arange(block.batch_size, device=device) % len(data.pixels))).mean
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         pixels = data.batch(torch.randint(len(data.pixels), (block.batch_size,), device=device, generator=generator))
         return pixels, torch.randn(latent.shape, dtype=latent.dtype, device=device, generator=generator)
 
-    with torch.no_grad():
-        latent = loss_of.posterior(data.batch(torch.arange(block.batch_size, device=device) % len(data.pixels))).mean
     if block.cuda_graph:
+        # The capture's sample batch is one more draw: a graphed run sees other batches than an eager one.
         loss_of = torch.cuda.make_graphed_callables(loss_of, batch())
     bar = Progress(range(1, block.steps + 1), "vae", "steps")
     for step in bar:
