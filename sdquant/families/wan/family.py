@@ -14,14 +14,11 @@ from ...graphs.geometry import SampleGeometry
 from ...quantize.recipe import LayerGroup, LevelTable
 from .. import components
 from ..base import SEED, Backbone, HookCaching, ModelFamily
-from .flow import WanTextToVideo, latent_frames, latent_tokens, temporal_scale, text_tokens
+from .flow import TEMPORAL_SCALE, WanTextToVideo, latent_frames, latent_tokens, temporal_scale, text_tokens
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 
 # WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
 UMT5_TOKENS = 512
-# Frames a latent frame stands for after the first in the Wan VAEs (a scene model's VAE may pack
-# fewer, but the 4k + 1 frames every Wan VAE takes suit it too).
-TEMPORAL_SCALE = 4
 # The experts' levels: every layer of their blocks is a Linear (the patch embedding, a Conv3d, stays
 # in 16 bits), so there is no level 1: 2 the feed-forward layers; 2.5 + the q/k/v projections of the
 # self- and cross-attention; 3 + the rest (attention outputs); 4 = 3 + FP8 self-attention (attn1, over

@@ -19,10 +19,15 @@ def text_tokens(tokenizer, max_tokens: int) -> int:
     return min(max_tokens, int(tokenizer.model_max_length))
 
 
+# Frames a latent frame stands for after the first in the Wan VAEs (a scene model's VAE may pack
+# fewer, but the 4k + 1 frames every Wan VAE takes suit it too).
+TEMPORAL_SCALE = 4
+
+
 def temporal_scale(vae_config) -> int:
-    """Frames a latent frame stands for after the first: the Wan VAEs' 4 (configs saved before
-    diffusers wrote the key are the Wan2.1 VAE's), a scene model's own where it packs fewer."""
-    return vae_config.get("scale_factor_temporal", 4)
+    """Frames a latent frame stands for after the first: a scene model's own where it packs fewer,
+    else the Wan VAEs' (configs saved before diffusers wrote the key are the Wan2.1 VAE's)."""
+    return vae_config.get("scale_factor_temporal", TEMPORAL_SCALE)
 
 
 def latent_frames(frames: int, temporal_scale: int) -> int:
