@@ -560,8 +560,9 @@ class TrainWanSceneApp(TrainSceneApp):
     family: Family = Family.wan
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, kl_weight=1e-7))
-    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=1900, shared_steps=3000,
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, learning_rate=4e-4,
+                                                                 kl_weight=1e-7, cuda_graph=True))
+    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=5000, shared_steps=4000,
                                                                               batch_size=512, learning_rate=1e-3,
                                                                               compile=True))
 

@@ -93,7 +93,8 @@ def test_flux_smoke_run_writes_a_folder_that_loads_as_flux(tmp_path):
 
 WAN_SMOKE = ["--config-name", "train_scene_wan", "device=cpu", "dataset_size=16", "vae.steps=2", "vae.batch_size=2",
              "denoiser.steps=2", "denoiser.shared_steps=2", "denoiser.batch_size=2", "eval_prompts=1", "eval_steps=2",
-             "architecture.layers=1", "architecture.vae_base=8", "architecture.ffn=64", "denoiser.compile=false"]
+             "architecture.layers=1", "architecture.vae_base=8", "architecture.ffn=64", "denoiser.compile=false",
+             "vae.cuda_graph=false"]
 
 
 @pytest.fixture(scope="module")
