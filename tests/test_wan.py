@@ -314,7 +314,13 @@ def test_guidance_halves_and_tokens_split_over_processes_draw_the_one_process_vi
         assert latency["settings"]["torch_backend"]["compile"] == (name == "ulysses_compiled")
 
 
-def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch):
+def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch, tiny_pipeline):
+    # Built first: a tiny model's first use writes its progress, which would precede the one line
+    # each refusal prints.
+    for model in ("tiny_wan", "tiny_flux", "tiny_sdxl"):
+        tiny_pipeline(model)
+    capsys.readouterr()
+
     def refused(*overrides, processes: int = 2) -> str:
         monkeypatch.setenv("WORLD_SIZE", str(processes))
         return refused_in_one_line(run_infer, compose_config("sd_xl_trt_inference", [
