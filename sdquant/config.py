@@ -89,6 +89,11 @@ class ModelConfig:
     width: Optional[int] = None
     num_frames: Optional[int] = None
     fps: Optional[int] = None
+    # The classifier-free guidance the model is sampled with (Flux.1-dev's: the scale its guidance
+    # embedding was distilled at), and a two-expert video model's for its second expert (null: the
+    # first's): what sampling.* and quantize.* take when theirs are null.
+    guidance_scale: float = 5.0
+    guidance_scale_2: Optional[float] = None
     # Adapters fused into the UNet (and the text encoders, where they have weights for them)
     # before calibration, export and inference.
     loras: list[LoraAdapter] = field(default_factory=list)
@@ -115,8 +120,9 @@ class QuantizeBlock:
     # min-mean's per-step mean divides the summed amaxes by n_steps (NeMo's and ModelOpt's example
     # calibrator: the range then grows with calib_size) or by the calibration runs (the true mean).
     mean_divisor: str = "n_steps"
-    guidance_scale: float = 5.0
-    # A two-expert video model's guidance for its second (low-noise) expert; None: guidance_scale.
+    # None takes the model's (model.guidance_scale, model.guidance_scale_2); a two-expert video
+    # model's second (low-noise) expert takes guidance_scale where both are null.
+    guidance_scale: Optional[float] = None
     guidance_scale_2: Optional[float] = None
     # None takes the model's native resolution (and frame count, for a video model).
     height: Optional[int] = None
@@ -282,7 +288,8 @@ class SamplingBlock:
     prompts_file: Optional[str] = None
     negative_prompt: str = ""
     steps: int = 30
-    guidance_scale: float = 5.0
+    # None takes the model's (model.guidance_scale).
+    guidance_scale: Optional[float] = None
     seed: int = 42
     # None takes the model's native size (1024 for SDXL, 512 for SD 1.5, 64 for scenes_sdxl).
     width: Optional[int] = None
@@ -291,8 +298,8 @@ class SamplingBlock:
     # model's own (model.num_frames, model.fps). Images are one frame.
     num_frames: Optional[int] = None
     fps: Optional[int] = None
-    # A two-expert video model's guidance for its second (low-noise) expert; None: guidance_scale,
-    # as diffusers' WanPipeline defaults it.
+    # A two-expert video model's guidance for its second (low-noise) expert; None: the model's
+    # (model.guidance_scale_2), else guidance_scale, as diffusers' WanPipeline defaults it.
     guidance_scale_2: Optional[float] = None
     # Prompts per pipeline call; each call makes batch_size * num_images_per_prompt images.
     batch_size: int = 1

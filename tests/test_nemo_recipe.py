@@ -14,7 +14,7 @@ from sdquant.families.sdxl import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
 from sdquant.workflow.settings import checked_checkpoint
-from sdquant.workflow.quantize import run_quantize
+from sdquant.workflow.quantize import run_quantize, settle_quantize
 
 N_STEPS = 4
 
@@ -59,7 +59,7 @@ def _calibrate_beside(pipe, cfg, observe: dict) -> None:
     handles = [module.register_forward_pre_hook(lambda _m, args, name=name: observe[name](args[0]))
                for name, module in pipe.unet.named_modules() if name in observe]
     try:
-        quantize_backbones(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), cfg.quantize, cfg.seed)
+        quantize_backbones(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), settle_quantize(cfg).block, cfg.seed)
     finally:
         for handle in handles:
             handle.remove()

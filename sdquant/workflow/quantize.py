@@ -29,7 +29,7 @@ from ..families.pipeline import say_truncated
 from ..quantize.recipe import uses_smoothquant
 from ..report import library_versions, print_summary
 from .export_trt import Export, export, settle_export
-from .settings import frozen, settled_geometry
+from .settings import frozen, settled_geometry, settled_guidance
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,13 @@ class Quantize:
 
 
 def calibration_of(cfg, family: ModelFamily) -> checkpoint.Calibration:
-    """What identifies the checkpoint `cfg` makes. The keys only a video model has (frames, the second
-    expert's guidance) are absent while null, so that image checkpoints keep their fingerprints; a
-    video model's geometry is the one its config settles to, since a null size or frame count takes
+    """What identifies the checkpoint `cfg` makes. The guidance is the settled one (a null scale the
+    model's), so a checkpoint of a model's own guidance is the same whether asked for by value or by
+    null. The keys only a video model has (frames, the second expert's guidance) are absent while
+    null, so that image checkpoints keep their fingerprints; a video model's geometry is the one its config settles to, since a null size or frame count takes
     the model config's own, which the model's identity does not hold."""
-    block = {key: value for key, value in OmegaConf.to_container(cfg.quantize, resolve=True).items()
-             if value is not None or key not in ("num_frames", "guidance_scale_2")}
+    block = OmegaConf.to_container(cfg.quantize, resolve=True) | settled_guidance(cfg.quantize, "quantize", cfg.model)
+    block = {key: value for key, value in block.items() if value is not None or key not in ("num_frames", "guidance_scale_2")}
     if family.output == "video":
         native = dict(zip(("height", "width"), family.native_size(cfg.model, {}, 0)))
         block.update({key: native[key] if block[key] is None else block[key] for key in native},
@@ -85,7 +86,7 @@ def settle_quantize(cfg) -> Quantize:
     checkpoint's folder, so sweep jobs never export into one another's)."""
     family = family_of(cfg.model.family)
     validate_quantize_block(cfg.quantize, family)
-    family.check_guidance(cfg.quantize.guidance_scale_2, "quantize.guidance_scale_2")
+    guidance = settled_guidance(cfg.quantize, "quantize", cfg.model)
     if cfg.cpu_offload and resolve_device(cfg.device).type != "cuda":
         raise UserError(f"cpu_offload=true keeps the networks a GPU is not running in host memory, but device="
                         f"{cfg.device} runs on the CPU: set cpu_offload=false")
@@ -98,7 +99,7 @@ def settle_quantize(cfg) -> Quantize:
     # A null size stays null in the calibration (and so in the checkpoint's fingerprint), but the
     # pipeline is handed the size settled here: diffusers' own default is not always the model's
     # (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
-    block = frozen(cfg.quantize, **({} if geometry is None else
+    block = frozen(cfg.quantize, **guidance, **({} if geometry is None else
                                     {"height": geometry.height, "width": geometry.width, "num_frames": geometry.frames}))
     settled_export = None
     if cfg.run_onnx_export or cfg.run_trt_export:

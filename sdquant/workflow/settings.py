@@ -111,16 +111,27 @@ class Sampling:
         return self.family.text_to_image(stages, self.parts, scheduler, device)
 
 
+def settled_guidance(block, key: str, model) -> dict:
+    """Config block `key`'s guidance_scale and guidance_scale_2, each null one the model's own
+    (model.guidance_scale, model.guidance_scale_2); a second scale refused for a model of one
+    backbone. The second stays null where both are, which the pipelines read as the first's."""
+    family = family_of(model.family)
+    family.check_guidance(block.guidance_scale_2, f"{key}.guidance_scale_2")
+    family.check_guidance(model.guidance_scale_2, "model.guidance_scale_2")
+    return {"guidance_scale": model.guidance_scale if block.guidance_scale is None else block.guidance_scale,
+            "guidance_scale_2": model.guidance_scale_2 if block.guidance_scale_2 is None else block.guidance_scale_2}
+
+
 def settle_sampling(cfg, runs_on: str = "modules", cuda_graph: bool = False) -> Sampling:
     """sampling.* and model.* as the pipelines take them, every value checked against the model
     before any work: the geometry (a null size the model's native one), the scheduler (a null one
-    the family's), the steps, the second expert's guidance, the step cache for what it `runs_on`
-    (check_cache), the prompt batches."""
+    the family's), the steps, the guidance (a null one the model's), the step cache for what it
+    `runs_on` (check_cache), the prompt batches."""
     family = family_of(cfg.model.family)
     parts = load.pipeline_parts(cfg.model)
     geometry = settled_geometry(cfg.sampling, "sampling", cfg.model, parts)
-    family.check_guidance(cfg.sampling.guidance_scale_2, "sampling.guidance_scale_2")
-    block = frozen(cfg.sampling, height=geometry.height, width=geometry.width, num_frames=geometry.frames,
+    guidance = settled_guidance(cfg.sampling, "sampling", cfg.model)
+    block = frozen(cfg.sampling, **guidance, height=geometry.height, width=geometry.width, num_frames=geometry.frames,
                    fps=family.settled_fps(cfg.sampling.fps, "sampling.fps", cfg.model),
                    scheduler=cfg.sampling.scheduler or family.default_scheduler)
     validate_steps(block.steps, "sampling.steps", parts["scheduler_config"])

@@ -1,0 +1,56 @@
+"""Each model's own guidance (model.guidance_scale, .guidance_scale_2) is what quantize.py and the
+sampling scripts take where theirs are null, and a checkpoint made at a model's own guidance is the
+same checkpoint whether its guidance was asked for by value or left null."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdquant.errors import UserError
+from sdquant.families import family_of
+from sdquant.workflow.quantize import calibration_of
+from sdquant.workflow.settings import settled_guidance
+
+from conftest import compose_config
+
+
+def _sampling_guidance(model: str, *overrides: str) -> dict:
+    cfg = compose_config("sd_xl_trt_inference", [f"model={model}", *overrides])
+    return settled_guidance(cfg.sampling, "sampling", cfg.model)
+
+
+def _calibration(*overrides: str) -> dict:
+    cfg = compose_config("sd_xl_quantize", list(overrides))
+    return calibration_of(cfg, family_of(cfg.model.family)).settings()
+
+
+@pytest.mark.parametrize("model,first,second", [("sdxl_base", 5.0, None), ("flux_dev", 3.5, None),
+                                                ("sd35_large_turbo", 0.0, None), ("wan22_t2v_a14b", 4.0, 3.0)])
+def test_null_guidance_takes_the_models_own(model, first, second):
+    assert _sampling_guidance(model) == {"guidance_scale": first, "guidance_scale_2": second}
+
+
+def test_a_scale_given_wins_and_the_other_stays_the_models():
+    assert _sampling_guidance("wan22_t2v_a14b", "sampling.guidance_scale=6.0") == {"guidance_scale": 6.0,
+                                                                                     "guidance_scale_2": 3.0}
+    assert _sampling_guidance("wan22_t2v_a14b", "sampling.guidance_scale_2=1.0") == {"guidance_scale": 4.0,
+                                                                                       "guidance_scale_2": 1.0}
+
+
+def test_an_image_checkpoint_at_the_default_guidance_keeps_its_fingerprint():
+    # The settings the fingerprint hashes hold 5.0 and no second scale, as before guidance was the model's.
+    by_null = _calibration("model=tiny_sdxl")
+    assert by_null["quantize"]["guidance_scale"] == 5.0 and "guidance_scale_2" not in by_null["quantize"]
+    assert by_null == _calibration("model=tiny_sdxl", "quantize.guidance_scale=5.0")
+    assert _calibration("model=tiny_sdxl", "quantize.guidance_scale=3.0") != by_null
+
+
+def test_a_models_own_guidance_and_the_same_value_given_make_one_checkpoint():
+    assert (_calibration("model=tiny_wan", "model.guidance_scale=4.0", "model.guidance_scale_2=3.0")
+            == _calibration("model=tiny_wan", "quantize.guidance_scale=4.0", "quantize.guidance_scale_2=3.0"))
+
+
+def test_a_second_scale_on_a_model_of_one_backbone_is_refused():
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "model.guidance_scale_2=3.0"])
+    with pytest.raises(UserError, match="model.guidance_scale_2=3.0"):
+        settled_guidance(cfg.sampling, "sampling", cfg.model)
