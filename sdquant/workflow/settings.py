@@ -131,8 +131,8 @@ def settle_sampling(cfg, runs_on: str = "modules", cuda_graph: bool = False) -> 
     parts = load.pipeline_parts(cfg.model)
     geometry = settled_geometry(cfg.sampling, "sampling", cfg.model, parts)
     guidance = settled_guidance(cfg.sampling, "sampling", cfg.model)
-    block = frozen(cfg.sampling, **guidance, height=geometry.height, width=geometry.width, num_frames=geometry.frames,
-                   fps=family.settled_fps(cfg.sampling.fps, "sampling.fps", cfg.model),
+    block = frozen(cfg.sampling, **guidance, height=geometry.height, width=geometry.width,
+                   num_frames=geometry.frames, fps=family.settled_fps(cfg.sampling.fps, "sampling.fps", cfg.model),
                    scheduler=cfg.sampling.scheduler or family.default_scheduler)
     validate_steps(block.steps, "sampling.steps", parts["scheduler_config"])
     cache = checked_cache(block.cache, "sampling.cache", cfg.model, parts, runs_on, cuda_graph)
