@@ -1,11 +1,12 @@
 """The README's pictures of the scene models: chosen columns of a quality report's grid (one cell per
-prompt and variant, a 64x64 image or a video's strip of frames, its columns in the order the
-report's header names them), the first eight
-held-out two-object prompts (the report's rows 64 to 71, as the held-out file lists them), enlarged,
-with a label over each column. Each column's checkpoint is the first calibration's.
+prompt and variant, a 64x64 image or a video's first, middle and last frames, its columns in the
+order the report's header names them), the first eight held-out two-object prompts (the report's
+rows 64 to 71, as the held-out file lists them), enlarged, with a label over each column. Each
+column's checkpoint is the first calibration's.
 
     python benchmarks/readme_picture.py                        # after benchmarks/quality_over_calibrations.py
     python benchmarks/readme_picture.py --model scenes_flux    # after its runs on scenes_flux
+    python benchmarks/readme_picture.py --model scenes_wan     # after its runs on scenes_wan
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ PICTURES = {
         {"reference": "unquantized", "int8_l3_c0": "INT8 L3", "fp8_l3_c0": "FP8 L3", "fp8_l4_c0": "FP8 L4",
          "fp8_l4_taylorseer_blocks2_c0": "FP8 L4 + TaylorSeer/2"},
         "scenes_flux_fp16_int8_fp8.png"),
+    "scenes_wan": Picture(
+        ("quality_means_scenes_wan_cpu_fp8", "quality_means_scenes_wan_cpu"),
+        {"reference": "unquantized", "int8_l3_c0": "INT8 L3", "fp8_l4_c0": "FP8 L4",
+         "fp8_l4_taylorseer_blocks2_warmup1_c0": "FP8 L4 + TaylorSeer/2, 1 full step first"},
+        "scenes_wan_fp16_int8_fp8.png"),
 }
 CELL, SCALE, LABEL_HEIGHT = 64, 2, 20
 
@@ -52,7 +58,7 @@ def grid_columns(report: str) -> list[str]:
 
 
 def cell(report: str, column: str, row: int) -> Image.Image:
-    """One prompt's cell of one column, enlarged: a 64x64 image, or a video's strip of frames (as
+    """One prompt's cell of one column, enlarged: a 64x64 image, or a video's frames side by side (as
     wide as the grid's width over its columns)."""
     grid = Image.open(RESULTS / f"{report}_grid.png").convert("RGB")
     columns = grid_columns(report)

@@ -21,11 +21,7 @@ SAMPLES = {"scenes_sdxl": "image_000_00.png", "scenes_flux": "image_000_00.png",
 VARIANTS = {"scenes_sdxl": {"int8", "int8_onnx"}, "scenes_flux": {"int8", "int8_onnx"}, "scenes_wan": {"int8"}}
 
 
-# The Wan scene model is not trained yet (issue 52); the demo says so in one line until it ships.
-SHIPPED = [model for model in sorted(ENGINES) if (REPO / "sdquant" / "models" / model / "model_index.json").is_file()]
-
-
-@pytest.mark.parametrize("model", SHIPPED)
+@pytest.mark.parametrize("model", sorted(ENGINES))
 def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_path, model):
     result = subprocess.run(["bash", str(REPO / "demo_tiny.sh"), model], cwd=tmp_path, capture_output=True,
                             text=True, env=dict(os.environ), timeout=900)
@@ -53,14 +49,3 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     # The build loaded TensorRT for RTX, and its summary says so.
     assert "tensorrt_rtx 1." in result.stdout.split("TensorRT build finished in")[1].split("\n\n")[0]
 
-
-def test_the_demo_names_the_training_command_for_a_model_not_shipped(tmp_path):
-    """A scene model that is not in the checkout (scenes_wan until it is trained): one line naming
-    how to train it, nothing written."""
-    missing = [model for model in sorted(ENGINES) if model not in SHIPPED]
-    if not missing:
-        pytest.skip("every scene model is shipped")
-    result = subprocess.run(["bash", str(REPO / "demo_tiny.sh"), missing[0]], cwd=tmp_path, capture_output=True,
-                            text=True, env=dict(os.environ), timeout=120)
-    assert result.returncode == 2 and f"--config-name train_scene_{missing[0].removeprefix('scenes_')}" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
