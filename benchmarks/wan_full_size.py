@@ -13,14 +13,15 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
   (torch.compile(transformer, fullgraph=True), default mode), called as WanPipeline calls it, the
   conditional and the unconditional halves one after the other: one step is two calls of one video.
 - compiled: our torch backend's expert stage in bf16 (fused q/k/v, sigmoid GELU; compiled, default
-  mode), both halves as one batch of two: one step is one call.
+  mode), both halves as one batch of two: one step is one call (--halves: two, as the peer's).
 - fp8 / fp8_l4: the same with quantize.py's FP8 recipe at level 3 (FP8 Linear) or 4 (+ cuDNN's FP8
   self-attention): the whole pipeline (UMT5, both experts, the VAE) is built, both experts are
   calibrated by quantize.py's own calibration (two steps of one prompt at 256x448 and 5 frames, so
   each expert serves one: the kernels' speed does not depend on the ranges) and turned into FP8
   kernels, so the row also holds what both FP8 experts, UMT5 and the VAE keep resident on one GPU,
-  and each component's weights in bf16 and after the conversion. --profile adds the GPU time per
-  kernel of one call.
+  and each component's weights in bf16 and after the conversion. --every-block quantizes the six
+  blocks the recipe keeps in 16 bits as well: what FP8 can give on the GPU, not a recipe.
+--profile adds the GPU time per kernel of one call (ours and the peer's).
 
 A whole video (--whole; ours): 20 steps of MLPerf's settings (guidance 4.0 / 3.0, boundary 0.875)
 through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after a two-step
@@ -80,6 +81,8 @@ FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 CALIBRATION_FRAMES, CALIBRATION_SIZE = 5, (256, 448)
 # The tiny dry run's geometry.
 TINY_GEOMETRY = (9, 64, 64)
+# Kernels a profile lists, the largest first (enough for ours and the peer's to be laid side by side).
+PROFILE_ROWS = 40
 
 
 def run_device() -> torch.device:
@@ -140,9 +143,20 @@ def expert_inputs(family, module, args, batch: int, device: torch.device, dtype:
                                                  generator=generator, device=device).to(dtype)}
 
 
+def quantize_every_block(family) -> None:
+    """Drop the blocks the recipe keeps in 16 bits (ModelOpt's Wan filter) from the family's high
+    precision: a measurement of what FP8 can give on this GPU, not a recipe (its quality is not
+    measured)."""
+    table = family.level_table
+    family.level_table = dataclasses.replace(
+        table, high_precision=tuple(p for p in table.high_precision if not p.startswith("blocks.")))
+
+
 def calibrated_pipeline(family, args, level: float, device: torch.device):
     """The whole pipeline on `device` with both experts calibrated by quantize.py's calibration at
     `level` and turned into FP8 kernels (their twins on a CPU, for the dry run)."""
+    if args.every_block:
+        quantize_every_block(family)
     pipe = whole_pipeline(family, args, device)
     bf16 = weights_gib({name: getattr(pipe, name) for name in family.components})
     height, width = CALIBRATION_SIZE if not args.tiny else TINY_GEOMETRY[1:]
@@ -192,20 +206,26 @@ def time_call(call, calls: int) -> dict:
             "nonfinite_values": nonfinite_values(last[0])}
 
 
+def guidance_halves(inputs: dict) -> list[dict]:
+    """A step's inputs as the conditional and the unconditional calls of one video each."""
+    return [{name: value[index:index + 1] for name, value in inputs.items()} for index in range(2)]
+
+
 def peer_row(family, args, device: torch.device) -> dict:
     """diffusers' transformer compiled as its documentation advises, the two guidance halves called
     one after the other as WanPipeline calls them."""
     module = one_expert(family, args, device)
     resident = weights_gib({"expert": module})["expert"]
     compiled = torch.compile(module, fullgraph=True)
-    inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
-    halves = [{name: value[index:index + 1] for name, value in inputs.items()} for index in range(2)]
+    halves = guidance_halves(expert_inputs(family, module, args, 2, device, torch.bfloat16))
 
     def step():
         return torch.cat([compiled(**half, return_dict=False)[0] for half in halves])
 
     with torch.no_grad():
         row = time_call(step, args.calls)
+        if args.profile and device.type == "cuda":
+            row["call_profile"] = kernel_profile(step, top=PROFILE_ROWS)
     return {**row, "step_s": row["best_call_s"], "one_expert_weights_gib": resident,
             "compile": "torch.compile(transformer, fullgraph=True), default mode; two calls of one video a step"}
 
@@ -223,11 +243,19 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
         record["one_expert_weights_gib"] = weights_gib({"expert": module})["expert"]
     stage = compiled_stage(family, module.eval(), quantized=variant in FP8_LEVELS)
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
+    if args.halves:
+        halves = guidance_halves(inputs)
+
+        def step():
+            return torch.cat([stage(**half)["latent"] for half in halves])
+    else:
+        def step():
+            return stage(**inputs)["latent"]
     with torch.no_grad():
-        row = time_call(lambda: stage(**inputs)["latent"], args.calls)
+        row = time_call(step, args.calls)
         # GPU kernels only: on the CPU (the --tiny dry run) the row says so instead.
         if args.profile and device.type == "cuda":
-            row["call_profile"] = kernel_profile(lambda: stage(**inputs), top=25)
+            row["call_profile"] = kernel_profile(step, top=PROFILE_ROWS)
         elif args.profile:
             row["call_profile"] = "not on the CPU: the profile times GPU kernels"
     return {**record, **row, "step_s": row["best_call_s"]}
@@ -351,6 +379,10 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
         row, name = peer_row(family, args, device), variant
     else:
         row, name = ours_row(variant, family, args, device), variant
+    if args.every_block:
+        name += "_every_block"
+    if args.halves:
+        name += "_halves"
     row["wall_s"] = time.perf_counter() - start
     if world.is_main:
         print(f"{name}: {json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))})}", flush=True)
@@ -367,7 +399,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="--whole: steps (0: the model's settings)")
     parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
-    parser.add_argument("--profile", action="store_true", help="ours: GPU time per kernel of one call")
+    parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
+    parser.add_argument("--halves", action="store_true",
+                        help="ours: the guidance halves as two calls of one video a step, as the peer calls them")
+    parser.add_argument("--every-block", action="store_true",
+                        help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too (a ceiling, not a recipe)")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
     parser.add_argument("--variant-timeout", type=float, default=0,
                         help="with several variants, seconds after which a variant's process is stopped (0: none)")
@@ -381,6 +417,10 @@ def main() -> None:
         parser.error("--split and --whole run our variants (compiled, fp8, fp8_l4), not peer or vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
         parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
+    if args.halves and (args.split or args.whole or "peer" in variants or "vae" in variants):
+        parser.error("--halves times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
+    if args.every_block and not all(v in FP8_LEVELS for v in variants):
+        parser.error(f"--every-block quantizes more blocks: give only {', '.join(FP8_LEVELS)}")
     if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+(:\d+)?|first_block:[\d.]+", args.cache):
         parser.error(f"--cache {args.cache}: give taylorseer:<n>[:<warm-up passes>], taylorseer_blocks:<n>[:<warm-up "
                      "passes>] or first_block:<threshold>")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # benchmarks/wan_full_size.py's runs for issue 51 on one host of 4 GPUs, in the background from a
 # copy of the tree (the device tool lays the tree anew on each call), so that they outlast a call's
-# ten minutes while later calls look at them. One GPU a lane first (ours and the peer, FP8 with its
-# kernel profile, the GPU tests and the VAE; the 2-GPU split on the other two), then the 4-GPU
-# split, four processes side by side (data parallel), and FP8 level 3. Results in /tmp/wan/results, logs in /tmp/wan.
+# ten minutes while later calls look at them. One GPU a lane first: ours and the peer in bf16 with
+# their kernel profiles; FP8 level 4 with every block quantized (the ceiling) and the TI2V-5B's
+# bf16 against its peer; on the other two GPUs the 2-GPU splits (cfg 2, then ulysses 2). Then four
+# processes side by side (data parallel), whose whole calls are also the one-GPU step of the same
+# host. Results in /tmp/wan/results (file names end in TAG, the device: h200 unless given), logs in /tmp/wan.
 #   bash benchmarks/wan_lanes.sh start      (from the tree, once sdquant's wheels are installed)
 #   bash benchmarks/wan_lanes.sh status     (each log's tail)
 #   bash benchmarks/wan_lanes.sh collect    (results and logs into $OUT)
@@ -31,15 +33,13 @@ phases() {
     cd "$root/tree"
     # The tree's sdquant, then what the install put beside the image's packages (/tmp/site).
     export PYTHONPATH=$root/tree:/tmp/site
-    lane one_gpu_0 0 "$bench --variants compiled,peer --out $results/wan_a14b_bf16_peer_h100.json" &
-    lane one_gpu_1 1 "$bench --variants fp8_l4 --profile --out $results/wan_a14b_fp8_l4_profile_h100.json" \
-        "python3 -m pytest -m gpu -p no:cacheprovider -q -s tests/test_wan_gpu.py tests/test_fp8_attention_gpu.py tests/test_compiled_forms_gpu.py" \
-        "$bench --variants vae --out $results/wan_vae_h100.json" &
-    lane two_gpus 2,3 "$torchrun --nproc_per_node=2 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x1 --out $results/wan_split_cfg2_h100x2.json" &
+    lane one_gpu_0 0 "$bench --variants compiled,peer --profile --calls 3 --out $results/wan_a14b_bf16_peer_profiles_$tag.json" &
+    lane one_gpu_1 1 "$bench --variants fp8_l4 --every-block --out $results/wan_a14b_fp8_l4_every_block_$tag.json" \
+        "$bench --model wan_ti2v --variants compiled,peer --calls 4 --out $results/wan_ti2v_5b_bf16_peer_$tag.json" &
+    lane two_gpus 2,3 "$torchrun --nproc_per_node=2 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x1 --out $results/wan_split_2gpus_$tag.json" \
+        "$torchrun --nproc_per_node=2 benchmarks/wan_full_size.py --variants fp8_l4 --split 1x2 --out $results/wan_split_2gpus_$tag.json" &
     wait
-    lane four_gpus 0,1,2,3 "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x2 --out $results/wan_split_cfg2_ulysses2_and_data_parallel_h100x4.json" \
-        "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 1x1 --out $results/wan_split_cfg2_ulysses2_and_data_parallel_h100x4.json"
-    lane one_gpu_0 0 "$bench --variants fp8 --out $results/wan_a14b_fp8_l3_h100.json"
+    lane four_gpus 0,1,2,3 "$torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 1x1 --out $results/wan_data_parallel_${tag}x4.json"
     touch "$root/done"
 }
 
@@ -47,7 +47,7 @@ case "${1:-}" in
 start)
     rm -rf "$root" && mkdir -p "$results" "$root/tree" && cp -r . "$root/tree"
     export -f lane phases
-    export root results bench torchrun
+    export root results bench torchrun tag=${TAG:-h200}
     PYTHONUNBUFFERED=1 setsid nohup bash -c phases > "$root/phases.log" 2>&1 < /dev/null &
     echo "started; logs in $root"
     ;;
