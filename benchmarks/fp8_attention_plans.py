@@ -3,7 +3,9 @@
 cuDNN's heuristics A and B rank and in two layouts, beside torch's bf16 attention (flash and cuDNN
 backends): milliseconds a call, TFLOP/s, and each plan's largest difference from the default plan's
 output. At that shape attention is 76% of an FP8 level-4 expert step and the default FP8 plan runs
-about 1.4x the 16-bit kernel (RESULTS.md); this says whether another plan or layout runs faster.
+about 1.4x the 16-bit kernel (RESULTS.md); this says whether another plan or layout runs faster,
+and, where FlashAttention-3 is installed (benchmarks/build_flash3.sh builds it), whether its FP8
+forward does, with its output's difference from cuDNN's.
 
 Layouts: "tokens-major" is (batch, tokens, heads, head_dim) memory read as (batch, heads, tokens,
 head_dim), what the projections hand the torch backend's attention; "heads-major" is that shape
@@ -77,6 +79,51 @@ def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
     return rows
 
 
+def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
+    """FlashAttention-3's FP8 forward (flash_attn_interface, built from source for Hopper:
+    benchmarks/build_flash3.sh) on the same FP8 q, k and v in the tokens-major layout it reads, with
+    their per-tensor scales: its time, and its bf16 output's largest difference from cuDNN's
+    (dequantized) over the values' range. A row saying why where it is not installed."""
+    try:
+        from flash_attn_interface import flash_attn_func
+    except ImportError as error:
+        return [{"kernel": "flash-attention 3 fp8", "missing": f"{error}"}]
+    bf16 = inputs(shape, "tokens-major", seed=0)
+    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
+    fp8 = {name: to_fp8(x, scales[name][0]).transpose(1, 2) for name, x in bf16.items()}
+    batch, heads, _, head_dim = shape
+    # Its descales are per (batch, head): the per-tensor ones, repeated.
+    descales = {f"{name}_descale": scales[name][1].reshape(1, 1).expand(batch, heads).contiguous() for name in fp8}
+
+    def call():
+        return flash_attn_func(fp8["q"], fp8["k"], fp8["v"], softmax_scale=head_dim ** -0.5, **descales)
+
+    ms = ms_per_call(call, repeats)
+    out = call().float()
+    reference = cudnn_reference(bf16).transpose(1, 2)
+    row = {"layout": "tokens-major", "kernel": "flash-attention 3 fp8", "ms": ms, "tflops": flops / ms / 1e9,
+           "largest_difference_from_cudnn": float((out - reference).abs().max()),
+           "values_amax": float(bf16["v"].abs().amax())}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def cudnn_reference(bf16: dict[str, torch.Tensor]) -> torch.Tensor:
+    """cuDNN's FP8 attention (the plan it picks) of `bf16`'s FP8 copies, dequantized to fp32."""
+    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
+    fp8 = {name: to_fp8(x, scales[name][0]) for name, x in bf16.items()}
+    out_inverse, out_scale = fp8_scales(bf16["v"].abs().amax().float())
+    device = fp8["q"].device
+    probability_inverse, probability_scale = _softmax_scales(device)
+    graph_scales = {"descale_q": scales["q"][1], "descale_k": scales["k"][1], "descale_v": scales["v"][1],
+                    "descale_s": probability_scale, "scale_s": probability_inverse, "scale_o": out_inverse}
+    batch, heads, tokens, head_dim = fp8["q"].shape
+    out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=device).transpose(1, 2)
+    handle = _handle(device)
+    CudnnGraph(handle, fp8["q"], fp8["k"], fp8["v"], out, head_dim ** -0.5).execute(handle, fp8, graph_scales, out)
+    return out.float() * out_scale
+
+
 def bf16_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
     q, k, v = inputs(shape, layout, seed=0).values()
     rows = []
@@ -104,6 +151,7 @@ def main() -> None:
     for layout in LAYOUTS:
         rows += bf16_rows(shape, layout, args.repeats, flops) + fp8_rows(shape, layout, args.repeats, flops)
         torch.cuda.empty_cache()
+    rows += flash3_rows(shape, args.repeats, flops)
     record = {"device": torch.cuda.get_device_name(), "versions": report.library_versions(), "shape": list(shape),
               "repeats": args.repeats, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
