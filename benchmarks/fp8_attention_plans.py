@@ -45,19 +45,30 @@ def inputs(shape: tuple[int, int, int, int], layout: str, seed: int) -> dict[str
     return made
 
 
+def fp8_copies(bf16: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """FP8 copies of q, k and v at their per-tensor ranges, and each one's (scale, descale)."""
+    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
+    return {name: to_fp8(x, scales[name][0]) for name, x in bf16.items()}, scales
+
+
+def cudnn_scales(bf16: dict[str, torch.Tensor], scales: dict) -> dict[str, torch.Tensor]:
+    """cuDNN's FP8 attention graph's scales: the inputs' descales, the softmax output's constant
+    ones, and the output's at the values' range."""
+    probability_inverse, probability_scale = _softmax_scales(bf16["q"].device)
+    return {"descale_q": scales["q"][1], "descale_k": scales["k"][1], "descale_v": scales["v"][1],
+            "descale_s": probability_scale, "scale_s": probability_inverse,
+            "scale_o": fp8_scales(bf16["v"].abs().amax().float())[0]}
+
+
 def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
     """Each plan's time on FP8 copies of one layout's q, k and v, and its output's largest
     difference from the first plan's."""
     bf16 = inputs(shape, layout, seed=0)
-    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
-    fp8 = {name: to_fp8(x, scales[name][0]) for name, x in bf16.items()}
+    fp8, scales = fp8_copies(bf16)
     if layout == "heads-major":
         fp8 = {name: x.contiguous() for name, x in fp8.items()}
-    out_inverse, _ = fp8_scales(bf16["v"].abs().amax().float())
+    graph_scales = cudnn_scales(bf16, scales)
     device = fp8["q"].device
-    probability_inverse, probability_scale = _softmax_scales(device)
-    graph_scales = {"descale_q": scales["q"][1], "descale_k": scales["k"][1], "descale_v": scales["v"][1],
-                    "descale_s": probability_scale, "scale_s": probability_inverse, "scale_o": out_inverse}
     handle = _handle(device)
     batch, heads, tokens, head_dim = shape
     out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=device).transpose(1, 2)
@@ -89,8 +100,8 @@ def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
     except ImportError as error:
         return [{"kernel": "flash-attention 3 fp8", "missing": f"{error}"}]
     bf16 = inputs(shape, "tokens-major", seed=0)
-    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
-    fp8 = {name: to_fp8(x, scales[name][0]).transpose(1, 2) for name, x in bf16.items()}
+    fp8, scales = fp8_copies(bf16)
+    fp8 = {name: x.transpose(1, 2) for name, x in fp8.items()}
     batch, heads, _, head_dim = shape
     # Its descales are per (batch, head): the per-tensor ones, repeated.
     descales = {f"{name}_descale": scales[name][1].reshape(1, 1).expand(batch, heads).contiguous() for name in fp8}
@@ -110,18 +121,14 @@ def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
 
 def cudnn_reference(bf16: dict[str, torch.Tensor]) -> torch.Tensor:
     """cuDNN's FP8 attention (the plan it picks) of `bf16`'s FP8 copies, dequantized to fp32."""
-    scales = {name: fp8_scales(x.abs().amax().float()) for name, x in bf16.items()}
-    fp8 = {name: to_fp8(x, scales[name][0]) for name, x in bf16.items()}
-    out_inverse, out_scale = fp8_scales(bf16["v"].abs().amax().float())
-    device = fp8["q"].device
-    probability_inverse, probability_scale = _softmax_scales(device)
-    graph_scales = {"descale_q": scales["q"][1], "descale_k": scales["k"][1], "descale_v": scales["v"][1],
-                    "descale_s": probability_scale, "scale_s": probability_inverse, "scale_o": out_inverse}
+    fp8, scales = fp8_copies(bf16)
+    graph_scales = cudnn_scales(bf16, scales)
     batch, heads, tokens, head_dim = fp8["q"].shape
-    out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=device).transpose(1, 2)
-    handle = _handle(device)
+    out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=fp8["q"].device)
+    out = out.transpose(1, 2)
+    handle = _handle(out.device)
     CudnnGraph(handle, fp8["q"], fp8["k"], fp8["v"], out, head_dim ** -0.5).execute(handle, fp8, graph_scales, out)
-    return out.float() * out_scale
+    return out.float() / graph_scales["scale_o"]
 
 
 def bf16_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
