@@ -4,8 +4,8 @@ cuDNN's heuristics A and B rank and in two layouts, beside torch's bf16 attentio
 backends): milliseconds a call, TFLOP/s, and each plan's largest difference from the default plan's
 output. At that shape attention is 76% of an FP8 level-4 expert step and the default FP8 plan runs
 about 1.4x the 16-bit kernel (RESULTS.md); this says whether another plan or layout runs faster,
-and, where FlashAttention-3 is installed (benchmarks/build_flash3.sh builds it), whether its FP8
-forward does, with its output's difference from cuDNN's.
+and, where FlashAttention-3 is installed (benchmarks/build_flash3.sh builds it), whether its bf16
+and FP8 forwards do, with their outputs' differences from torch's and cuDNN's.
 
 Layouts: "tokens-major" is (batch, tokens, heads, head_dim) memory read as (batch, heads, tokens,
 head_dim), what the projections hand the torch backend's attention; "heads-major" is that shape
@@ -91,32 +91,39 @@ def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
 
 
 def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
-    """FlashAttention-3's FP8 forward (flash_attn_interface, built from source for Hopper:
-    benchmarks/build_flash3.sh) on the same FP8 q, k and v in the tokens-major layout it reads, with
-    their per-tensor scales: its time, and its bf16 output's largest difference from cuDNN's
+    """FlashAttention-3 (flash_attn_interface, built from source for Hopper: benchmarks/build_flash3.sh)
+    in the tokens-major layout it reads: its bf16 forward, with its output's largest difference from
+    torch's cuDNN attention, and its FP8 forward on the same FP8 q, k and v as cuDNN's with their
+    per-tensor scales, with its bf16 output's largest difference from cuDNN's FP8 output
     (dequantized) over the values' range. A row saying why where it is not installed."""
     try:
         from flash_attn_interface import flash_attn_func
     except ImportError as error:
-        return [{"kernel": "flash-attention 3 fp8", "missing": f"{error}"}]
+        return [{"kernel": "flash-attention 3", "missing": f"{error}"}]
     bf16 = inputs(shape, "tokens-major", seed=0)
+    batch, heads, _, head_dim = shape
+    tokens_major = {name: x.transpose(1, 2) for name, x in bf16.items()}
     fp8, scales = fp8_copies(bf16)
     fp8 = {name: x.transpose(1, 2) for name, x in fp8.items()}
-    batch, heads, _, head_dim = shape
     # Its descales are per (batch, head): the per-tensor ones, repeated.
     descales = {f"{name}_descale": scales[name][1].reshape(1, 1).expand(batch, heads).contiguous() for name in fp8}
-
-    def call():
-        return flash_attn_func(fp8["q"], fp8["k"], fp8["v"], softmax_scale=head_dim ** -0.5, **descales)
-
-    ms = ms_per_call(call, repeats)
-    out = call().float()
-    reference = cudnn_reference(bf16).transpose(1, 2)
-    row = {"layout": "tokens-major", "kernel": "flash-attention 3 fp8", "ms": ms, "tflops": flops / ms / 1e9,
-           "largest_difference_from_cudnn": float((out - reference).abs().max()),
-           "values_amax": float(bf16["v"].abs().amax())}
-    print(json.dumps(row), flush=True)
-    return [row]
+    calls = {"flash-attention 3 bf16": lambda: flash_attn_func(*tokens_major.values(), softmax_scale=head_dim ** -0.5),
+             "flash-attention 3 fp8": lambda: flash_attn_func(*fp8.values(), softmax_scale=head_dim ** -0.5,
+                                                              **descales)}
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        torch_bf16 = torch.nn.functional.scaled_dot_product_attention(*bf16.values()).float()
+    references = {"flash-attention 3 bf16": ("torch_bf16_cudnn", torch_bf16),
+                  "flash-attention 3 fp8": ("cudnn_fp8", cudnn_reference(bf16))}
+    rows = []
+    for kernel, call in calls.items():
+        ms = ms_per_call(call, repeats)
+        out = call().float().transpose(1, 2)
+        name, reference = references[kernel]
+        rows.append({"layout": "tokens-major", "kernel": kernel, "ms": ms, "tflops": flops / ms / 1e9,
+                     f"largest_difference_from_{name}": float((out - reference).abs().max()),
+                     "values_amax": float(bf16["v"].abs().amax())})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def cudnn_reference(bf16: dict[str, torch.Tensor]) -> torch.Tensor:

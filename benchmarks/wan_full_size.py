@@ -11,9 +11,12 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
 
 - peer: diffusers' WanTransformer3DModel compiled as its documentation advises
   (torch.compile(transformer, fullgraph=True), default mode), called as WanPipeline calls it, the
-  conditional and the unconditional halves one after the other: one step is two calls of one video.
-- compiled: our torch backend's expert stage in bf16 (fused q/k/v, sigmoid GELU; compiled, default
-  mode), both halves as one batch of two: one step is one call (--halves: two, as the peer's).
+  conditional and the unconditional halves one after the other: one step is two calls of one video
+  (--attention-kernel flash3: under diffusers' FlashAttention-3 backend, set_attention_backend).
+- compiled: our torch backend's expert stage in bf16 (the family's projections, sigmoid GELU;
+  compiled, default mode), both halves as one batch of two: one step is one call (--halves: two, as
+  the peer's), with torch_backend.attention_kernel's kernels (--attention-kernel, auto by default:
+  FlashAttention-3 where installed).
 - fp8 / fp8_l4: the same with quantize.py's FP8 recipe at level 3 (FP8 Linear) or 4 (+ cuDNN's FP8
   self-attention): the whole pipeline (UMT5, both experts, the VAE) is built, both experts are
   calibrated by quantize.py's own calibration (two steps of one prompt at 256x448 and 5 frames, so
@@ -55,7 +58,7 @@ from pathlib import Path
 import torch
 
 from sdquant import parallel, report
-from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendBlock
 from sdquant.families.base import built_in
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.wan import WAN, WAN_TI2V
@@ -65,6 +68,7 @@ from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
+from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
 from sdquant.runtime.compiled_forms import use_persistent_rows
 from sdquant.runtime.stages import StageTimer
 from flux_full_size import hook_cache
@@ -180,10 +184,15 @@ def umt5_seconds(pipe, family, args, device: torch.device) -> float:
         return time_call(lambda: Umt5Graph(pipe.text_encoder)(ids, ids), 1)["best_call_s"]
 
 
-def compiled_stage(family, module, quantized: bool):
+def attention_kernel(args, device: torch.device) -> str:
+    return chosen_kernel(args.attention_kernel, device)
+
+
+def compiled_stage(family, module, quantized: bool, kernel: str):
     """Our expert stage as the torch backend compiles it (no CUDA graphs, which a split cannot take
-    and which a 10-second call does not need)."""
+    and which a 10-second call does not need), its attention by `kernel`."""
     torch_backend.compiled_backbone_forms(module, family, quantized)
+    use_attention_kernel(module, kernel)
     use_persistent_rows()
     stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
                                    torch.bfloat16)[family.backbones[0].graph]
@@ -216,6 +225,10 @@ def peer_row(family, args, device: torch.device) -> dict:
     one after the other as WanPipeline calls them."""
     module = one_expert(family, args, device)
     resident = weights_gib({"expert": module})["expert"]
+    flash3 = args.attention_kernel == "flash3"
+    if flash3:
+        chosen_kernel("flash3", device)
+        module.set_attention_backend(DIFFUSERS_FLASH3)
     compiled = torch.compile(module, fullgraph=True)
     halves = guidance_halves(expert_inputs(family, module, args, 2, device, torch.bfloat16))
 
@@ -227,6 +240,7 @@ def peer_row(family, args, device: torch.device) -> dict:
         if args.profile and device.type == "cuda":
             row["call_profile"] = kernel_profile(step, top=PROFILE_ROWS)
     return {**row, "step_s": row["best_call_s"], "one_expert_weights_gib": resident,
+            "attention_kernel": "flash3" if flash3 else "torch",
             "compile": "torch.compile(transformer, fullgraph=True), default mode; two calls of one video a step"}
 
 
@@ -241,7 +255,8 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
     else:
         module = one_expert(family, args, device)
         record["one_expert_weights_gib"] = weights_gib({"expert": module})["expert"]
-    stage = compiled_stage(family, module.eval(), quantized=variant in FP8_LEVELS)
+    record["attention_kernel"] = attention_kernel(args, device)
+    stage = compiled_stage(family, module.eval(), variant in FP8_LEVELS, record["attention_kernel"])
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
     if args.halves:
         halves = guidance_halves(inputs)
@@ -275,8 +290,8 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     stages = family.torch_stages(pipe, torch.bfloat16, cache)
     # The decoder eager: its 81-frame compile is the vae variant's to time.
     decoder = stages.pop("vae")
-    stages = torch_backend.speed_up(pipe, family, stages, TorchBackendBlock(compile=True), cuda_graph=False,
-                                    quantized=variant in FP8_LEVELS)
+    stages = torch_backend.speed_up(pipe, family, stages, TorchBackendBlock(
+        compile=True, attention_kernel=args.attention_kernel), cuda_graph=False, quantized=variant in FP8_LEVELS)
     stages["vae"] = decoder
     parts = family.parts_of(pipe)
     pipeline = family.text_to_image(stages, parts, make_scheduler("unipc", parts["scheduler_config"]), device)
@@ -341,6 +356,8 @@ def split_row(variant: str, family, args, device: torch.device, world: parallel.
     else:
         module, record = one_expert(family, args, device), {}
     torch_backend.compiled_backbone_forms(module, family, quantized=variant in FP8_LEVELS)
+    record["attention_kernel"] = attention_kernel(args, device)
+    use_attention_kernel(module, record["attention_kernel"])
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
     stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
                                    torch.bfloat16)[family.backbones[0].graph]
@@ -379,6 +396,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
         row, name = peer_row(family, args, device), variant
     else:
         row, name = ours_row(variant, family, args, device), variant
+    if args.attention_kernel != "auto":
+        name += f"_{args.attention_kernel}"
     if args.every_block:
         name += "_every_block"
     if args.halves:
@@ -402,6 +421,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
     parser.add_argument("--halves", action="store_true",
                         help="ours: the guidance halves as two calls of one video a step, as the peer calls them")
+    parser.add_argument("--attention-kernel", default="auto", choices=TORCH_ATTENTION_KERNELS,
+                        help="ours: torch_backend.attention_kernel; peer: flash3 runs diffusers' FlashAttention-3 backend")
     parser.add_argument("--every-block", action="store_true",
                         help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too (a ceiling, not a recipe)")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
@@ -417,6 +438,10 @@ def main() -> None:
         parser.error("--split and --whole run our variants (compiled, fp8, fp8_l4), not peer or vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
         parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
+    if args.split and args.split != "1x1" and args.attention_kernel != "torch":
+        # diffusers' context parallelism refuses its FlashAttention-3 backend, which the whole call
+        # before the split would have given its layers.
+        parser.error(f"--split {args.split}: give --attention-kernel torch (one kernel for the whole and the split call)")
     if args.halves and (args.split or args.whole or "peer" in variants or "vae" in variants):
         parser.error("--halves times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
     if args.every_block and not all(v in FP8_LEVELS for v in variants):

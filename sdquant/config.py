@@ -321,6 +321,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 CAPTURING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 TORCH_QUANTIZED = ("fake", "fp8", "int8")
 TORCH_ATTENTION = ("auto", "fp8", "fp16")
+TORCH_ATTENTION_KERNELS = ("auto", "flash3", "torch")
 
 
 @dataclass
@@ -346,6 +347,11 @@ class TorchBackendBlock:
     # fp16 keeps every attention in the model's 16 bits, fp8 insists (refusing a checkpoint
     # without attention ranges).
     attention: str = "auto"
+    # The backbones' attention kernels, 16-bit and FP8: torch's (scaled_dot_product_attention, and
+    # cuDNN's FP8 attention), flash3 (FlashAttention-3, Hopper only, built from source: 1.16x torch's
+    # bf16 kernel and 1.12x cuDNN's FP8 one at a video's 75,600 tokens on an H200), or auto (flash3
+    # where it is installed and the GPU is a Hopper).
+    attention_kernel: str = "auto"
     # Images the VAE decodes at a time (0: the whole batch at once). The decoder's activations at
     # 1024x1024 dwarf the backbone's, so one at a time lowers the peak of an 8-image batch by
     # several GiB; under compile the decoder compiles for that many images (and once more for a
@@ -740,8 +746,8 @@ def validate_parallel(block, backend: str) -> None:
 
 
 def validate_torch_kernels(torch_block) -> None:
-    """Refuses kernel settings (torch_backend.quantized, .attention) that no checkpoint could run,
-    kernel tuning without compiling, and a VAE batch that is not one."""
+    """Refuses kernel settings (torch_backend.quantized, .attention, .attention_kernel) that no
+    checkpoint could run, kernel tuning without compiling, and a VAE batch that is not one."""
     if torch_block.tune_kernels and not torch_block.compile:
         raise UserError("torch_backend.tune_kernels=true tunes the kernels torch.compile makes: set "
                         "torch_backend.compile=true too")
@@ -754,6 +760,9 @@ def validate_torch_kernels(torch_block) -> None:
     if torch_block.attention not in TORCH_ATTENTION:
         raise UserError(f"torch_backend.attention={torch_block.attention!r} is unknown: choose "
                         f"{', '.join(TORCH_ATTENTION)}")
+    if torch_block.attention_kernel not in TORCH_ATTENTION_KERNELS:
+        raise UserError(f"torch_backend.attention_kernel={torch_block.attention_kernel!r} is unknown: choose "
+                        f"{', '.join(TORCH_ATTENTION_KERNELS)}")
     if torch_block.attention != "auto" and torch_block.quantized != "fp8":
         raise UserError(f"torch_backend.attention={torch_block.attention} applies to torch_backend.quantized=fp8 (fake "
                         "quantization runs attention as the checkpoint does): set torch_backend.quantized=fp8")

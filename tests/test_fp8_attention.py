@@ -452,3 +452,39 @@ def test_centred_values_attend_as_the_values_do_within_fp8_rounding(monkeypatch)
     # Centred values rounded in their calibrated range would be clipped: 16% from exact here.
     print(f"plain {plain:.4f}, centred {centred:.4f}")
     assert plain < 0.05 and centred < plain + 0.02, (plain, centred)
+
+
+def test_the_attention_kernel_is_settled_before_anything_runs(tmp_path):
+    from sdquant.runtime.attention import chosen_kernel
+
+    with pytest.raises(UserError, match="torch_backend.attention_kernel='cudnn' is unknown: choose auto, flash3, torch"):
+        run_infer(compose_config("sd_xl_trt_inference", [
+            "model=scenes_sdxl", "backend=torch", "device=cpu", f"out_path={tmp_path}",
+            "torch_backend.attention_kernel=cudnn"]))
+    assert not any(tmp_path.iterdir())
+    cpu = torch.device("cpu")
+    # auto falls back to torch's kernels where FlashAttention-3 cannot run; flash3 insists.
+    assert (chosen_kernel("auto", cpu), chosen_kernel("torch", cpu)) == ("torch", "torch")
+    with pytest.raises(UserError, match="torch_backend.attention_kernel=flash3: FlashAttention-3 runs on CUDA GPUs"):
+        chosen_kernel("flash3", cpu)
+
+
+def test_flash3_marks_every_attention_layer_and_the_fp8_op_keeps_its_twin_on_the_cpu(level4):
+    from sdquant.runtime.attention import FLASH3, attention_modules, use_attention_kernel
+
+    backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
+    torch_backend.convert_quantized(backbone, SDXL, "level 4", "fp8")
+    use_attention_kernel(backbone, "torch")
+    layers = attention_modules(backbone)
+    # Every attention layer of the UNet: self- and cross-attention of each transformer block.
+    assert len(layers) == 2 * sum(1 for name, _ in backbone.named_modules() if name.endswith("attn1"))
+    assert not any(hasattr(attn, FLASH3) for attn in layers)
+    use_attention_kernel(backbone, "flash3")
+    assert all(getattr(attn, FLASH3) for attn in layers)
+    # The op's flag picks a GPU kernel; on the CPU both run the twin, number for number.
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (to_fp8(torch.randn(1, 2, 64, 32, generator=generator), torch.tensor(100.0)) for _ in range(3))
+    scale, inverse = torch.tensor(0.01), torch.tensor(50.0)
+    args = (q, k, v, scale, scale, scale, 32 ** -0.5, inverse)
+    assert torch.equal(torch.ops.sdquant.fp8_attention(*args, True).float(),
+                       torch.ops.sdquant.fp8_attention(*args).float())

@@ -1,4 +1,5 @@
-"""cuDNN's FP8 attention (torch.ops.sdquant.fp8_attention on CUDA) against the op's twin
+"""cuDNN's FP8 attention (torch.ops.sdquant.fp8_attention on CUDA; and FlashAttention-3's, where it
+is installed) against the op's twin
 (sdquant.runtime.kernels.fp8_attention.reference_attention, run here on the same GPU tensors): on the
 full-size SDXL and Flux attention shapes, on every converted attention layer of the scene models,
 and compiled with torch.compile and replayed as a CUDA graph. Skipped without a CUDA GPU; needs a
@@ -50,11 +51,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str) -> None:
-    """cuDNN's output against the twin's, and both against fp32 attention without softmax rounding."""
+def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str, flash3: bool = False) -> None:
+    """cuDNN's output (`flash3`: FlashAttention-3's) against the twin's, and both against fp32
+    attention without softmax rounding."""
     softmax_scale = q.shape[-1] ** -0.5
     args = (q, k, v, scales["q"], scales["k"], scales["v"], softmax_scale, out_inverse)
-    cudnn_out = torch.ops.sdquant.fp8_attention(*args)
+    cudnn_out = torch.ops.sdquant.fp8_attention(*args, flash3)
     twin_out = kernels.reference_attention(*args)
     assert cudnn_out.shape == twin_out.shape and cudnn_out.stride() == twin_out.stride(), \
         f"{what}: cuDNN wrote {tuple(cudnn_out.shape)} strides {cudnn_out.stride()}, the fake implementation promises " \
@@ -71,6 +73,16 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str) -> Non
                                f"{TWIN_BOUND}: more than rounding (a scale, layout or softmax scale?)"
     assert cudnn_error < twin_error * 1.5 + 0.01, \
         f"{what}: cuDNN is {cudnn_error:.4f} from fp32 attention, the twin {twin_error:.4f}: cuDNN rounds worse"
+
+
+def skip_without_flash3() -> None:
+    """FlashAttention-3 has no wheel on PyPI (benchmarks/build_flash3.sh builds one): its rows skip
+    where it is not installed."""
+    from sdquant.runtime.attention import flash3_missing
+
+    missing = flash3_missing(CUDA)
+    if missing:
+        pytest.skip(missing)
 
 
 def _quantized(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
@@ -90,7 +102,10 @@ def _quantized(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
     # quantized it.
     pytest.param(dict(batch=2, heads=10, tokens=4096, keys=77, head_dim=64, fused=False), id="sdxl_cross_77"),
 ])
-def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape):
+@pytest.mark.parametrize("flash3", [False, True], ids=["cudnn", "flash3"])
+def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape, flash3):
+    if flash3:
+        skip_without_flash3()
     generator = torch.Generator(CUDA).manual_seed(0)
     batch, heads, head_dim = shape["batch"], shape["heads"], shape["head_dim"]
 
@@ -108,7 +123,7 @@ def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape):
     # Read as (batch, heads, tokens, head_dim), without a copy.
     q, k, v = (x.transpose(1, 2) for x in memory)
     exact = F.scaled_dot_product_attention(*(x.float() * scales[role] for role, x in zip("qkv", (q, k, v))))
-    _compare(q, k, v, scales, fp8_scales(exact.abs().amax())[0], f"{shape}")
+    _compare(q, k, v, scales, fp8_scales(exact.abs().amax())[0], f"{shape}{' flash3' if flash3 else ''}", flash3)
 
 
 def _scene_backbone(model: str, folder):

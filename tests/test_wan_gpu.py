@@ -32,12 +32,12 @@ from sdquant.families.wan.flow import latent_frames, latent_tokens
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
 from sdquant.runtime import torch_backend
-from sdquant.runtime.attention import FP8_ATTENTION, Fp8Attention
+from sdquant.runtime.attention import FLASH3, FP8_ATTENTION, Fp8Attention
 from sdquant.runtime.kernels import fp8_attention as kernels
 from sdquant.runtime.kernels.fp8 import fp8_scales
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 
-from test_fp8_attention_gpu import _compare, _quantized, _relative
+from test_fp8_attention_gpu import _compare, _quantized, _relative, skip_without_flash3
 from test_fp8_attention_gpu import cudnn_kernel  # noqa: F401  (an autouse fixture: it skips before Hopper)
 
 pytestmark = [pytest.mark.gpu,
@@ -83,7 +83,10 @@ def _in_query_blocks(twin):
     return blocked
 
 
-def test_cudnn_fp8_attention_matches_the_twin_at_the_video_shape(monkeypatch):
+@pytest.mark.parametrize("flash3", [False, True], ids=["cudnn", "flash3"])
+def test_cudnn_fp8_attention_matches_the_twin_at_the_video_shape(monkeypatch, flash3):
+    if flash3:
+        skip_without_flash3()
     generator = torch.Generator(CUDA).manual_seed(0)
     # (batch, tokens, heads, head_dim) memory, as the block's q/k norms and rotary embedding write
     # q and k and its rounding to FP8 writes v, read as (batch, heads, tokens, head_dim).
@@ -98,7 +101,8 @@ def test_cudnn_fp8_attention_matches_the_twin_at_the_video_shape(monkeypatch):
     out_inverse, _ = fp8_scales(F.scaled_dot_product_attention(*dequantized).abs().amax())
     # _compare's twin, a block of queries at a time.
     monkeypatch.setattr(kernels, "reference_attention", _in_query_blocks(kernels.reference_attention))
-    _compare(q, k, v, scales, out_inverse, f"A14B self-attention {tuple(q.shape)}")
+    _compare(q, k, v, scales, out_inverse, f"A14B self-attention {tuple(q.shape)}{' flash3' if flash3 else ''}",
+             flash3)
 
 
 def _block_inputs(latent: tuple[int, int, int], seed: int) -> dict[str, torch.Tensor]:
@@ -188,17 +192,25 @@ def _outputs(block: torch.nn.Module, inputs: dict, modules: tuple[str, ...]) -> 
 # 0.488 from fake quantization at 75,600 tokens on an H100 (0.05 at 7,200;
 # benchmarks/results/wan_fp8_attention_length_h100.txt); with it, 0.0135 (attn2 0.029, ffn 0.030,
 # the block 0.025; benchmarks/results/gpu_tests_wan_centred_h100.log).
-def test_the_fp8_block_computes_what_its_fake_quantization_does_at_the_video_shape(level4_block):
+@pytest.mark.parametrize("flash3", [False, True], ids=["cudnn", "flash3"])
+def test_the_fp8_block_computes_what_its_fake_quantization_does_at_the_video_shape(level4_block, flash3):
     fake, fp8, _ = level4_block
+    if flash3:
+        skip_without_flash3()
+    # Both attentions (FP8 self-attention, bf16 cross-attention) on FlashAttention-3's kernels, or
+    # on cuDNN's and torch's.
+    for attn in (fp8.attn1, fp8.attn2):
+        setattr(attn, FLASH3, flash3)
     inputs = _block_inputs(VIDEO_LATENT, seed=1)
     expected = _outputs(fake, inputs, SUBLAYERS)
     fp8_attention = f"attn1.{FP8_ATTENTION}"
     got = _outputs(fp8, inputs, (*SUBLAYERS, fp8_attention))
-    # Self-attention ran FP8 attention over the whole video: on CUDA tensors, cuDNN's kernel.
+    # Self-attention ran FP8 attention over the whole video, on the GPU's kernel.
     attended = got.pop(fp8_attention)
     assert attended.dtype == torch.float8_e4m3fn and attended.shape == (BATCH, FULL.heads, TOKENS, FULL.head_dim)
     for name, want in expected.items():
         assert torch.isfinite(got[name]).all(), f"{name}: the FP8 block's output holds NaN or inf"
         error = _relative(got[name], want)
-        print(f"A14B block at {TOKENS} tokens, {name}: FP8 kernels against fake quantization {error:.4f}")
+        print(f"A14B block at {TOKENS} tokens{' (flash3)' if flash3 else ''}, {name}: FP8 kernels against fake "
+              f"quantization {error:.4f}")
         assert error < BLOCK_BOUND, f"{name}: the FP8 kernels are {error:.4f} (relative) from fake quantization"

@@ -3,6 +3,14 @@ projections that read one input as one FP8 GEMM, and, where the checkpoint calib
 (quant_level=4), attention itself as FP8 (sdquant.runtime.kernels.fp8_attention), its FP8 output
 going into the next FP8 GEMM as it is.
 
+torch_backend.attention_kernel picks the kernels: torch's (its scaled_dot_product_attention in 16
+bits, cuDNN's FP8 attention) or FlashAttention-3's, faster on Hopper at a video's length: at the
+A14B's 75,600 tokens (batch 2, 40 heads, head_dim 128, H200) its bf16 forward took 358 ms against
+torch's cuDNN kernel's 416, its FP8 one 255 ms against cuDNN's 285
+(benchmarks/results/fp8_attention_plans_fa3_h200.json). It has no package on PyPI
+(benchmarks/build_flash3.sh builds one), so auto takes it where it is installed and the GPU is a
+Hopper.
+
 Each family gives the processor that runs its attention so (ModelFamily.fp8_attention_processor):
 diffusers' own processor for that attention step for step (the same reshapes, q/k norms, rotary
 embedding, order of the text and image tokens and split of the output) over `project` and
@@ -12,6 +20,8 @@ or the block's proj_out where the attention has none).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,65 @@ from .kernels.fp8_attention import fp8_attention
 from ..quantize.shared_ranges import attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
+# An attention layer's mark that it runs FlashAttention-3 (use_attention_kernel).
+FLASH3 = "sdquant_flash3"
+# FlashAttention-3's module, and diffusers' name for it as an attention backend.
+FLASH3_MODULE = "flash_attn_interface"
+DIFFUSERS_FLASH3 = "_flash_3"
+
+
+def flash3_missing(device: torch.device) -> str | None:
+    """Why FlashAttention-3 cannot run on `device`, in words; None when it can."""
+    if device.type != "cuda":
+        return f"FlashAttention-3 runs on CUDA GPUs, not on the {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"FlashAttention-3's kernels are Hopper's (sm90) and {torch.cuda.get_device_name(device)} is sm{major}{minor}"
+    if importlib.util.find_spec(FLASH3_MODULE) is None:
+        return (f"{FLASH3_MODULE} is not installed (PyPI has no FlashAttention-3 wheel: build one with "
+                "benchmarks/build_flash3.sh)")
+    return None
+
+
+def chosen_kernel(asked: str, device: torch.device) -> str:
+    """torch_backend.attention_kernel settled on `device`: flash3 or torch (auto: flash3 where it
+    can run)."""
+    why = flash3_missing(device)
+    if asked == "flash3" and why:
+        raise UserError(f"torch_backend.attention_kernel=flash3: {why}; set torch_backend.attention_kernel=auto "
+                        "(FlashAttention-3 where it can run) or torch")
+    if asked == "auto":
+        return "torch" if why else "flash3"
+    return asked
+
+
+def attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """diffusers' attention modules in `root`, whatever their class and their projections' form
+    (the FP8 conversion fuses and removes some)."""
+    return [module for module in root.modules() if hasattr(module, "set_processor")]
+
+
+def use_attention_kernel(backbone: torch.nn.Module, kernel: str) -> None:
+    """Runs `backbone`'s attention with `kernel` (chosen_kernel's), in place: for flash3, its FP8
+    attention and the 16-bit attention of the processors here (attend), and diffusers' own
+    processors on its FlashAttention-3 backend (as its set_attention_backend sets them, less the
+    checks chosen_kernel made), except where diffusers' context parallelism splits their tokens,
+    which that backend does not take: those keep torch's kernel."""
+    if kernel != "flash3":
+        return
+    for attn in attention_modules(backbone):
+        setattr(attn, FLASH3, True)
+        processor = attn.processor
+        if hasattr(processor, "_attention_backend") and getattr(processor, "_parallel_config", None) is None:
+            processor._attention_backend = DIFFUSERS_FLASH3
+
+
+def flash3_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """FlashAttention-3 on (batch, tokens, heads, head_dim) q, k and v in 16 bits, through diffusers'
+    backend (an op torch.compile traces as one node)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    return dispatch_attention_fn(query, key, value, backend=DIFFUSERS_FLASH3)
 
 
 class Fp8Attention(KeepsExactTensors, torch.nn.Module):
@@ -48,8 +117,9 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
     # cores); the CPU twin sums in fp32 and stays ModelOpt's computation.
     centred_on = ("cuda",)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output.
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flash3: bool = False) -> torch.Tensor:
+        """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output;
+        `flash3`: on a GPU, FlashAttention-3's FP8 kernel rather than cuDNN's.
 
         On a GPU the values go in less their mean over the tokens, which the output gets back: the
         same attention, each row of softmax summing to 1. Hopper's FP8 tensor cores add each block
@@ -64,10 +134,10 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         softmax_scale = query.shape[-1] ** -0.5
         if value.device.type not in self.centred_on:
             return fp8_attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
-                                 self.v_scale, softmax_scale, self.out_inverse_scale)
+                                 self.v_scale, softmax_scale, self.out_inverse_scale, flash3)
         mean = value.mean(dim=2, keepdim=True, dtype=torch.float32)
         centred = fp8_attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
-                                self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2)
+                                self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2, flash3)
         return to_fp8(centred.float() * (self.out_scale * 2) + mean, self.out_inverse_scale)
 
     def dequantize(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +159,8 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
            keys_whole: bool = False) -> torch.Tensor:
     """Attention of (batch, tokens, heads, head_dim) q, k and v, as the processors split their
     projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
-    the model's precision, as diffusers runs it.
+    the model's precision, as diffusers runs it; with FlashAttention-3's kernels where the layer is
+    marked so (use_attention_kernel).
 
     `sequence`: the process group the layer's tokens are split over (parallel.ulysses). Each process
     holds its share of the queries, and of the keys and values unless `keys_whole` (cross-attention
@@ -97,10 +168,13 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     another gives each its own tokens of every head back (Ulysses attention)."""
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
-    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-    fp8 = getattr(attn, FP8_ATTENTION, None)
-    out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value)
-    out = out.transpose(1, 2)
+    fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
+    if fp8 is None and flash3:
+        out = flash3_attention(query, key, value)
+    else:
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3)
+        out = out.transpose(1, 2)
     if sequence is not None:
         out = _every_head_of_own_tokens(out, sequence)
     return out.flatten(2)

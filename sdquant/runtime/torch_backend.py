@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import chosen_kernel, use_attention_kernel
 from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_persistent_rows, use_sigmoid_gelu
 from ..cuda_graphs import CapturedGraph, signature
 from ..errors import UserError
@@ -307,6 +308,10 @@ def compiled_backbone_forms(module: torch.nn.Module, family, quantized: bool) ->
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
     from ..graphs.networks import Role
+
+    kernel = chosen_kernel(block.attention_kernel, pipe.device)
+    for backbone in family.backbones:
+        use_attention_kernel(getattr(pipe, backbone.attribute), kernel)
 
     # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
     # stages that run every step or on every image.

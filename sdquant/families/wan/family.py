@@ -330,6 +330,11 @@ class WanT2VFamily(WanFamily):
     default_frames, default_fps, default_size = 81, 16, (720, 1280)
     scene_tokenizers = ("t5",)
 
+    def fuse_projections(self, backbone) -> None:
+        """Keeps q, k and v three GEMMs: at a video's 75,600 tokens the one GEMM three times as wide
+        runs slower than the three (bf16, one video a call: 16.7 ms against 3 x 4.9 on an H200,
+        benchmarks/results/gemm_shapes_h200.json)."""
+
     # --- the scene model -----------------------------------------------------------------------
 
     def scene_sizes(self, arch, image_size: int) -> WanSizes:

@@ -2,7 +2,8 @@
 output out, scaled for the FP8 GEMM that reads it.
 
 On a CUDA GPU it runs cuDNN's fused FP8 attention (through nvidia-cudnn-frontend, imported when
-first needed). On the CPU it runs its twin in plain torch, ``reference_attention``, which computes
+first needed), or with `flash3` FlashAttention-3's FP8 forward, whose 16-bit output is rounded to
+FP8 the same way (sdquant.runtime.attention says when the torch backend asks for it). On the CPU it runs its twin in plain torch, ``reference_attention``, which computes
 what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v, fp32
 scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the exported
 graph and TensorRT do) followed by the next layer's FP8 input quantizer. The GPU tests compare the
@@ -49,14 +50,16 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sca
 
 @torch.library.custom_op("sdquant::fp8_attention", mutates_args=(), device_types="cpu")
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                  v_scale: torch.Tensor, softmax_scale: float, out_inverse_scale: torch.Tensor) -> torch.Tensor:
+                  v_scale: torch.Tensor, softmax_scale: float, out_inverse_scale: torch.Tensor,
+                  flash3: bool = False) -> torch.Tensor:
     """softmax(q k^T * softmax_scale) v on FP8 q, k and v (each with its scale, amax / 448), rounded
-    to FP8 with `out_inverse_scale` (448 / the reading layer's input amax)."""
+    to FP8 with `out_inverse_scale` (448 / the reading layer's input amax); `flash3` picks the GPU's
+    kernel (the twin serves both)."""
     return reference_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale)
 
 
 @fp8_attention.register_fake
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale, flash3=False):
     return _output(q, v)
 
 
@@ -177,10 +180,24 @@ def _graph(handle, q, k, v, out, softmax_scale: float) -> CudnnGraph:
     return _GRAPHS[key]
 
 
+def flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale) -> torch.Tensor:
+    """The op by FlashAttention-3's FP8 forward: it reads (batch, tokens, heads, head_dim) views, takes
+    descales per (batch, head) (the per-tensor ones, repeated) and returns 16 bits, rounded here."""
+    from flash_attn_interface import flash_attn_func
+
+    batch, heads = q.shape[:2]
+    descales = {f"{name}_descale": scale.reshape(1, 1).expand(batch, heads).contiguous()
+                for name, scale in (("q", q_scale), ("k", k_scale), ("v", v_scale))}
+    out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=softmax_scale, **descales)
+    return to_fp8(out, out_inverse_scale).transpose(1, 2)
+
+
 @fp8_attention.register_kernel("cuda")
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale, flash3=False):
     import cudnn
 
+    if flash3:
+        return flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale)
     out = _output(q, v)
     handle = _handle(q.device)
     # cuDNN launches on its handle's stream: torch's current one, which a CUDA graph capture records.
