@@ -14,9 +14,9 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
   conditional and the unconditional halves one after the other: one step is two calls of one video
   (--attention-kernel flash3: under diffusers' FlashAttention-3 backend, set_attention_backend).
 - compiled: our torch backend's expert stage in bf16 (the family's projections, sigmoid GELU;
-  compiled, default mode), both halves as one batch of two: one step is one call (--halves: two, as
-  the peer's), with torch_backend.attention_kernel's kernels (--attention-kernel, auto by default:
-  FlashAttention-3 where installed).
+  compiled, default mode), run as the torch backend runs it: the halves one after the other, as
+  the peer's (--one-call: both as one batch of two), with torch_backend.attention_kernel's kernels
+  (--attention-kernel, auto by default: FlashAttention-3 where installed).
 - fp8 / fp8_l4: the same with quantize.py's FP8 recipe at level 3 (FP8 Linear) or 4 (+ cuDNN's FP8
   self-attention): the whole pipeline (UMT5, both experts, the VAE) is built, both experts are
   calibrated by quantize.py's own calibration (two steps of one prompt at 256x448 and 5 frames, so
@@ -70,7 +70,7 @@ from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
 from sdquant.runtime.compiled_forms import use_persistent_rows
-from sdquant.runtime.stages import StageTimer
+from sdquant.runtime.stages import StageTimer, batch_parts
 from flux_full_size import hook_cache
 from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
 
@@ -215,11 +215,6 @@ def time_call(call, calls: int) -> dict:
             "nonfinite_values": nonfinite_values(last[0])}
 
 
-def guidance_halves(inputs: dict) -> list[dict]:
-    """A step's inputs as the conditional and the unconditional calls of one video each."""
-    return [{name: value[index:index + 1] for name, value in inputs.items()} for index in range(2)]
-
-
 def peer_row(family, args, device: torch.device) -> dict:
     """diffusers' transformer compiled as its documentation advises, the two guidance halves called
     one after the other as WanPipeline calls them."""
@@ -230,7 +225,7 @@ def peer_row(family, args, device: torch.device) -> dict:
         chosen_kernel("flash3", device)
         module.set_attention_backend(DIFFUSERS_FLASH3)
     compiled = torch.compile(module, fullgraph=True)
-    halves = guidance_halves(expert_inputs(family, module, args, 2, device, torch.bfloat16))
+    halves = batch_parts(expert_inputs(family, module, args, 2, device, torch.bfloat16), 2)
 
     def step():
         return torch.cat([compiled(**half, return_dict=False)[0] for half in halves])
@@ -258,14 +253,11 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
     record["attention_kernel"] = attention_kernel(args, device)
     stage = compiled_stage(family, module.eval(), variant in FP8_LEVELS, record["attention_kernel"])
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
-    if args.halves:
-        halves = guidance_halves(inputs)
+    if family.backbone_call_samples and not args.one_call:
+        stage = torch_backend.in_turn(stage, family.backbone_call_samples)
 
-        def step():
-            return torch.cat([stage(**half)["latent"] for half in halves])
-    else:
-        def step():
-            return stage(**inputs)["latent"]
+    def step():
+        return stage(**inputs)["latent"]
     with torch.no_grad():
         row = time_call(step, args.calls)
         # GPU kernels only: on the CPU (the --tiny dry run) the row says so instead.
@@ -400,8 +392,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
         name += f"_{args.attention_kernel}"
     if args.every_block:
         name += "_every_block"
-    if args.halves:
-        name += "_halves"
+    if args.one_call:
+        name += "_one_call"
     row["wall_s"] = time.perf_counter() - start
     if world.is_main:
         print(f"{name}: {json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))})}", flush=True)
@@ -419,8 +411,8 @@ def main() -> None:
     parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
-    parser.add_argument("--halves", action="store_true",
-                        help="ours: the guidance halves as two calls of one video a step, as the peer calls them")
+    parser.add_argument("--one-call", action="store_true",
+                        help="ours: both guidance halves as one call of two samples a step, not the torch backend's two")
     parser.add_argument("--attention-kernel", default="auto", choices=TORCH_ATTENTION_KERNELS,
                         help="ours: torch_backend.attention_kernel; peer: flash3 runs diffusers' FlashAttention-3 backend")
     parser.add_argument("--every-block", action="store_true",
@@ -442,8 +434,8 @@ def main() -> None:
         # diffusers' context parallelism refuses its FlashAttention-3 backend, which the whole call
         # before the split would have given its layers.
         parser.error(f"--split {args.split}: give --attention-kernel torch (one kernel for the whole and the split call)")
-    if args.halves and (args.split or args.whole or "peer" in variants or "vae" in variants):
-        parser.error("--halves times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
+    if args.one_call and (args.split or args.whole or "peer" in variants or "vae" in variants):
+        parser.error("--one-call times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
     if args.every_block and not all(v in FP8_LEVELS for v in variants):
         parser.error(f"--every-block quantizes more blocks: give only {', '.join(FP8_LEVELS)}")
     if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+(:\d+)?|first_block:[\d.]+", args.cache):

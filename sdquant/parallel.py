@@ -216,11 +216,10 @@ class GuidanceHalf:
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
-        # The first input is the latent, whose batch every batched input shares (checked even, as
-        # both halves, where the split is settled).
-        batch = next(iter(inputs.values())).shape[0]
-        half = {name: value.chunk(2)[self.place.cfg_rank] if value.dim() and value.shape[0] == batch else value
-                for name, value in inputs.items()}
+        from .runtime.stages import batch_parts
+
+        # The batch is even, both halves, where the split is settled.
+        half = batch_parts(inputs, 2)[self.place.cfg_rank]
         outputs = {}
         for name, value in self.stage(**half).items():
             value = value.contiguous()

@@ -66,7 +66,8 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str, flash3
     cudnn_value, twin_value = cudnn_out.float() * out_scale, twin_out.float() * out_scale
     apart, cudnn_error, twin_error = (_relative(cudnn_value, twin_value), _relative(cudnn_value, exact),
                                       _relative(twin_value, exact))
-    print(f"{what}: cuDNN against the twin {apart:.4f}; against fp32 attention cuDNN {cudnn_error:.4f}, "
+    kernel = "FlashAttention-3" if flash3 else "cuDNN"
+    print(f"{what}: {kernel} against the twin {apart:.4f}; against fp32 attention {kernel} {cudnn_error:.4f}, "
           f"the twin {twin_error:.4f}")
     assert torch.isfinite(cudnn_value).all(), f"{what}: cuDNN's output holds NaN or inf"
     assert apart < TWIN_BOUND, f"{what}: cuDNN's FP8 attention is {apart:.4f} (relative) from the twin's, over " \

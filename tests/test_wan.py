@@ -64,6 +64,42 @@ def test_torch_stages_draw_diffusers_wan_pipelines_videos(model_cache, model, se
     assert (ours - reference).abs().max() < 1e-4 and reference.std() > 0.01
 
 
+def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_state(model_cache):
+    """The torch backend calls the expert once per guidance half, as WanPipeline does, each half in
+    a cache context of its own: under TaylorSeer (a fixed schedule, no thresholds) one video is
+    WanPipeline's under the same hooks, number for number within rounding; halves sharing one
+    context would predict each from the other's history."""
+    from sdquant.config import TorchBackendBlock
+    from sdquant.runtime import torch_backend
+    from sdquant.runtime.stages import InTurn
+
+    taylorseer = ["sampling.cache.method=taylorseer", "sampling.cache.interval=2", "sampling.cache.warmup=1"]
+    cfg = _sampling("tiny_wan", "sampling.prompts=['a red fox runs through the snow']", "sampling.steps=6",
+                    *taylorseer)
+    sampling = settle_sampling(cfg)
+    family, geometry = sampling.family, sampling.geometry
+    pipe = load_pipeline(cfg.model, CPU, torch.float32)
+    stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32, sampling.cache),
+                                    TorchBackendBlock(), cuda_graph=False, quantized=False)
+    experts = (stages["transformer"], stages["transformer_2"])
+    assert all(isinstance(stage, InTurn) and stage.size == 1 for stage in experts)
+    ours = sampling.pipeline(stages, CPU)(sampling.runs[0], StageTimer(CPU), progress=False)
+
+    def reference(cached: bool) -> torch.Tensor:
+        pipe = load_pipeline(cfg.model, CPU, torch.float32)
+        for expert in (pipe.transformer, pipe.transformer_2):
+            if cached:
+                expert.enable_cache(sampling.cache.config(expert))
+        return pipe(prompt=PROMPTS[:1], negative_prompt="blurry, static", num_inference_steps=6, guidance_scale=4.0,
+                    height=geometry.height, width=geometry.width, num_frames=geometry.frames, max_sequence_length=64,
+                    output_type="pt", generator=[torch.Generator().manual_seed(42)]).frames
+
+    cached, uncached = reference(True), reference(False)
+    assert (ours - cached).abs().max() < 1e-4
+    # The hooks predicted steps: the cached video is not the uncached one.
+    assert (cached - uncached).abs().max() > 1e-3
+
+
 def test_the_vae_decodes_in_fp32_as_wanpipelines_documentation_loads_it(model_cache):
     model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
     pipe = load_pipeline(model, CPU, torch.bfloat16)

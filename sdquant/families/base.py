@@ -236,6 +236,9 @@ class ModelFamily:
 
     # The longest backbone call (tokens) its FP8 attention was verified right on; None: no limit.
     fp8_attention_tokens: int | None = None
+    # Samples one backbone call of the torch backend takes at most, the batch run in turn (None: the
+    # whole batch in one call, which serves images' short sequences best).
+    backbone_call_samples: int | None = None
 
     def sequence_tokens(self, parts: dict, geometry) -> int | None:
         """The tokens each backbone call attends over where the family's backbones can be split by

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .stages import InTurn
 
 TAYLORSEER_METHODS = ("taylorseer", "taylorseer_blocks")
 
@@ -80,13 +81,14 @@ class HookCache:
         return f"TaylorSeer{scope}, a full pass every {self.interval} steps after the first {self.warmup}"
 
 
-class HookedStage:
-    """The transformer's stage with the hook on its module: each call in the hook's cache context
-    (as diffusers' pipelines call it), the hook's state cleared at each generation's first step."""
+class HookedStage(InTurn):
+    """The transformer's stage with the hook on its module: each call (each part of it, where the
+    torch backend runs its batch in turn) in a cache context of its own, as diffusers' pipelines
+    call the guidance halves, the hook's state cleared at each generation's first step."""
 
     def __init__(self, stage, transformer, cache: HookCache):
         transformer.enable_cache(cache.config(transformer))
-        self.stage = stage
+        super().__init__(stage)
         self.transformer = transformer
 
     def allow_recompiles(self) -> None:
@@ -103,17 +105,8 @@ class HookedStage:
         config.recompile_limit = max(config.recompile_limit, needed)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
 
-    @property
-    def graph(self):
-        return self.stage.graph
-
-    @graph.setter
-    def graph(self, graph):
-        self.stage.graph = graph
-
     def reset(self) -> None:
         self.transformer._reset_stateful_cache()
 
-    def __call__(self, **inputs):
-        with self.transformer.cache_context("cond"):
-            return self.stage(**inputs)
+    def context(self, index: int):
+        return self.transformer.cache_context(f"part{index}")

@@ -8,6 +8,7 @@ stage is in sdquant.runtime.trt_stages, and each family builds its torch stages 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -80,6 +81,47 @@ class TorchStage:
         outputs = self.graph(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return dict(zip(self.network.output_names, outputs))
+
+
+def batch_parts(inputs: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """A call's inputs as `parts` calls, each a share of its batch in order: the batch of the first
+    input (the latent), which every batched input shares; an input without it goes whole to each."""
+    batch = next(iter(inputs.values())).shape[0]
+    shares = {name: value.chunk(parts) if value.dim() and value.shape[0] == batch else (value,) * parts
+              for name, value in inputs.items()}
+    return [{name: share[index] for name, share in shares.items()} for index in range(parts)]
+
+
+class InTurn:
+    """A stage whose calls run `size` samples at a time (None: the whole batch), one call after the
+    other, their outputs joined; `context(index)` is entered around each part's call. The torch
+    backend runs a family's backbones so where a sample's tokens are many
+    (ModelFamily.backbone_call_samples)."""
+
+    def __init__(self, stage, size: int | None = None):
+        self.stage = stage
+        self.size = size
+
+    @property
+    def graph(self):
+        return self.stage.graph
+
+    @graph.setter
+    def graph(self, graph):
+        self.stage.graph = graph
+
+    def context(self, index: int):
+        return contextlib.nullcontext()
+
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        batch = next(iter(inputs.values())).shape[0]
+        outputs = []
+        for index, part in enumerate(batch_parts(inputs, -(-batch // self.size) if self.size else 1)):
+            with self.context(index):
+                outputs.append(self.stage(**part))
+        if len(outputs) == 1:
+            return outputs[0]
+        return {name: torch.cat([output[name] for output in outputs]) for name in outputs[0]}
 
 
 class StageTimer:

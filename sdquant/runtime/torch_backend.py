@@ -24,6 +24,7 @@ import torch
 from .attention import chosen_kernel, use_attention_kernel
 from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_persistent_rows, use_sigmoid_gelu
 from ..cuda_graphs import CapturedGraph, signature
+from .stages import InTurn
 from ..errors import UserError
 from .kernels.conv8 import takes
 from .kernels.fp8_geglu import fuse_geglus
@@ -305,6 +306,15 @@ def compiled_backbone_forms(module: torch.nn.Module, family, quantized: bool) ->
     family.use_family_forms(module)
 
 
+def in_turn(stage, size: int) -> InTurn:
+    """`stage` run `size` samples a call (a hooked stage takes the size itself: it keeps a cache
+    context for each part)."""
+    if not isinstance(stage, InTurn):
+        stage = InTurn(stage)
+    stage.size = size
+    return stage
+
+
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
     from ..graphs.networks import Role
@@ -312,6 +322,8 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
     kernel = chosen_kernel(block.attention_kernel, pipe.device)
     for backbone in family.backbones:
         use_attention_kernel(getattr(pipe, backbone.attribute), kernel)
+        if family.backbone_call_samples:
+            stages[backbone.graph] = in_turn(stages[backbone.graph], family.backbone_call_samples)
 
     # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
     # stages that run every step or on every image.

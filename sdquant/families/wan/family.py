@@ -153,6 +153,12 @@ class WanFamily(HookCaching, ModelFamily):
     default_frames: int
     default_fps: int
     default_size: tuple[int, int]
+    # The guidance halves as two calls, as WanPipeline makes them: at the A14B's 75,600 tokens a
+    # sample, its bf16 GEMMs on one sample's rows took 5.0 ms (5120 x 5120) where both halves' took
+    # 11.5, 122 ms a block's step against 133 (H200, benchmarks/results/gemm_shapes_h200.json), and
+    # its FP8 level-4 step 16.15 s against 16.25 in one call, its peak 49.7 GiB against 59.4
+    # (benchmarks/results/wan_halves_h200.log).
+    backbone_call_samples = 1
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -332,8 +338,9 @@ class WanT2VFamily(WanFamily):
 
     def fuse_projections(self, backbone) -> None:
         """Keeps q, k and v three GEMMs: at a video's 75,600 tokens the one GEMM three times as wide
-        runs slower than the three (bf16, one video a call: 16.7 ms against 3 x 4.9 on an H200,
-        benchmarks/results/gemm_shapes_h200.json)."""
+        runs slower than the three (bf16, one video a call: 16.9 ms against 3 x 5.0 on an H200,
+        benchmarks/results/gemm_shapes_h200.json; the TI2V-5B's 3072-wide one ran 2.3 ms against
+        3 x 0.8, so it keeps diffusers' fusion)."""
 
     # --- the scene model -----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Wan2.2's text-to-video data flow over stages, read top to bottom like diffusers' WanPipeline:
 encode the prompt and the negative prompt with UMT5, draw the video latent's noise, denoise with
 the high-noise expert while t >= boundary_ratio x 1000 and the low-noise expert after, and decode
-the frames. The two guidance halves go through the expert as one batch of two (WanPipeline runs
-them one after the other): one call a step, the same predictions."""
+the frames. The two guidance halves reach the expert's stage as one batch of two, which the torch
+backend runs as WanPipeline does, one half after the other (WanFamily.backbone_call_samples says
+why), and an engine as one call: the same predictions."""
 
 from __future__ import annotations
 
