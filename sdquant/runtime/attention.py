@@ -80,10 +80,13 @@ def use_attention_kernel(backbone: torch.nn.Module, kernel: str) -> None:
     which that backend does not take: those keep torch's kernel."""
     if kernel != "flash3":
         return
+    # In 16 bits, bf16 only (see attend).
+    diffusers_layers = getattr(backbone, "dtype", None) == torch.bfloat16
     for attn in attention_modules(backbone):
         setattr(attn, FLASH3, True)
         processor = attn.processor
-        if hasattr(processor, "_attention_backend") and getattr(processor, "_parallel_config", None) is None:
+        if (diffusers_layers and hasattr(processor, "_attention_backend")
+                and getattr(processor, "_parallel_config", None) is None):
             processor._attention_backend = DIFFUSERS_FLASH3
 
 
@@ -169,7 +172,9 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
     fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
-    if fp8 is None and flash3:
+    # bf16 only in 16 bits: the wheel benchmarks/build_flash3.sh makes has no fp16 kernels (SDXL's
+    # fp16 attention keeps torch's).
+    if fp8 is None and flash3 and query.dtype == torch.bfloat16:
         out = flash3_attention(query, key, value)
     else:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
