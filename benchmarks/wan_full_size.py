@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from sdquant import parallel, report
+from sdquant.parallel import batch_parts
 from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendBlock
 from sdquant.families.base import built_in
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
@@ -70,7 +71,7 @@ from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
 from sdquant.runtime.compiled_forms import use_persistent_rows
-from sdquant.runtime.stages import StageTimer, batch_parts
+from sdquant.runtime.stages import StageTimer
 from flux_full_size import hook_cache
 from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
 

@@ -201,6 +201,15 @@ def place_of(split: SampleSplit, world: World, device: torch.device) -> SamplePl
                        sequence_mesh=mesh["ring", "ulysses"] if split.ulysses > 1 else None)
 
 
+def batch_parts(inputs: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """A call's inputs as `parts` calls, each a share of its batch in order: the batch of the first
+    input (the latent), which every batched input shares; an input without it goes whole to each."""
+    batch = next(iter(inputs.values())).shape[0]
+    shares = {name: value.chunk(parts) if value.dim() and value.shape[0] == batch else (value,) * parts
+              for name, value in inputs.items()}
+    return [{name: share[index] for name, share in shares.items()} for index in range(parts)]
+
+
 class GuidanceHalf:
     """A backbone stage that runs one guidance half of each call (its inputs' batch holds both
     halves, [unconditional..., conditional...]) and gathers the group's halves into the whole
@@ -215,8 +224,6 @@ class GuidanceHalf:
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
-
-        from .runtime.stages import batch_parts
 
         # The batch is even, both halves, where the split is settled.
         half = batch_parts(inputs, 2)[self.place.cfg_rank]

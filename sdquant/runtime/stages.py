@@ -18,6 +18,7 @@ import torch
 from ..errors import UserError
 from ..export.onnx_graphs import check_graph_file
 from ..graphs.networks import Network
+from ..parallel import batch_parts
 
 
 class OnnxRuntimeStage:
@@ -81,15 +82,6 @@ class TorchStage:
         outputs = self.graph(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return dict(zip(self.network.output_names, outputs))
-
-
-def batch_parts(inputs: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """A call's inputs as `parts` calls, each a share of its batch in order: the batch of the first
-    input (the latent), which every batched input shares; an input without it goes whole to each."""
-    batch = next(iter(inputs.values())).shape[0]
-    shares = {name: value.chunk(parts) if value.dim() and value.shape[0] == batch else (value,) * parts
-              for name, value in inputs.items()}
-    return [{name: share[index] for name, share in shares.items()} for index in range(parts)]
 
 
 class InTurn:
