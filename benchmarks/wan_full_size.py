@@ -185,10 +185,6 @@ def umt5_seconds(pipe, family, args, device: torch.device) -> float:
         return time_call(lambda: Umt5Graph(pipe.text_encoder)(ids, ids), 1)["best_call_s"]
 
 
-def attention_kernel(args, device: torch.device) -> str:
-    return chosen_kernel(args.attention_kernel, device)
-
-
 def compiled_stage(family, module, quantized: bool, kernel: str):
     """Our expert stage as the torch backend compiles it (no CUDA graphs, which a split cannot take
     and which a 10-second call does not need), its attention by `kernel`."""
@@ -251,7 +247,7 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
     else:
         module = one_expert(family, args, device)
         record["one_expert_weights_gib"] = weights_gib({"expert": module})["expert"]
-    record["attention_kernel"] = attention_kernel(args, device)
+    record["attention_kernel"] = chosen_kernel(args.attention_kernel, device)
     stage = compiled_stage(family, module.eval(), variant in FP8_LEVELS, record["attention_kernel"])
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
     if family.backbone_call_samples and not args.one_call:
@@ -349,7 +345,7 @@ def split_row(variant: str, family, args, device: torch.device, world: parallel.
     else:
         module, record = one_expert(family, args, device), {}
     torch_backend.compiled_backbone_forms(module, family, quantized=variant in FP8_LEVELS)
-    record["attention_kernel"] = attention_kernel(args, device)
+    record["attention_kernel"] = chosen_kernel(args.attention_kernel, device)
     use_attention_kernel(module, record["attention_kernel"])
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
     stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},

@@ -39,6 +39,9 @@ FLASH3 = "sdquant_flash3"
 # FlashAttention-3's module, and diffusers' name for it as an attention backend.
 FLASH3_MODULE = "flash_attn_interface"
 DIFFUSERS_FLASH3 = "_flash_3"
+# Its 16-bit attention's one precision: the wheel benchmarks/build_flash3.sh makes has no fp16
+# kernels, so fp16 attention (SDXL's) keeps torch's.
+FLASH3_16_BIT = torch.bfloat16
 
 
 def flash3_missing(device: torch.device) -> str | None:
@@ -47,7 +50,8 @@ def flash3_missing(device: torch.device) -> str | None:
         return f"FlashAttention-3 runs on CUDA GPUs, not on the {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
-        return f"FlashAttention-3's kernels are Hopper's (sm90) and {torch.cuda.get_device_name(device)} is sm{major}{minor}"
+        return (f"FlashAttention-3's kernels are Hopper's (sm90) and {torch.cuda.get_device_name(device)} is "
+                f"sm{major}{minor}")
     if importlib.util.find_spec(FLASH3_MODULE) is None:
         return (f"{FLASH3_MODULE} is not installed (PyPI has no FlashAttention-3 wheel: build one with "
                 "benchmarks/build_flash3.sh)")
@@ -80,8 +84,7 @@ def use_attention_kernel(backbone: torch.nn.Module, kernel: str) -> None:
     which that backend does not take: those keep torch's kernel."""
     if kernel != "flash3":
         return
-    # In 16 bits, bf16 only (see attend).
-    diffusers_layers = getattr(backbone, "dtype", None) == torch.bfloat16
+    diffusers_layers = getattr(backbone, "dtype", None) == FLASH3_16_BIT
     for attn in attention_modules(backbone):
         setattr(attn, FLASH3, True)
         processor = attn.processor
@@ -120,7 +123,8 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
     # cores); the CPU twin sums in fp32 and stays ModelOpt's computation.
     centred_on = ("cuda",)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flash3: bool = False) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                flash3: bool = False) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output;
         `flash3`: on a GPU, FlashAttention-3's FP8 kernel rather than cuDNN's.
 
@@ -172,9 +176,7 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
     fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
-    # bf16 only in 16 bits: the wheel benchmarks/build_flash3.sh makes has no fp16 kernels (SDXL's
-    # fp16 attention keeps torch's).
-    if fp8 is None and flash3 and query.dtype == torch.bfloat16:
+    if fp8 is None and flash3 and query.dtype == FLASH3_16_BIT:
         out = flash3_attention(query, key, value)
     else:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))

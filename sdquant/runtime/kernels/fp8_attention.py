@@ -3,12 +3,13 @@ output out, scaled for the FP8 GEMM that reads it.
 
 On a CUDA GPU it runs cuDNN's fused FP8 attention (through nvidia-cudnn-frontend, imported when
 first needed), or with `flash3` FlashAttention-3's FP8 forward, whose 16-bit output is rounded to
-FP8 the same way (sdquant.runtime.attention says when the torch backend asks for it). On the CPU it runs its twin in plain torch, ``reference_attention``, which computes
-what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v, fp32
-scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the exported
-graph and TensorRT do) followed by the next layer's FP8 input quantizer. The GPU tests compare the
-two. They differ where cuDNN rounds the softmax output: its online softmax rounds each
-probability relative to the running row maximum rather than to the row's sum, which is finer.
+FP8 the same way (sdquant.runtime.attention says when the torch backend asks for it). On the CPU
+it runs its twin in plain torch, ``reference_attention``, which computes what ModelOpt's fake
+quantization of the attention computes (the dequantized q, k and v, fp32 scores and softmax, the
+softmax output rounded to FP8 at its constant range 1, as the exported graph and TensorRT do)
+followed by the next layer's FP8 input quantizer. The GPU tests compare the two. They differ where
+cuDNN rounds the softmax output: its online softmax rounds each probability relative to the
+running row maximum rather than to the row's sum, which is finer.
 
 Layouts: q, k and v are (batch, heads, tokens, head_dim) with any strides whose last is 1, so the
 (batch, tokens, heads, head_dim) memory a projection writes is read as it is. The output is
@@ -194,10 +195,10 @@ def flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_
 
 @fp8_attention.register_kernel("cuda")
 def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale, flash3=False):
-    import cudnn
-
     if flash3:
         return flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale)
+    import cudnn
+
     out = _output(q, v)
     handle = _handle(q.device)
     # cuDNN launches on its handle's stream: torch's current one, which a CUDA graph capture records.
