@@ -3,8 +3,9 @@ times the width against three GEMMs, and one call of both guidance halves (twice
 two calls of one, in bf16 (torch's Linear) and FP8 (the torch backend's Fp8Linear), for the
 Wan2.2-T2V-A14B (5120 wide, 13,824 feed-forward, 75,600 tokens at 720x1280, 81 frames) and the
 TI2V-5B (3072, 14,336; 27,280 tokens at 704x1280, 121 frames). FP8 inputs go in as FP8 (their
-cast is fused into the kernel before). What the torch backend's choices for Wan
-(sdquant.families.wan.family: fused projections, the halves in one call) rest on.
+cast is fused into the kernel before). What the torch backend's choices for Wan rest on
+(sdquant.families.wan.family: the A14B's q, k and v three GEMMs in bf16, the TI2V-5B's one, and
+the guidance halves one call after the other).
 
     python benchmarks/gemm_shapes.py --out benchmarks/results/gemm_shapes_h200.json
 """
