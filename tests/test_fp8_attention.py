@@ -17,7 +17,7 @@ from sdquant.families.flux import FluxTorchAttnProcessor, TransformerGraph, use_
 from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
-from sdquant.runtime.kernels.fp8_attention import reference_attention
+from sdquant.runtime.kernels.fp8_attention import flash3_attention_rounded, reference_attention
 from sdquant.load import empty_backbones
 from sdquant.quantize.shared_ranges import attention_layers, output_groups, projection_groups
 from sdquant.workflow.settings import restore_quantized_backbones
@@ -481,10 +481,30 @@ def test_flash3_marks_every_attention_layer_and_the_fp8_op_keeps_its_twin_on_the
     assert not any(hasattr(attn, FLASH3) for attn in layers)
     use_attention_kernel(backbone, "flash3")
     assert all(getattr(attn, FLASH3) for attn in layers)
-    # The op's flag picks a GPU kernel; on the CPU both run the twin, number for number.
+    # FlashAttention-3's op returns 16 bits, rounded to FP8 outside it; on the CPU it runs the twin,
+    # whose fp32 output goes through bf16 first, as FlashAttention-3's does: within one FP8 step of
+    # the cuDNN op's twin, in the same layout.
     generator = torch.Generator().manual_seed(0)
     q, k, v = (to_fp8(torch.randn(1, 2, 64, 32, generator=generator), torch.tensor(100.0)) for _ in range(3))
     scale, inverse = torch.tensor(0.01), torch.tensor(50.0)
     args = (q, k, v, scale, scale, scale, 32 ** -0.5, inverse)
-    assert torch.equal(torch.ops.sdquant.fp8_attention(*args, True).float(),
-                       torch.ops.sdquant.fp8_attention(*args).float())
+    flash3, cudnn = flash3_attention_rounded(*args), torch.ops.sdquant.fp8_attention(*args)
+    assert flash3.dtype == cudnn.dtype and flash3.shape == cudnn.shape and flash3.stride() == cudnn.stride()
+    assert torch.allclose(flash3.float(), cudnn.float(), rtol=2 ** -3, atol=2 ** -9)
+    # Compiled, the op is one node whose output's rounding stays in the graph for the compiler to fuse
+    # with its reader; its fake implementation promises what the op returns.
+    graphs = []
+
+    def keep(graph_module, _example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flash3_attention_rounded, fullgraph=True, backend=keep)(*args)
+    ops = [node.target for node in graphs[0].graph.nodes if node.op in ("call_function", "call_method")]
+    assert ops.count(torch.ops.sdquant.flash3_fp8_attention.default) == 1
+    assert torch.ops.sdquant.fp8_attention.default not in ops and "clamp" in ops
+    torch._dynamo.reset()
+    through_fakes = torch.compile(flash3_attention_rounded, fullgraph=True, backend="aot_eager")(*args)
+    for got in (compiled, through_fakes):
+        assert torch.equal(got.float(), flash3.float()) and got.stride() == flash3.stride()

@@ -56,7 +56,7 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str, flash3
     attention without softmax rounding."""
     softmax_scale = q.shape[-1] ** -0.5
     args = (q, k, v, scales["q"], scales["k"], scales["v"], softmax_scale, out_inverse)
-    cudnn_out = torch.ops.sdquant.fp8_attention(*args, flash3)
+    cudnn_out = kernels.flash3_attention_rounded(*args) if flash3 else torch.ops.sdquant.fp8_attention(*args)
     twin_out = kernels.reference_attention(*args)
     assert cudnn_out.shape == twin_out.shape and cudnn_out.stride() == twin_out.stride(), \
         f"{what}: cuDNN wrote {tuple(cudnn_out.shape)} strides {cudnn_out.stride()}, the fake implementation promises " \

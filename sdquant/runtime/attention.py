@@ -30,7 +30,7 @@ from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
-from .kernels.fp8_attention import fp8_attention
+from .kernels.fp8_attention import flash3_attention_rounded, fp8_attention
 from ..quantize.shared_ranges import attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
@@ -139,12 +139,13 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         wide, which in E4M3 costs no precision above its subnormals."""
         q8, k8 = to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale)
         softmax_scale = query.shape[-1] ** -0.5
+        attention = flash3_attention_rounded if flash3 else fp8_attention
         if value.device.type not in self.centred_on:
-            return fp8_attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
-                                 self.v_scale, softmax_scale, self.out_inverse_scale, flash3)
+            return attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
+                             self.v_scale, softmax_scale, self.out_inverse_scale)
         mean = value.mean(dim=2, keepdim=True, dtype=torch.float32)
-        centred = fp8_attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
-                                self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2, flash3)
+        centred = attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
+                            self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2)
         return to_fp8(centred.float() * (self.out_scale * 2) + mean, self.out_inverse_scale)
 
     def dequantize(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

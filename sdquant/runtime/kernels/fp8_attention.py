@@ -2,21 +2,23 @@
 output out, scaled for the FP8 GEMM that reads it.
 
 On a CUDA GPU it runs cuDNN's fused FP8 attention (through nvidia-cudnn-frontend, imported when
-first needed), or with `flash3` FlashAttention-3's FP8 forward, whose 16-bit output is rounded to
-FP8 the same way (sdquant.runtime.attention says when the torch backend asks for it). On the CPU
-it runs its twin in plain torch, ``reference_attention``, which computes what ModelOpt's fake
-quantization of the attention computes (the dequantized q, k and v, fp32 scores and softmax, the
-softmax output rounded to FP8 at its constant range 1, as the exported graph and TensorRT do)
-followed by the next layer's FP8 input quantizer. The GPU tests compare the two. They differ where
-cuDNN rounds the softmax output: its online softmax rounds each probability relative to the
-running row maximum rather than to the row's sum, which is finer.
+first needed). FlashAttention-3's FP8 forward is a second op on the same inputs,
+``torch.ops.sdquant.flash3_fp8_attention``, whose output is 16-bit: ``flash3_attention_rounded``
+rounds it to FP8 as cuDNN's is, outside the op, so that under torch.compile the rounding fuses with
+the kernel that reads the output (sdquant.runtime.attention says when the torch backend asks for
+FlashAttention-3). On the CPU each runs its twin in plain torch, ``reference_attention``, which
+computes what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v,
+fp32 scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the
+exported graph and TensorRT do) followed by the next layer's FP8 input quantizer. The GPU tests
+compare the two. They differ where cuDNN rounds the softmax output: its online softmax rounds each
+probability relative to the running row maximum rather than to the row's sum, which is finer.
 
 Layouts: q, k and v are (batch, heads, tokens, head_dim) with any strides whose last is 1, so the
 (batch, tokens, heads, head_dim) memory a projection writes is read as it is. The output is
 (batch, heads, tokens, head_dim) over (batch, tokens, heads, head_dim) memory, so that flattening
-its heads for the next GEMM is a view. A fake (meta) implementation gives torch.compile the
-output's shape and strides, so a compiled model traces the op as one node and a CUDA graph captures
-cuDNN's kernel.
+its heads for the next GEMM is a view. Fake (meta) implementations give torch.compile the outputs'
+shapes and strides, so a compiled model traces each op as one node and a CUDA graph captures the
+kernel.
 """
 
 from __future__ import annotations
@@ -34,34 +36,70 @@ def _output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=FP8, device=q.device).transpose(1, 2)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
-                        k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
-                        out_inverse_scale: torch.Tensor) -> torch.Tensor:
-    """The op's twin in plain torch, on any device: q, k, v dequantized with their scales
+def _unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float) -> torch.Tensor:
+    """The twins' attention before its output is rounded: q, k, v dequantized with their scales
     (amax / 448), fp32 scores times `softmax_scale`, softmax, its output rounded to FP8 at range 1,
-    times v, and the result rounded to FP8 with `out_inverse_scale` (448 / the next layer's input
-    amax)."""
+    times v, in fp32."""
     probability_inverse, probability_scale = _softmax_scales(q.device)
     scores = (q.float() * q_scale) @ (k.float() * k_scale).transpose(-2, -1) * softmax_scale
     probabilities = fake_fp8(scores.softmax(dim=-1), probability_inverse, probability_scale)
+    return probabilities @ (v.float() * v_scale)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                        k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
+                        out_inverse_scale: torch.Tensor) -> torch.Tensor:
+    """The op's twin in plain torch, on any device: the attention of the dequantized q, k and v
+    (_unrounded_reference) rounded to FP8 with `out_inverse_scale` (448 / the next layer's input
+    amax)."""
     out = _output(q, v)
-    out.copy_(to_fp8(probabilities @ (v.float() * v_scale), out_inverse_scale))
+    out.copy_(to_fp8(_unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale), out_inverse_scale))
     return out
 
 
 @torch.library.custom_op("sdquant::fp8_attention", mutates_args=(), device_types="cpu")
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                  v_scale: torch.Tensor, softmax_scale: float, out_inverse_scale: torch.Tensor,
-                  flash3: bool = False) -> torch.Tensor:
+                  v_scale: torch.Tensor, softmax_scale: float, out_inverse_scale: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T * softmax_scale) v on FP8 q, k and v (each with its scale, amax / 448), rounded
-    to FP8 with `out_inverse_scale` (448 / the reading layer's input amax); `flash3` picks the GPU's
-    kernel (the twin serves both)."""
+    to FP8 with `out_inverse_scale` (448 / the reading layer's input amax)."""
     return reference_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale)
 
 
 @fp8_attention.register_fake
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale, flash3=False):
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
     return _output(q, v)
+
+
+# FlashAttention-3's FP8 forward returns 16 bits (bf16), in the layout of its (batch, tokens, heads,
+# head_dim) inputs.
+FLASH3_OUTPUT = torch.bfloat16
+
+
+def _flash3_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    batch, heads, tokens, _ = q.shape
+    return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=FLASH3_OUTPUT, device=q.device).transpose(1, 2)
+
+
+@torch.library.custom_op("sdquant::flash3_fp8_attention", mutates_args=(), device_types="cpu")
+def flash3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                         k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """fp8_attention's attention by FlashAttention-3 on a GPU, its 16-bit output not rounded; on the
+    CPU the same twin, its fp32 output taken to 16 bits as FlashAttention-3's is."""
+    out = _flash3_output(q, v)
+    out.copy_(_unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale))
+    return out
+
+
+@flash3_fp8_attention.register_fake
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
+    return _flash3_output(q, v)
+
+
+def flash3_attention_rounded(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float,
+                             out_inverse_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_attention by FlashAttention-3: its output rounded to FP8 as cuDNN's is, in torch ops that
+    torch.compile fuses with the output's reader."""
+    return to_fp8(flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale), out_inverse_scale)
 
 
 # The cuDNN side, per process: a handle per GPU, the softmax output's constant scales per GPU, and a
@@ -181,22 +219,21 @@ def _graph(handle, q, k, v, out, softmax_scale: float) -> CudnnGraph:
     return _GRAPHS[key]
 
 
-def flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale) -> torch.Tensor:
-    """The op by FlashAttention-3's FP8 forward: it reads (batch, tokens, heads, head_dim) views, takes
-    descales per (batch, head) (the per-tensor ones, repeated) and returns 16 bits, rounded here."""
+@flash3_fp8_attention.register_kernel("cuda")
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
+    # FlashAttention-3 reads (batch, tokens, heads, head_dim) views and takes descales per (batch,
+    # head): the per-tensor ones, repeated.
     from flash_attn_interface import flash_attn_func
 
     batch, heads = q.shape[:2]
     descales = {f"{name}_descale": scale.reshape(1, 1).expand(batch, heads).contiguous()
                 for name, scale in (("q", q_scale), ("k", k_scale), ("v", v_scale))}
-    out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=softmax_scale, **descales)
-    return to_fp8(out, out_inverse_scale).transpose(1, 2)
+    return flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=softmax_scale,
+                           **descales).transpose(1, 2)
 
 
 @fp8_attention.register_kernel("cuda")
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale, flash3=False):
-    if flash3:
-        return flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale)
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
     import cudnn
 
     out = _output(q, v)
