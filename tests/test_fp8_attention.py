@@ -469,7 +469,7 @@ def test_the_attention_kernel_is_settled_before_anything_runs(tmp_path):
         chosen_kernel("flash3", cpu)
 
 
-def test_flash3_marks_every_attention_layer_and_the_fp8_op_keeps_its_twin_on_the_cpu(level4):
+def test_flash3_marks_every_attention_layer_and_its_fp8_attention_rounds_in_the_graph(level4):
     from sdquant.runtime.attention import FLASH3, attention_modules, use_attention_kernel
 
     backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
@@ -491,6 +491,7 @@ def test_flash3_marks_every_attention_layer_and_the_fp8_op_keeps_its_twin_on_the
     flash3, cudnn = flash3_attention_rounded(*args), torch.ops.sdquant.fp8_attention(*args)
     assert flash3.dtype == cudnn.dtype and flash3.shape == cudnn.shape and flash3.stride() == cudnn.stride()
     assert torch.allclose(flash3.float(), cudnn.float(), rtol=2 ** -3, atol=2 ** -9)
+    torch.library.opcheck(torch.ops.sdquant.flash3_fp8_attention.default, args[:7], test_utils=("test_faketensor",))
     # Compiled, the op is one node whose output's rounding stays in the graph for the compiler to fuse
     # with its reader; its fake implementation promises what the op returns.
     graphs = []

@@ -56,24 +56,27 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str, flash3
     attention without softmax rounding."""
     softmax_scale = q.shape[-1] ** -0.5
     args = (q, k, v, scales["q"], scales["k"], scales["v"], softmax_scale, out_inverse)
-    cudnn_out = kernels.flash3_attention_rounded(*args) if flash3 else torch.ops.sdquant.fp8_attention(*args)
+    kernel = "FlashAttention-3" if flash3 else "cuDNN"
+    if flash3:
+        # The op's fake against what FlashAttention-3 returns (dtype, shape, strides).
+        torch.library.opcheck(torch.ops.sdquant.flash3_fp8_attention.default, args[:7], test_utils=("test_faketensor",))
+    kernel_out = kernels.flash3_attention_rounded(*args) if flash3 else torch.ops.sdquant.fp8_attention(*args)
     twin_out = kernels.reference_attention(*args)
-    assert cudnn_out.shape == twin_out.shape and cudnn_out.stride() == twin_out.stride(), \
-        f"{what}: cuDNN wrote {tuple(cudnn_out.shape)} strides {cudnn_out.stride()}, the fake implementation promises " \
+    assert kernel_out.shape == twin_out.shape and kernel_out.stride() == twin_out.stride(), \
+        f"{what}: {kernel}'s output is {tuple(kernel_out.shape)} strides {kernel_out.stride()}, the twin's " \
         f"{tuple(twin_out.shape)} strides {twin_out.stride()}"
     exact = F.scaled_dot_product_attention(*(x.float() * scales[role] for role, x in zip("qkv", (q, k, v))))
     out_scale = 1 / out_inverse
-    cudnn_value, twin_value = cudnn_out.float() * out_scale, twin_out.float() * out_scale
-    apart, cudnn_error, twin_error = (_relative(cudnn_value, twin_value), _relative(cudnn_value, exact),
-                                      _relative(twin_value, exact))
-    kernel = "FlashAttention-3" if flash3 else "cuDNN"
-    print(f"{what}: {kernel} against the twin {apart:.4f}; against fp32 attention {kernel} {cudnn_error:.4f}, "
+    kernel_value, twin_value = kernel_out.float() * out_scale, twin_out.float() * out_scale
+    apart, kernel_error, twin_error = (_relative(kernel_value, twin_value), _relative(kernel_value, exact),
+                                       _relative(twin_value, exact))
+    print(f"{what}: {kernel} against the twin {apart:.4f}; against fp32 attention {kernel} {kernel_error:.4f}, "
           f"the twin {twin_error:.4f}")
-    assert torch.isfinite(cudnn_value).all(), f"{what}: cuDNN's output holds NaN or inf"
-    assert apart < TWIN_BOUND, f"{what}: cuDNN's FP8 attention is {apart:.4f} (relative) from the twin's, over " \
+    assert torch.isfinite(kernel_value).all(), f"{what}: {kernel}'s output holds NaN or inf"
+    assert apart < TWIN_BOUND, f"{what}: {kernel}'s FP8 attention is {apart:.4f} (relative) from the twin's, over " \
                                f"{TWIN_BOUND}: more than rounding (a scale, layout or softmax scale?)"
-    assert cudnn_error < twin_error * 1.5 + 0.01, \
-        f"{what}: cuDNN is {cudnn_error:.4f} from fp32 attention, the twin {twin_error:.4f}: cuDNN rounds worse"
+    assert kernel_error < twin_error * 1.5 + 0.01, \
+        f"{what}: {kernel} is {kernel_error:.4f} from fp32 attention, the twin {twin_error:.4f}: {kernel} rounds worse"
 
 
 def skip_without_flash3() -> None:
@@ -198,9 +201,15 @@ def test_every_converted_scene_layer_runs_cudnn_within_bounds_of_its_twin(level4
         _compare(*fp8, scales, module.out_inverse_scale, f"{model} {name} {tuple(query.shape)}")
 
 
+@pytest.mark.parametrize("flash3", [False, True], ids=["cudnn", "flash3"])
 @pytest.mark.parametrize("model", ["scenes_sdxl", "scenes_flux"])
-def test_compiled_graph_replay_of_fp8_attention_gives_the_eager_output(level4, model):
+def test_compiled_graph_replay_of_fp8_attention_gives_the_eager_output(level4, model, flash3):
+    if flash3:
+        skip_without_flash3()
+    from sdquant.runtime.attention import use_attention_kernel
+
     backbone, dtype = _scene_backbone(model, level4[model])
+    use_attention_kernel(backbone, "flash3" if flash3 else "torch")
     eager_stage = _stage(model, backbone, dtype)
     compiled_stage = _stage(model, backbone, dtype)
     # Compiled as torch_backend.speed_up compiles it.
@@ -216,7 +225,7 @@ def test_compiled_graph_replay_of_fp8_attention_gives_the_eager_output(level4, m
         # rounds each op to 16 bits) can move a value across an FP8 rounding boundary; a wrong replay
         # (stale inputs, an attention kernel left out of the graph) is off by far more.
         assert error < 5e-2, f"{model} call {seed}: the CUDA graph replay is {error:.3e} from the eager call"
-    assert kernels._GRAPHS, "no cuDNN graph was built: the attention did not run cuDNN's kernel"
+    assert flash3 or kernels._GRAPHS, "no cuDNN graph was built: the attention did not run cuDNN's kernel"
 
 
 def test_flux_forms_compiled_and_replayed_give_the_plain_models_output(level4):

@@ -126,7 +126,7 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 flash3: bool = False) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output;
-        `flash3`: on a GPU, FlashAttention-3's FP8 kernel rather than cuDNN's.
+        `flash3`: FlashAttention-3's op rather than cuDNN's (on the CPU, its twin, through 16 bits).
 
         On a GPU the values go in less their mean over the tokens, which the output gets back: the
         same attention, each row of softmax summing to 1. Hopper's FP8 tensor cores add each block

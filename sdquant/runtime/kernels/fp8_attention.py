@@ -9,7 +9,8 @@ the kernel that reads the output (sdquant.runtime.attention says when the torch 
 FlashAttention-3). On the CPU each runs its twin in plain torch, ``reference_attention``, which
 computes what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v,
 fp32 scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the
-exported graph and TensorRT do) followed by the next layer's FP8 input quantizer. The GPU tests
+exported graph and TensorRT do) followed by the next layer's FP8 input quantizer (FlashAttention-3's
+op: the same attention taken to 16 bits, as its kernel returns it, before that rounding). The GPU tests
 compare the two. They differ where cuDNN rounds the softmax output: its online softmax rounds each
 probability relative to the running row maximum rather than to the row's sum, which is finer.
 
