@@ -195,7 +195,7 @@ def test_every_converted_scene_layer_runs_cudnn_within_bounds_of_its_twin(level4
     for hook in hooks:
         hook.remove()
     assert seen.keys() == layers.keys()
-    for name, (module, (query, key, value)) in seen.items():
+    for name, (module, (query, key, value, *_)) in seen.items():
         fp8 = [to_fp8(x, getattr(module, f"{role}_inverse_scale")) for role, x in zip("qkv", (query, key, value))]
         scales = {role: getattr(module, f"{role}_scale") for role in "qkv"}
         _compare(*fp8, scales, module.out_inverse_scale, f"{model} {name} {tuple(query.shape)}")
