@@ -469,6 +469,22 @@ def test_the_attention_kernel_is_settled_before_anything_runs(tmp_path):
         chosen_kernel("flash3", cpu)
 
 
+def test_a_gpu_run_that_falls_back_to_torchs_attention_says_why(monkeypatch):
+    from sdquant.runtime import attention
+
+    # No CUDA device here: flash3_missing's answer for a GPU without the wheel stands in.
+    missing = "flash_attn_interface is not installed"
+    monkeypatch.setattr(attention, "flash3_missing", lambda device: missing)
+    gpu = torch.device("cuda")
+    assert attention.fallback_note("auto", gpu).endswith(missing)
+    assert attention.fallback_note("torch", gpu) is None
+    monkeypatch.setattr(attention, "flash3_missing", lambda device: None)
+    assert attention.fallback_note("auto", gpu) is None
+    monkeypatch.undo()
+    # On the CPU FlashAttention-3 never runs, so falling back is nothing to say.
+    assert attention.fallback_note("auto", torch.device("cpu")) is None
+
+
 def test_flash3_marks_every_attention_layer_and_its_fp8_attention_rounds_in_the_graph(level4):
     from sdquant.runtime.attention import FLASH3, attention_modules, use_attention_kernel
 

@@ -129,6 +129,8 @@ def test_infer_writes_each_video_with_its_settings_and_a_poster(tmp_path, model_
     assert np.abs(poster - frames[0].astype(int)).mean() < 8
     latency = json.loads((out / "latency.json").read_text())
     assert latency["output"] == "video" and latency["nonfinite_values"] == 0
+    # What the attention kernel setting settled on (auto: torch's on the CPU) is on record.
+    assert latency["attention_kernel_setting"] == "torch"
     # Each expert serves its own steps: 2 and 2 of 4 at UniPC's flow shift of 3.
     assert latency["stage_calls"]["transformer"] == latency["stage_calls"]["transformer_2"] == 2
 

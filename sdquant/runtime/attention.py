@@ -70,6 +70,15 @@ def chosen_kernel(asked: str, device: torch.device) -> str:
     return asked
 
 
+def fallback_note(asked: str, device: torch.device) -> str | None:
+    """For a run's summary: why attention_kernel=auto ran torch's kernels on a GPU, where installing
+    FlashAttention-3 could make attention faster; None where it did not fall back."""
+    why = flash3_missing(device)
+    if asked != "auto" or why is None or device.type != "cuda":
+        return None
+    return f"attention ran on torch's kernels (torch_backend.attention_kernel=auto): {why}"
+
+
 def attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
     """diffusers' attention modules in `root`, whatever their class and their projections' form
     (the FP8 conversion fuses and removes some)."""

@@ -91,6 +91,14 @@ def run_infer(cfg) -> dict:
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device), "output": sampling.family.output,
                         "images_written": len(batches.written), "nonfinite_values": batches.nonfinite_values})
+        notes = []
+        if cfg.backend == "torch":
+            from ..runtime.attention import chosen_kernel, fallback_note
+
+            asked = cfg.torch_backend.attention_kernel
+            latency["attention_kernel_setting"] = chosen_kernel(asked, device)
+            note = fallback_note(asked, device)
+            notes = [note] if note else []
         # One latency per group of processes that share a sample: its writer's.
         parts = parallel.gather((latency, batches.written) if place.writes else None, world)
         latencies = [part[0] for part in parts if part]
@@ -106,7 +114,7 @@ def run_infer(cfg) -> dict:
         report.print_latency(merged)
         if cfg.shard.count == 1 or "shards" in merged:
             written.append(report.write_report(out, merged))
-        print_summary("inference", sorted(written), time.perf_counter() - start)
+        print_summary("inference", sorted(written), time.perf_counter() - start, notes=notes)
         return merged
     finally:
         parallel.stop(world)
