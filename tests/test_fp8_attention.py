@@ -469,19 +469,23 @@ def test_the_attention_kernel_is_settled_before_anything_runs(tmp_path):
         chosen_kernel("flash3", cpu)
 
 
-def test_a_gpu_run_that_falls_back_to_torchs_attention_says_why(monkeypatch):
+def test_a_hopper_run_that_falls_back_to_torchs_attention_says_why(monkeypatch):
     from sdquant.runtime import attention
 
-    # No CUDA device here: flash3_missing's answer for a GPU without the wheel stands in.
+    # No CUDA device here: a GPU's compute capability and flash3_missing's answer stand in.
     missing = "flash_attn_interface is not installed"
     monkeypatch.setattr(attention, "flash3_missing", lambda device: missing)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     gpu = torch.device("cuda")
     assert attention.fallback_note("auto", gpu).endswith(missing)
     assert attention.fallback_note("torch", gpu) is None
+    # FlashAttention-3 runs on Hoppers only: another GPU falling back is nothing to say.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 9))
+    assert attention.fallback_note("auto", gpu) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(attention, "flash3_missing", lambda device: None)
     assert attention.fallback_note("auto", gpu) is None
     monkeypatch.undo()
-    # On the CPU FlashAttention-3 never runs, so falling back is nothing to say.
     assert attention.fallback_note("auto", torch.device("cpu")) is None
 
 

@@ -71,12 +71,12 @@ def chosen_kernel(asked: str, device: torch.device) -> str:
 
 
 def fallback_note(asked: str, device: torch.device) -> str | None:
-    """For a run's summary: why attention_kernel=auto ran torch's kernels on a GPU, where installing
-    FlashAttention-3 could make attention faster; None where it did not fall back."""
-    why = flash3_missing(device)
-    if asked != "auto" or why is None or device.type != "cuda":
+    """For a run's summary: why attention_kernel=auto ran torch's kernels on a Hopper, where
+    FlashAttention-3 runs bf16 and FP8 attention once its wheel is installed; None elsewhere."""
+    if asked != "auto" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    return f"attention ran on torch's kernels (torch_backend.attention_kernel=auto): {why}"
+    why = flash3_missing(device)
+    return f"torch_backend.attention_kernel=auto ran torch's attention kernels: {why}" if why else None
 
 
 def attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:

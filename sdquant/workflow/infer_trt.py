@@ -91,14 +91,13 @@ def run_infer(cfg) -> dict:
         latency["setup_seconds"] = report.setup_seconds(batches.first_call_seconds, latency["ms"]["end_to_end"])
         latency.update({"backend": cfg.backend, "device": report.device_name(device), "output": sampling.family.output,
                         "images_written": len(batches.written), "nonfinite_values": batches.nonfinite_values})
-        notes = []
+        note = None
         if cfg.backend == "torch":
             from ..runtime.attention import chosen_kernel, fallback_note
 
             asked = cfg.torch_backend.attention_kernel
             latency["attention_kernel_setting"] = chosen_kernel(asked, device)
             note = fallback_note(asked, device)
-            notes = [note] if note else []
         # One latency per group of processes that share a sample: its writer's.
         parts = parallel.gather((latency, batches.written) if place.writes else None, world)
         latencies = [part[0] for part in parts if part]
@@ -114,7 +113,7 @@ def run_infer(cfg) -> dict:
         report.print_latency(merged)
         if cfg.shard.count == 1 or "shards" in merged:
             written.append(report.write_report(out, merged))
-        print_summary("inference", sorted(written), time.perf_counter() - start, notes=notes)
+        print_summary("inference", sorted(written), time.perf_counter() - start, notes=[note] if note else [])
         return merged
     finally:
         parallel.stop(world)

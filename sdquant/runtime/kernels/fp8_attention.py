@@ -6,11 +6,12 @@ first needed). FlashAttention-3's FP8 forward is a second op on the same inputs,
 ``torch.ops.sdquant.flash3_fp8_attention``, whose output is 16-bit: ``flash3_attention_rounded``
 rounds it to FP8 as cuDNN's is, outside the op, so that under torch.compile the rounding fuses with
 the kernel that reads the output (sdquant.runtime.attention says when the torch backend asks for
-FlashAttention-3). On the CPU each runs its twin in plain torch, ``reference_attention``, which
-computes what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v,
-fp32 scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the
-exported graph and TensorRT do) followed by the next layer's FP8 input quantizer (FlashAttention-3's
-op: the same attention taken to 16 bits, as its kernel returns it, before that rounding). The GPU tests
+FlashAttention-3). On the CPU each runs a twin in plain torch: ``reference_attention`` computes
+what ModelOpt's fake quantization of the attention computes (the dequantized q, k and v, fp32
+scores and softmax, the softmax output rounded to FP8 at its constant range 1, as the exported
+graph and TensorRT do) followed by the next layer's FP8 input quantizer; FlashAttention-3's op
+takes the same attention before that rounding (``_unrounded_reference``) to 16 bits, as its kernel
+returns it. The GPU tests
 compare the two. They differ where cuDNN rounds the softmax output: its online softmax rounds each
 probability relative to the running row maximum rather than to the row's sum, which is finer.
 
@@ -32,9 +33,9 @@ from .fp8 import fake_fp8, fp8_scales, to_fp8
 FP8 = torch.float8_e4m3fn
 
 
-def _output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _output(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
     batch, heads, tokens, _ = q.shape
-    return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=FP8, device=q.device).transpose(1, 2)
+    return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=dtype, device=q.device).transpose(1, 2)
 
 
 def _unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float) -> torch.Tensor:
@@ -76,24 +77,19 @@ def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, out_inverse_scale):
 FLASH3_OUTPUT = torch.bfloat16
 
 
-def _flash3_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    batch, heads, tokens, _ = q.shape
-    return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=FLASH3_OUTPUT, device=q.device).transpose(1, 2)
-
-
 @torch.library.custom_op("sdquant::flash3_fp8_attention", mutates_args=(), device_types="cpu")
 def flash3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
                          k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """fp8_attention's attention by FlashAttention-3 on a GPU, its 16-bit output not rounded; on the
     CPU the same twin, its fp32 output taken to 16 bits as FlashAttention-3's is."""
-    out = _flash3_output(q, v)
+    out = _output(q, v, FLASH3_OUTPUT)
     out.copy_(_unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale))
     return out
 
 
 @flash3_fp8_attention.register_fake
 def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
-    return _flash3_output(q, v)
+    return _output(q, v, FLASH3_OUTPUT)
 
 
 def flash3_attention_rounded(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float,
