@@ -282,3 +282,43 @@ def test_torch_backend_settings_that_cannot_apply_are_refused(tmp_path, override
         run_infer(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "backend=torch", "device=cpu",
                                                          f"out_path={tmp_path}", *overrides]))
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+# An op of sdquant's namespace that loses an argument between two versions; each process compiles a
+# function calling it, through one inductor cache.
+_PROBE = """
+import sys, torch
+from sdquant.runtime.torch_backend import tag_compile_cache
+old = sys.argv[1] == "old"
+schema = "(Tensor x, float s, bool flag=False) -> Tensor" if old else "(Tensor x, float s) -> Tensor"
+torch.library.define("sdquant::cache_probe", schema)
+torch.library.impl("sdquant::cache_probe", "cpu", lambda x, s, flag=False: x * s)
+torch.library.register_fake("sdquant::cache_probe", lambda x, s, flag=False: torch.empty_like(x))
+probe = torch.ops.sdquant.cache_probe
+tag_compile_cache()
+compiled = torch.compile(lambda x: (probe(x.sin(), 2.0, False) if old else probe(x.sin(), 2.0)).cos())
+print(compiled(torch.zeros(4)).tolist())
+"""
+
+
+def test_compiled_code_of_an_ops_older_schema_is_not_reused(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # Inductor's own cache key leaves out arguments at their defaults: without the ops' schemas in
+    # the key, the second process gets the first's code, which passes `flag`, and fails.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    for version in ("old", "new"):
+        result = subprocess.run([sys.executable, "-c", _PROBE, version], env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, f"{version}: {result.stderr[-2000:]}"
+        assert result.stdout.strip().endswith("[1.0, 1.0, 1.0, 1.0]")
+
+
+def test_the_cache_tag_keeps_the_users_and_holds_one_of_its_own(monkeypatch):
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    torch_backend.tag_compile_cache()
+    torch_backend.tag_compile_cache()
+    tag = torch.compiler.config.cache_key_tag
+    assert tag.startswith("mine sdquant-ops-") and tag.count("sdquant-ops-") == 1

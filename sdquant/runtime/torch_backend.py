@@ -17,6 +17,8 @@ kernels do not take (grouped, dilated; INT8 on a GPU older than Ampere) runs in 
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -290,6 +292,18 @@ def compile_settings(block) -> dict:
     return {"options": {**list_mode_options(block.compile_mode), "coordinate_descent_tuning": True}}
 
 
+def tag_compile_cache() -> None:
+    """Puts the schemas of sdquant's torch ops in torch.compile's cache key. Inductor's own key leaves
+    out a call's arguments that equal their defaults, so code compiled against an op's older schema
+    (one argument more, passed at its default) is reused after the op loses that argument, and fails
+    calling it: a compiled run did so after sdquant::fp8_attention lost its flash3 flag
+    (tests/test_torch_backend.py reproduces it). A tag the user set stays in front."""
+    schemas = sorted(str(schema) for schema in torch._C._jit_get_all_schemas() if schema.name.startswith("sdquant::"))
+    tag = "sdquant-ops-" + hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+    own = re.sub(r"\s*sdquant-ops-[0-9a-f]+", "", torch.compiler.config.cache_key_tag)
+    torch.compiler.config.cache_key_tag = f"{own} {tag}".strip()
+
+
 def compiled_backbone_forms(module: torch.nn.Module, family, quantized: bool) -> None:
     """Puts one backbone module of `family` in the forms speed_up compiles it in (the reasons are
     there), in place; `quantized`: its layers are the 8-bit kernels' already."""
@@ -350,6 +364,7 @@ def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: boo
             pipe.vae.to(memory_format=torch.channels_last)
         use_compiled_forms(pipe.vae)
         use_persistent_rows()
+        tag_compile_cache()
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, dynamic=block.dynamic, **compile_settings(block))
             if hasattr(stages[name], "allow_recompiles"):
