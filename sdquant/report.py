@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import platform
 import sys
 from importlib import metadata
@@ -11,10 +13,22 @@ from . import __version__
 
 PROVENANCE_PACKAGES = ("torch", "diffusers", "transformers", "nvidia-modelopt", "onnx",
                        "onnxruntime", "tensorrt", "tensorrt-rtx-cu13")
+PACKAGE_ROOT = Path(__file__).parent
+
+
+@functools.cache
+def source_digest(root: Path = PACKAGE_ROOT) -> str:
+    """A digest of the Python source under `root` (the package's own by default): it names the code
+    a record came from where the version number, one for many commits, cannot (a GPU machine's copy
+    of the tree has no git history to ask)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "sdquant": __version__}
+    versions = {"python": platform.python_version(), "sdquant": __version__, "sdquant_source": source_digest()}
     for package in PROVENANCE_PACKAGES:
         try:
             versions[package] = metadata.version(package)

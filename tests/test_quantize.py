@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from sdquant import report
 from sdquant.quantize import checkpoint
 from sdquant.quantize.calibrate import activation_amax, quantize_backbones
 from sdquant.families import family_of
@@ -131,6 +132,8 @@ def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):
     assert sidecar["calibration"]["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
     assert sidecar["amax_summary"]["quantizers"] == len(sidecar["activation_amax"]) > 100
     assert "nvidia-modelopt" in sidecar["versions"]
+    # The code it came from, as a digest of the package's source.
+    assert sidecar["versions"]["sdquant_source"] == report.source_digest()
     mtime = checkpoint.backbone_file(folder, "unet").stat().st_mtime_ns
 
     capsys.readouterr()
@@ -152,3 +155,15 @@ def test_script_runs_on_tiny_model(run_script, tmp_path):
     written = list(tmp_path.glob("*/unet.mto"))
     assert len(written) == 1 and "tiny_sd15_int8_l2_a1" in written[0].parent.name
     assert "quantize finished" in result.stdout
+
+
+def test_the_source_digest_follows_the_code(tmp_path):
+    (tmp_path / "stage").mkdir()
+    (tmp_path / "stage" / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    before = report.source_digest.__wrapped__(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert report.source_digest.__wrapped__(tmp_path) == before
+    (tmp_path / "stage" / "a.py").write_text("x = 2\n")
+    assert report.source_digest.__wrapped__(tmp_path) != before
+    assert len(before) == 12 and int(before, 16) >= 0
