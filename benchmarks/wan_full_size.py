@@ -74,7 +74,7 @@ from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
-from sdquant.runtime.cache_hooks import HookCache, HookedStage
+from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
 from sdquant.runtime.stages import StageTimer
 from flux_full_size import hook_cache
@@ -363,10 +363,10 @@ def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.devi
     for name in experts:
         module = getattr(pipe, name)
         if cache is not None:
-            # The hook put on as our stages put it, and the recompile limits raised as ours raise
-            # them: with the graph broken at each hooked block, past dynamo's limit the remaining
-            # blocks would silently run eager. No stage of ours wraps the peer's module.
-            HookedStage(None, module, cache).allow_recompiles()
+            # The hook and the recompile limits as our stages have them: with the graph broken at
+            # each hooked block, past dynamo's limit the remaining blocks would silently run eager.
+            module.enable_cache(cache.config(module))
+            allow_recompiles(module)
         # The hook decides on the host: fullgraph=True would refuse its graph breaks.
         setattr(pipe, name, torch.compile(module, fullgraph=cache is None))
     how = "fullgraph=True" if cache is None else "fullgraph=False (the cache hook breaks the graph), recompile limits raised"
