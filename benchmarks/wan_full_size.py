@@ -31,8 +31,12 @@ through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32)
 call that compiles both experts; the VAE decodes eagerly there (its 81-frame compile is timed in the
 vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
-a diffusers cache hook.
+a diffusers cache hook. The peer's whole video (--variants peer --whole) is what a user runs
+instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
+expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
+the VAE in fp32 and eager as ours.
     python benchmarks/wan_full_size.py --variants fp8_l4 --whole --out benchmarks/results/wan_video_h100.json
+    python benchmarks/wan_full_size.py --variants peer --whole --cache taylorseer_blocks:2:1 --out ...
 
 The VAE (variant vae): one decode of the video's latent in fp32 and in bf16, eager, then compiled
 in bf16, each with its time and peak.
@@ -70,6 +74,7 @@ from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
+from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
 from sdquant.runtime.stages import StageTimer
 from flux_full_size import hook_cache
@@ -124,6 +129,10 @@ def one_expert(family, args, device: torch.device) -> torch.nn.Module:
 
 def whole_pipeline(family, args, device: torch.device):
     return family.full_size_on_gpu("tiny" if args.tiny else "full", device.type)
+
+
+def resident_gib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
 
 
 def weights_gib(modules: dict) -> dict[str, float]:
@@ -217,10 +226,7 @@ def peer_row(family, args, device: torch.device) -> dict:
     one after the other as WanPipeline calls them."""
     module = one_expert(family, args, device)
     resident = weights_gib({"expert": module})["expert"]
-    flash3 = args.attention_kernel == "flash3"
-    if flash3:
-        chosen_kernel("flash3", device)
-        module.set_attention_backend(DIFFUSERS_FLASH3)
+    kernel = peer_attention([module], args, device)
     compiled = torch.compile(module, fullgraph=True)
     halves = batch_parts(expert_inputs(family, module, args, 2, device, torch.bfloat16), 2)
 
@@ -232,8 +238,19 @@ def peer_row(family, args, device: torch.device) -> dict:
         if args.profile and device.type == "cuda":
             row["call_profile"] = kernel_profile(step, top=PROFILE_ROWS)
     return {**row, "step_s": row["best_call_s"], "one_expert_weights_gib": resident,
-            "attention_kernel": "flash3" if flash3 else "torch",
+            "attention_kernel": kernel,
             "compile": "torch.compile(transformer, fullgraph=True), default mode; two calls of one video a step"}
+
+
+def peer_attention(modules: list, args, device: torch.device) -> str:
+    """The peer's attention kernel on diffusers' transformers: its FlashAttention-3 backend for
+    --attention-kernel flash3, else diffusers' default (torch's SDPA)."""
+    if args.attention_kernel != "flash3":
+        return "torch"
+    chosen_kernel("flash3", device)
+    for module in modules:
+        module.set_attention_backend(DIFFUSERS_FLASH3)
+    return "flash3"
 
 
 def ours_row(variant: str, family, args, device: torch.device) -> dict:
@@ -242,7 +259,7 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
     if variant in FP8_LEVELS:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
         module = getattr(pipe, family.backbones[0].attribute)
-        record["fp8_pipeline_resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        record["fp8_pipeline_resident_gib"] = resident_gib(device)
         record["umt5_s"] = umt5_seconds(pipe, family, args, device)
     else:
         module = one_expert(family, args, device)
@@ -275,7 +292,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
         pipe, record = whole_pipeline(family, args, device), {}
     # The VAE in fp32, as infer_trt.py loads it for Wan (family.decoder_dtype).
     pipe.vae.to(torch.float32)
-    record["pipeline_resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    record["pipeline_resident_gib"] = resident_gib(device)
     stages = family.torch_stages(pipe, torch.bfloat16, cache)
     # The decoder eager: its 81-frame compile is the vae variant's to time.
     decoder = stages.pop("vae")
@@ -290,21 +307,72 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
                                 guidance_scale=chosen["guidance"], guidance_scale_2=chosen["guidance_2"],
                                 height=height, width=width, frames=frames, seed=42, cache=cache)
     warm = dataclasses.replace(settings, steps=2)
+    timer = StageTimer(device)
+    row = warm_then_timed(lambda: pipeline(warm, StageTimer(device), progress=False),
+                          lambda: pipeline(settings, timer, progress=False))
+    stage = report.latency_report([(row["video_s"], timer.finish())], 1, settings.steps,
+                                  [backbone.graph for backbone in family.backbones])
+    return {**record, **row, "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
+            "steps": settings.steps, "cache": cache.describe() if cache else None}
+
+
+def warm_then_timed(warm_up, video) -> dict:
+    """The warm-up call's seconds (`warm_up`: two steps, which at the A14B's flow shift of 3 fall at
+    timesteps 999 and 750, either side of its 0.875 boundary, so both experts compile), then one
+    timed `video()`: its seconds, peak and non-finite values."""
     with torch.no_grad():
-        compile_s = timed(lambda: pipeline(warm, StageTimer(device), progress=False), 1)[0]
+        warm_s = timed(warm_up, 1)[0]
         peak_gib(reset=True)
-        timer = StageTimer(device)
         start = time.perf_counter()
-        video = pipeline(settings, timer, progress=False)
+        output = video()
         synchronize()
         seconds = time.perf_counter() - start
-    stage = report.latency_report([(seconds, timer.finish())], 1, settings.steps,
-                                  [backbone.graph for backbone in family.backbones])
-    return {**record, "warm_up_two_steps_s": compile_s, "video_s": seconds, "videos_per_s": 1 / seconds,
-            "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
-            "video_peak_gib": peak_gib(),
-            "nonfinite_values": nonfinite_values(video), "steps": settings.steps,
+    return {"warm_up_two_steps_s": warm_s, "video_s": seconds, "videos_per_s": 1 / seconds,
+            "video_peak_gib": peak_gib(), "nonfinite_values": nonfinite_values(output)}
+
+
+def peer_video_row(family, args, device: torch.device) -> dict:
+    """One whole video through diffusers' WanPipeline as a user speeds it up, after a two-step call
+    that compiles both experts. WanPipeline resets each transformer's cache hooks at the end of
+    every call (maybe_free_model_hooks), so the timed video's hooks start afresh."""
+    cache = hook_cache(args.cache, BLOCK_STACKS)
+    pipe = whole_pipeline(family, args, device)
+    # fp32 as ours: WanPipeline casts the final latents to the VAE's dtype and decodes eagerly.
+    pipe.vae.to(torch.float32)
+    record = {"pipeline_resident_gib": resident_gib(device), "boundary_ratio": pipe.config.boundary_ratio,
+              **compile_peer_experts(pipe, args, cache, device)}
+    frames, height, width = geometry(args, family)
+    chosen = SETTINGS[family.name]
+    steps = args.steps or chosen["steps"]
+
+    def video(steps: int) -> torch.Tensor:
+        return pipe(prompt=PROMPT, negative_prompt="", height=height, width=width, num_frames=frames,
+                    num_inference_steps=steps, guidance_scale=chosen["guidance"],
+                    guidance_scale_2=chosen["guidance_2"], generator=torch.Generator(device).manual_seed(42),
+                    output_type="pt").frames
+
+    return {**record, **warm_then_timed(lambda: video(2), lambda: video(steps)), "steps": steps,
             "cache": cache.describe() if cache else None}
+
+
+def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.device) -> dict:
+    """Each of `pipe`'s experts (transformer_2 is None for the TI2V-5B) compiled as peer_row compiles
+    one, under `cache`'s diffusers hook where given; what the row records of it."""
+    experts = [name for name in ("transformer", "transformer_2") if getattr(pipe, name) is not None]
+    kernel = peer_attention([getattr(pipe, name) for name in experts], args, device)
+    for name in experts:
+        module = getattr(pipe, name)
+        if cache is not None:
+            # The hook and the recompile limits as our stages have them: with the graph broken at
+            # each hooked block, past dynamo's limit the remaining blocks would silently run eager.
+            module.enable_cache(cache.config(module))
+            allow_recompiles(module)
+        # The hook decides on the host: fullgraph=True would refuse its graph breaks.
+        setattr(pipe, name, torch.compile(module, fullgraph=cache is None))
+    how = "fullgraph=True" if cache is None else "fullgraph=False (the cache hook breaks the graph), recompile limits raised"
+    return {"attention_kernel": kernel,
+            "compile": f"torch.compile(each expert, {how}), default mode; WanPipeline's two calls of one video a "
+                       "step; the VAE in fp32, eager"}
 
 
 def vae_row(family, args, device: torch.device) -> dict:
@@ -379,7 +447,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
     elif variant == "vae":
         row, name = vae_row(family, args, device), variant
     elif args.whole:
-        row = whole_video_row(variant, family, args, device)
+        row = (peer_video_row(family, args, device) if variant == "peer"
+               else whole_video_row(variant, family, args, device))
         name = f"{variant}_video" + (f"_{args.cache.replace(':', '_')}" if args.cache else "")
     elif variant == "peer":
         row, name = peer_row(family, args, device), variant
@@ -403,7 +472,8 @@ def main() -> None:
                         help=f"comma-separated: peer, compiled, {', '.join(FP8_LEVELS)}, vae")
     parser.add_argument("--model", default="wan", choices=sorted(FAMILIES))
     parser.add_argument("--calls", type=int, default=2, help="timed calls after the first")
-    parser.add_argument("--whole", action="store_true", help="ours: a whole video through the pipeline")
+    parser.add_argument("--whole", action="store_true",
+                        help="a whole video through our pipeline (peer: through diffusers' WanPipeline)")
     parser.add_argument("--steps", type=int, default=0, help="--whole: steps (0: the model's settings)")
     parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
@@ -423,8 +493,10 @@ def main() -> None:
     unknown = [v for v in variants if v not in ("peer", "compiled", "vae", *FP8_LEVELS)]
     if unknown:
         parser.error(f"unknown variants {unknown}")
-    if (args.split or args.whole) and any(v in ("peer", "vae") for v in variants):
-        parser.error("--split and --whole run our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.split and any(v in ("peer", "vae") for v in variants):
+        parser.error("--split runs our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.whole and "vae" in variants:
+        parser.error("--whole runs a whole video (compiled, fp8, fp8_l4, peer), not vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
         parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
     if args.split and args.split != "1x1" and args.attention_kernel != "torch":

@@ -81,6 +81,21 @@ class HookCache:
         return f"TaylorSeer{scope}, a full pass every {self.interval} steps after the first {self.warmup}"
 
 
+def allow_recompiles(transformer) -> None:
+    """Lets torch.compile compile every block of a transformer under a cache hook. A hook decides
+    on the host, which breaks the graph, and the code after the break is compiled once per block
+    (its guards hold the block itself): past dynamo's limit (8) the remaining blocks of the
+    full-size Flux transformer (57) would silently run eager."""
+    import torch._dynamo
+
+    hooked = sum(1 for module in transformer.modules() if hasattr(module, "_diffusers_hook"))
+    # Twice: a block's computed and predicted (or skipped) paths resume apart.
+    needed = 2 * hooked + 8
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, needed)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
+
+
 class HookedStage(InTurn):
     """The transformer's stage with the hook on its module: each call (each part of it, where the
     torch backend runs its batch in turn) in a cache context of its own, as diffusers' pipelines
@@ -92,18 +107,7 @@ class HookedStage(InTurn):
         self.transformer = transformer
 
     def allow_recompiles(self) -> None:
-        """Lets torch.compile compile every hooked block. A hook decides on the host, which breaks
-        the graph, and the code after the break is compiled once per block (its guards hold the
-        block itself): past dynamo's limit (8) the remaining blocks of the full-size Flux
-        transformer (57) would silently run eager."""
-        import torch._dynamo
-
-        hooked = sum(1 for module in self.transformer.modules() if hasattr(module, "_diffusers_hook"))
-        # Twice: a block's computed and predicted (or skipped) paths resume apart.
-        needed = 2 * hooked + 8
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, needed)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
+        allow_recompiles(self.transformer)
 
     def reset(self) -> None:
         self.transformer._reset_stateful_cache()
