@@ -7,6 +7,8 @@ with evaluate.py's metrics and one- and two-object adherence.
     python benchmarks/cache_quality.py --model scenes_flux --backbone transformer --calib-batch 8
     python benchmarks/cache_quality.py --model scenes_flux --backbone transformer --calib-batch 8 \
         --variants fp16_ts2,fp16_tsb2,fp8_l3,fp8_l3_tsb2,fp8,fp8_tsb2 --name cache_quality_scenes_flux_blocks
+    python benchmarks/cache_quality.py --model scenes_wan --backbone transformer --variants fp16_tsb2_w1 \
+        --name cache_quality_scenes_wan_unquantized
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ VARIANTS = {
         "fp16_tsb2": (None, "{method:taylorseer_blocks,interval:2}"),
         "fp8_l3": ("fp8_l3", None), "fp8_l3_tsb2": ("fp8_l3", "{method:taylorseer_blocks,interval:2}"),
         "fp8": ("fp8", None), "fp8_tsb2": ("fp8", "{method:taylorseer_blocks,interval:2}"),
+        # The Wan video's cache (one full pass an expert first) on the 16-bit backbone: what the
+        # peer's cached video, diffusers' WanPipeline under the same hook, draws.
+        "fp16_tsb2_w1": (None, "{method:taylorseer_blocks,interval:2,warmup:1}"),
     },
 }
 
