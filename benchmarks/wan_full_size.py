@@ -44,8 +44,10 @@ in bf16, each with its time and peak.
 Several GPUs (torchrun; ours): --split <cfg>x<ulysses> shares each call among cfg x ulysses
 processes (parallel.cfg, parallel.ulysses as infer_trt.py does them): each process first computes
 the call eagerly whole and split, and the row gives their largest difference; then the split call is
-compiled and timed. --split 1x1 on N processes: each process times its own whole calls side by side
-(data parallel).
+compiled and timed, both with the attention kernels infer_trt.py gives a split call (--attention-kernel,
+auto: FlashAttention-3 where installed, except in diffusers' own processors that context
+parallelism splits, which keep torch's). --split 1x1 on N processes: each process times its own
+whole calls side by side (data parallel).
     torchrun --nproc_per_node=4 benchmarks/wan_full_size.py --variants fp8_l4 --split 2x2 --out ...
 """
 
@@ -414,7 +416,9 @@ def split_row(variant: str, family, args, device: torch.device, world: parallel.
         module, record = one_expert(family, args, device), {}
     torch_backend.compiled_backbone_forms(module, family, quantized=variant in FP8_LEVELS)
     record["attention_kernel"] = chosen_kernel(args.attention_kernel, device)
-    use_attention_kernel(module, record["attention_kernel"])
+    # The kernels infer_trt.py gives a split call, in the whole call too: the two then differ by the
+    # split alone.
+    use_attention_kernel(module, record["attention_kernel"], split_later=ulysses > 1)
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
     stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
                                    torch.bfloat16)[family.backbones[0].graph]
@@ -499,10 +503,6 @@ def main() -> None:
         parser.error("--whole runs a whole video (compiled, fp8, fp8_l4, peer), not vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
         parser.error(f"--split {args.split}: give <cfg>x<ulysses>, cfg 1 or 2 (2x2, 1x1)")
-    if args.split and args.split != "1x1" and args.attention_kernel != "torch":
-        # diffusers' context parallelism refuses its FlashAttention-3 backend, which the whole call
-        # before the split would have given its layers.
-        parser.error(f"--split {args.split}: give --attention-kernel torch (one kernel for the whole and the split call)")
     if args.one_call and (args.split or args.whole or "peer" in variants or "vae" in variants):
         parser.error("--one-call times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
     if args.every_block and not all(v in FP8_LEVELS for v in variants):

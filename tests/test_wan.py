@@ -304,6 +304,21 @@ def _frames(path) -> np.ndarray:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]).astype(int)
 
 
+def test_a_whole_call_beside_a_split_one_keeps_diffusers_processors_on_torchs_kernel():
+    """wan_full_size.py --split compares a whole call with the split one: the whole call gives
+    diffusers' own processors FlashAttention-3's backend only where context parallelism will not
+    split them afterwards (it refuses that backend), as infer_trt.py's split calls have them."""
+    from sdquant.families.wan.family import TINY, expert
+    from sdquant.runtime.attention import DIFFUSERS_FLASH3, FLASH3, attention_modules, use_attention_kernel
+
+    for split_later, backend in ((False, DIFFUSERS_FLASH3), (True, None)):
+        module = expert(TINY).to(torch.bfloat16)
+        use_attention_kernel(module, "flash3", split_later=split_later)
+        layers = attention_modules(module)
+        assert layers and all(getattr(attn, FLASH3) for attn in layers)
+        assert {attn.processor._attention_backend for attn in layers} == {backend}
+
+
 SPLITS = {"cfg": {"cfg": 2, "ulysses": 1}, "cfg_ulysses": {"cfg": 2, "ulysses": 2},
           "ulysses_compiled": {"cfg": 1, "ulysses": 2}}
 

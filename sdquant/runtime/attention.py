@@ -85,15 +85,17 @@ def attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in root.modules() if hasattr(module, "set_processor")]
 
 
-def use_attention_kernel(backbone: torch.nn.Module, kernel: str) -> None:
+def use_attention_kernel(backbone: torch.nn.Module, kernel: str, split_later: bool = False) -> None:
     """Runs `backbone`'s attention with `kernel` (chosen_kernel's), in place: for flash3, its FP8
     attention and the 16-bit attention of the processors here (attend), and diffusers' own
     processors on its FlashAttention-3 backend (as its set_attention_backend sets them, less the
     checks chosen_kernel made), except where diffusers' context parallelism splits their tokens,
-    which that backend does not take: those keep torch's kernel."""
+    which that backend does not take: those keep torch's kernel. `split_later`: context
+    parallelism will split them after this (a whole call to compare with the split one): they
+    keep torch's kernel already."""
     if kernel != "flash3":
         return
-    diffusers_layers = getattr(backbone, "dtype", None) == FLASH3_16_BIT
+    diffusers_layers = not split_later and getattr(backbone, "dtype", None) == FLASH3_16_BIT
     for attn in attention_modules(backbone):
         setattr(attn, FLASH3, True)
         processor = attn.processor
