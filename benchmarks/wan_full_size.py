@@ -27,8 +27,9 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
 --profile adds the GPU time per kernel of one call (ours and the peer's).
 
 A whole video (--whole; ours): 20 steps of MLPerf's settings (guidance 4.0 / 3.0, boundary 0.875)
-through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after a two-step
-call that compiles both experts; the VAE decodes eagerly there (its 81-frame compile is timed in the
+through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after the same
+video as a warm-up that compiles all it runs (the row counts the graphs compiled while timed, 0
+when warm); the VAE decodes eagerly there (its 81-frame compile is timed in the
 vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
 a diffusers cache hook. The peer's whole video (--variants peer --whole) is what a user runs
@@ -308,9 +309,8 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=args.steps or chosen["steps"],
                                 guidance_scale=chosen["guidance"], guidance_scale_2=chosen["guidance_2"],
                                 height=height, width=width, frames=frames, seed=42, cache=cache)
-    warm = dataclasses.replace(settings, steps=2)
     timer = StageTimer(device)
-    row = warm_then_timed(lambda: pipeline(warm, StageTimer(device), progress=False),
+    row = warm_then_timed(lambda: pipeline(settings, StageTimer(device), progress=False),
                           lambda: pipeline(settings, timer, progress=False))
     stage = report.latency_report([(row["video_s"], timer.finish())], 1, settings.steps,
                                   [backbone.graph for backbone in family.backbones])
@@ -319,24 +319,30 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
 
 
 def warm_then_timed(warm_up, video) -> dict:
-    """The warm-up call's seconds (`warm_up`: two steps, which at the A14B's flow shift of 3 fall at
-    timesteps 999 and 750, either side of its 0.875 boundary, so both experts compile), then one
-    timed `video()`: its seconds, peak and non-finite values."""
+    """The warm-up video's seconds (`warm_up`: the same video, so that everything the timed one
+    runs is compiled first: under a cache hook, its predicted steps and, where the compile
+    specializes on the hook's step counter, every step), then one timed `video()`: its seconds,
+    peak, non-finite values and the graphs dynamo compiled during it (0 where the warm-up covered
+    it all)."""
+    from torch._dynamo.utils import counters
+
     with torch.no_grad():
         warm_s = timed(warm_up, 1)[0]
+        graphs = counters["stats"]["unique_graphs"]
         peak_gib(reset=True)
         start = time.perf_counter()
         output = video()
         synchronize()
         seconds = time.perf_counter() - start
-    return {"warm_up_two_steps_s": warm_s, "video_s": seconds, "videos_per_s": 1 / seconds,
-            "video_peak_gib": peak_gib(), "nonfinite_values": nonfinite_values(output)}
+    return {"warm_up_video_s": warm_s, "video_s": seconds, "videos_per_s": 1 / seconds,
+            "video_peak_gib": peak_gib(), "nonfinite_values": nonfinite_values(output),
+            "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs}
 
 
 def peer_video_row(family, args, device: torch.device) -> dict:
-    """One whole video through diffusers' WanPipeline as a user speeds it up, after a two-step call
-    that compiles both experts. WanPipeline resets each transformer's cache hooks at the end of
-    every call (maybe_free_model_hooks), so the timed video's hooks start afresh."""
+    """One whole video through diffusers' WanPipeline as a user speeds it up, after the same video
+    as a warm-up. WanPipeline resets each transformer's cache hooks at the end of every call
+    (maybe_free_model_hooks), so the timed video's hooks start afresh."""
     cache = hook_cache(args.cache, BLOCK_STACKS)
     pipe = whole_pipeline(family, args, device)
     # fp32 as ours: WanPipeline casts the final latents to the VAE's dtype and decodes eagerly.
@@ -347,14 +353,13 @@ def peer_video_row(family, args, device: torch.device) -> dict:
     chosen = SETTINGS[family.name]
     steps = args.steps or chosen["steps"]
 
-    def video(steps: int) -> torch.Tensor:
+    def video() -> torch.Tensor:
         return pipe(prompt=PROMPT, negative_prompt="", height=height, width=width, num_frames=frames,
                     num_inference_steps=steps, guidance_scale=chosen["guidance"],
                     guidance_scale_2=chosen["guidance_2"], generator=torch.Generator(device).manual_seed(42),
                     output_type="pt").frames
 
-    return {**record, **warm_then_timed(lambda: video(2), lambda: video(steps)), "steps": steps,
-            "cache": cache.describe() if cache else None}
+    return {**record, **warm_then_timed(video, video), "steps": steps, "cache": cache.describe() if cache else None}
 
 
 def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.device) -> dict:

@@ -83,9 +83,11 @@ class HookCache:
 
 def allow_recompiles(transformer) -> None:
     """Lets torch.compile compile every block of a transformer under a cache hook. A hook decides
-    on the host, which breaks the graph, and the code after the break is compiled once per block
-    (its guards hold the block itself): past dynamo's limit (8) the remaining blocks of the
-    full-size Flux transformer (57) would silently run eager."""
+    on the host, which breaks the graph, and the code after the break is compiled anew for each
+    state its guards tell apart: the block where they hold it (the full-size Flux transformer's
+    attention hooks: past dynamo's limit of 8, the later 49 of its 57 blocks ran eager), the hook's
+    step counter where the compile specializes on it (dynamic=False; Wan's whole-block hooks on
+    the CPU's tiny models: about one entry a step of the video)."""
     import torch._dynamo
 
     hooked = sum(1 for module in transformer.modules() if hasattr(module, "_diffusers_hook"))
