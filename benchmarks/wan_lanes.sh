@@ -6,6 +6,8 @@
 # bf16 against its peer; on the other two GPUs the 2-GPU splits (cfg 2, then ulysses 2). Then four
 # processes side by side (data parallel), whose whole calls are also the one-GPU step of the same
 # host. Results in /tmp/wan/results (file names end in TAG, the device: h200 unless given), logs in /tmp/wan.
+# Every lane runs the default attention kernels: FlashAttention-3 where its wheel (benchmarks/build_flash3.sh)
+# is installed, else torch's (the rows' attention_kernel says which).
 #   bash benchmarks/wan_lanes.sh start      (from the tree, once sdquant's wheels are installed)
 #   bash benchmarks/wan_lanes.sh status     (each log's tail)
 #   bash benchmarks/wan_lanes.sh collect    (results and logs into $OUT)
