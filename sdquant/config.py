@@ -8,6 +8,7 @@ calls first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -44,13 +45,49 @@ def plain(value) -> str:
     return value.value if isinstance(value, Enum) else str(value)
 
 
+class Settled:
+    """A schema block that settling makes read-only: below each script's edge the config is these
+    plain dataclasses, and nothing changes them (dataclasses.replace makes a new, open one)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_settled"):
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: the settled config is read-only")
+        object.__setattr__(self, name, value)
+
+
+def settled_config(cfg):
+    """The composed Hydra config `cfg` as its schema's plain dataclasses, read-only; a mandatory
+    value left unset (a LoRA adapter without its path) is refused in one line naming its key."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        what = ("the adapter's .safetensors file or folder" if missing[0].startswith("model.loras")
+                else f"{missing[0]}=<value>")
+        raise UserError(f"{missing[0]} is missing: give {what}")
+    return freeze(OmegaConf.to_object(cfg))
+
+
+def freeze(value):
+    """`value` (a schema block, or lists and dicts of them) read-only, in place; returns it."""
+    if isinstance(value, Settled):
+        for field_value in vars(value).values():
+            freeze(field_value)
+        object.__setattr__(value, "_settled", True)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            freeze(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            freeze(item)
+    return value
+
+
 COLLECT_METHODS = ("global_min", "min-max", "min-mean", "mean-max", "max")
 PERCENTILE_LAYERS = ("auto", "conv", "all", "none")
 MEAN_DIVISORS = ("n_steps", "runs")
 
 
 @dataclass
-class LoraAdapter:
+class LoraAdapter(Settled):
     # A LoRA .safetensors file (diffusers, PEFT or kohya keys), or a folder holding one.
     path: str = MISSING
     # Its weight when fused: 0 leaves the model as it is. Typed Any so that a value that is no
@@ -59,7 +96,7 @@ class LoraAdapter:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Settled):
     name: str = MISSING
     family: Family = MISSING
     # A hub id, a local diffusers folder or a single-file .safetensors checkpoint. For tiny
@@ -100,7 +137,7 @@ class ModelConfig:
 
 
 @dataclass
-class QuantizeBlock:
+class QuantizeBlock(Settled):
     """NeMo's ``quantize`` block plus what the calibration run itself needs."""
 
     exp_name: str = "nemo"
@@ -131,7 +168,7 @@ class QuantizeBlock:
 
 
 @dataclass
-class InferBlock:
+class InferBlock(Settled):
     """NeMo's ``infer`` block of the export config."""
 
     out_path: str = "sdxl_export"
@@ -145,7 +182,7 @@ class InferBlock:
 
 
 @dataclass
-class TrtBlock:
+class TrtBlock(Settled):
     """NeMo's ``trt`` block (the engines' batch range, counted in images) and how to build."""
 
     static_batch: bool = False
@@ -169,7 +206,7 @@ class TrtBlock:
 
 
 @dataclass
-class OnnxBlock:
+class OnnxBlock(Settled):
     opset: int = 19
     # fp16 halves the graph and is what TensorRT builds strongly typed; fp32 is for checking.
     precision: str = "fp16"
@@ -181,7 +218,7 @@ class OnnxBlock:
 
 
 @dataclass
-class QuantizeApp:
+class QuantizeApp(Settled):
     quantize: QuantizeBlock = field(default_factory=QuantizeBlock)
     model: ModelConfig = MISSING
     # None takes the model's own calibration prompts (model.calib_prompts), else the package's.
@@ -211,7 +248,7 @@ class QuantizeApp:
 
 
 @dataclass
-class CacheBlock:
+class CacheBlock(Settled):
     """Step caching: what a denoising step reuses from an earlier one."""
 
     # none; deepcache (UNets): the whole UNet every `interval` steps, only its outer blocks
@@ -237,7 +274,7 @@ CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_b
 
 
 @dataclass
-class ExportApp:
+class ExportApp(Settled):
     infer: InferBlock = field(default_factory=InferBlock)
     trt: TrtBlock = field(default_factory=TrtBlock)
     onnx: OnnxBlock = field(default_factory=OnnxBlock)
@@ -260,7 +297,7 @@ class ExportApp:
 
 
 @dataclass
-class ShardBlock:
+class ShardBlock(Settled):
     """This job's share of the prompt batches when independent jobs (Slurm array tasks) split them:
     batch i goes to the job whose index is i mod count (within it, to torchrun rank i mod ranks)."""
 
@@ -269,7 +306,7 @@ class ShardBlock:
 
 
 @dataclass
-class ParallelBlock:
+class ParallelBlock(Settled):
     """How the processes of one torchrun share each sample (infer_trt.py, backend=torch): cfg=2 runs
     the conditional and unconditional halves of every backbone call on two processes, ulysses=N
     splits each backbone call's tokens over N (Ulysses attention, through diffusers' context
@@ -281,7 +318,7 @@ class ParallelBlock:
 
 
 @dataclass
-class SamplingBlock:
+class SamplingBlock(Settled):
     # null (evaluate.py's default): the model's evaluation prompts (model.eval_prompts).
     prompts: Optional[list[str]] = field(default_factory=lambda: ["a photo of an astronaut riding a horse on mars"])
     # A file of prompts, one a line, used instead of `prompts` when set.
@@ -325,7 +362,7 @@ TORCH_ATTENTION_KERNELS = ("auto", "flash3", "torch")
 
 
 @dataclass
-class TorchBackendBlock:
+class TorchBackendBlock(Settled):
     """How backend=torch runs the diffusers modules."""
 
     # torch.compile the UNet and the VAE decoder (channels-last, and for an unquantized UNet
@@ -360,7 +397,7 @@ class TorchBackendBlock:
 
 
 @dataclass
-class InferApp:
+class InferApp(Settled):
     """NeMo's inference config: the engines and out_path, plus sampling and timing."""
 
     # export_trt.py's engines: each graph's <engine_dir>/<graph>.plan, and for backend=onnxruntime
@@ -382,8 +419,11 @@ class InferApp:
     # NeMo's name for quantized_backbone.
     quantized_unet: Optional[str] = None
     sampling: SamplingBlock = field(default_factory=SamplingBlock)
-    num_warmup_runs: int = 1
-    num_timed_runs: int = 1
+    # Extra runs of the first prompt batch after every batch is drawn, a benchmark's option: the
+    # warm-up ones untimed, the timed ones making the latency report (0: the report comes from the
+    # drawing itself, its first call apart from the later ones).
+    num_warmup_runs: int = 0
+    num_timed_runs: int = 0
     cuda_graph: bool = False
     torch_backend: TorchBackendBlock = field(default_factory=TorchBackendBlock)
     shard: ShardBlock = field(default_factory=ShardBlock)
@@ -396,7 +436,7 @@ LPIPS_NETS = ("alex", "vgg", "squeeze")
 
 
 @dataclass
-class MetricsBlock:
+class MetricsBlock(Settled):
     """The optional image metrics; each is skipped with a note when its weights are not on this
     machine, since nothing is downloaded at run time."""
 
@@ -407,7 +447,7 @@ class MetricsBlock:
 
 
 @dataclass
-class EvaluateApp:
+class EvaluateApp(Settled):
     """Quantized UNets against the model's own fp16 UNet, from identical initial latents."""
 
     model: ModelConfig = MISSING
@@ -606,16 +646,10 @@ def register_schemas() -> None:
     store.store(group="model", name="model_schema", node=ModelConfig)
 
 
-def validate_quantize_block(block: QuantizeBlock, family) -> None:
-    """Refuses settings that no run could honour, naming the key and what to do."""
+def validate_quantize_block(block: QuantizeBlock) -> None:
+    """Refuses settings that no run could honour, naming the key and what to do (the levels a
+    model has are its family's to say: sdquant.runs.quantize)."""
     level = float(block.quant_level)
-    levels = family.quant_levels()
-    if level not in levels:
-        raise UserError(
-            f"quantize.quant_level={level:g} is not a level of {family.name} models: choose one of "
-            f"{', '.join(f'{lv:g}' for lv in levels)}"
-            + (" (a DiT has no convolutions for level 1)" if level == 1.0 else "")
-        )
     if level == 4.0 and QuantFormat(block.format) != QuantFormat.fp8:
         raise UserError(
             "quantize.quant_level=4 quantizes attention in FP8 and needs quantize.format=fp8; "
@@ -681,7 +715,7 @@ def validate_export(infer: InferBlock, trt: TrtBlock, onnx: OnnxBlock) -> None:
             raise UserError(f"onnx.{key}={getattr(onnx, key)!r} is unknown: choose fp16 or fp32")
     if onnx.opset < 19:
         raise UserError(f"onnx.opset={onnx.opset}: 8-bit graphs with fp16 scales need opset 19 or newer")
-    validate_image_size(infer, "infer")
+    validate_image_size(sizes_of(infer), "infer.")
     if onnx.trace_latent_size < 8 or onnx.trace_latent_size % 8:
         raise UserError(f"onnx.trace_latent_size={onnx.trace_latent_size} must be a positive multiple of 8")
 
@@ -689,15 +723,15 @@ def validate_export(infer: InferBlock, trt: TrtBlock, onnx: OnnxBlock) -> None:
 INFER_BACKENDS = ("trt", "onnxruntime", "torch")
 
 
-def quantized_backbone(cfg) -> tuple[str, str | None]:
+def quantized_backbone(app) -> tuple[str, str | None]:
     """The quantize.py checkpoint a script runs, and the key that named it: quantized_backbone, or
     quantized_unet, NeMo's name for it (giving both, apart, is refused)."""
-    if cfg.quantized_unet and cfg.quantized_backbone and cfg.quantized_unet != cfg.quantized_backbone:
-        raise UserError(f"quantized_backbone={cfg.quantized_backbone} and quantized_unet={cfg.quantized_unet} name "
+    if app.quantized_unet and app.quantized_backbone and app.quantized_unet != app.quantized_backbone:
+        raise UserError(f"quantized_backbone={app.quantized_backbone} and quantized_unet={app.quantized_unet} name "
                         "two checkpoints: quantized_unet is NeMo's name for quantized_backbone, give one of them")
-    if cfg.quantized_unet:
-        return "quantized_unet", cfg.quantized_unet
-    return "quantized_backbone", cfg.quantized_backbone
+    if app.quantized_unet:
+        return "quantized_unet", app.quantized_unet
+    return "quantized_backbone", app.quantized_backbone
 
 
 def validate_shard(shard) -> None:
@@ -706,29 +740,30 @@ def validate_shard(shard) -> None:
                         "index from 0 to count - 1 (e.g. shard.index=$SLURM_ARRAY_TASK_ID)")
 
 
-def validate_infer(cfg) -> None:
-    validate_shard(cfg.shard)
-    if cfg.backend not in INFER_BACKENDS:
-        raise UserError(f"backend={cfg.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
-    torch_block = cfg.torch_backend
+def validate_infer(app) -> None:
+    validate_shard(app.shard)
+    if app.backend not in INFER_BACKENDS:
+        raise UserError(f"backend={app.backend!r} is unknown: choose {', '.join(INFER_BACKENDS)}")
+    torch_block = app.torch_backend
     if torch_block.compile_mode not in COMPILE_MODES:
         raise UserError(f"torch_backend.compile_mode={torch_block.compile_mode!r} is unknown: choose "
                         f"{', '.join(COMPILE_MODES)}")
     validate_torch_kernels(torch_block)
-    checkpoint_key, checkpoint = quantized_backbone(cfg)
-    if cfg.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint
+    checkpoint_key, checkpoint = quantized_backbone(app)
+    if app.backend != "torch" and (torch_block.compile or torch_block.quantized != "fake" or checkpoint
                                    or torch_block.vae_batch != TorchBackendBlock.vae_batch):
         raise UserError(f"torch_backend.compile, .quantized, .vae_batch and {checkpoint_key} apply to backend=torch, "
-                        f"not backend={cfg.backend}: the {cfg.backend} backend runs the exported graphs as built")
+                        f"not backend={app.backend}: the {app.backend} backend runs the exported graphs as built")
     if torch_block.quantized != "fake" and not checkpoint:
         raise UserError(f"torch_backend.quantized={torch_block.quantized} runs a quantize.py checkpoint: set "
                         "quantized_backbone=<folder>")
-    validate_sampling(cfg.sampling)
-    validate_parallel(cfg.parallel, cfg.backend)
-    if cfg.backend == "onnxruntime":
-        validate_providers(cfg.onnx_providers)
-    if cfg.num_timed_runs < 1 or cfg.num_warmup_runs < 0:
-        raise UserError("num_timed_runs must be at least 1 and num_warmup_runs at least 0")
+    validate_sampling(app.sampling)
+    validate_parallel(app.parallel, app.backend)
+    if app.backend == "onnxruntime":
+        validate_providers(app.onnx_providers)
+    if app.num_timed_runs < 0 or app.num_warmup_runs < 0:
+        raise UserError(f"num_warmup_runs={app.num_warmup_runs} num_timed_runs={app.num_timed_runs}: give 0 or more "
+                        "(runs of the first prompt batch after the drawing, timed for the report; 0: the drawing's own)")
 
 
 def validate_parallel(block, backend: str) -> None:
@@ -778,25 +813,25 @@ def validate_providers(providers) -> None:
                         f"has {', '.join(available)}")
 
 
-def validate_evaluate(cfg) -> None:
-    validate_shard(cfg.shard)
-    validate_sampling(cfg.sampling)
-    validate_providers(cfg.onnx_providers)
-    if not cfg.variants:
+def validate_evaluate(app) -> None:
+    validate_shard(app.shard)
+    validate_sampling(app.sampling)
+    validate_providers(app.onnx_providers)
+    if not app.variants:
         raise UserError("no variants to evaluate: add one per quantized UNet, e.g. "
                         "+variants.int8=quantized/<checkpoint folder>")
-    for name, block in cfg.variant_cache.items():
-        if name not in cfg.variants:
+    for name, block in app.variant_cache.items():
+        if name not in app.variants:
             raise UserError(f"variant_cache.{name}: there is no variants.{name} to run with it")
         if block.method not in CACHE_METHODS:
             raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
                             f"{' or '.join(CACHE_METHODS)}")
-    if cfg.torch_backend.compile or cfg.torch_backend.tune_kernels:
+    if app.torch_backend.compile or app.torch_backend.tune_kernels:
         raise UserError("torch_backend.compile, .tune_kernels: evaluate.py runs the modules as they are, eagerly; "
                         "compiling is infer_trt.py's (backend=torch)")
-    validate_torch_kernels(cfg.torch_backend)
-    if cfg.metrics.lpips_net is not None and cfg.metrics.lpips_net not in LPIPS_NETS:
-        raise UserError(f"metrics.lpips_net={cfg.metrics.lpips_net!r} is unknown: choose "
+    validate_torch_kernels(app.torch_backend)
+    if app.metrics.lpips_net is not None and app.metrics.lpips_net not in LPIPS_NETS:
+        raise UserError(f"metrics.lpips_net={app.metrics.lpips_net!r} is unknown: choose "
                         f"{', '.join(LPIPS_NETS)} or null")
 
 
@@ -861,7 +896,7 @@ def validate_train_scene(cfg) -> None:
         raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 
 
-def validate_image_size(block, prefix: str, multiple: int = 1, why: str = "the model's VAE scale factor") -> None:
+def validate_image_size(sizes: dict, prefix: str, multiple: int = 1, why: str = "the model's VAE scale factor") -> None:
     """Refuses an image size the model cannot make. diffusers' rule: a positive multiple of the VAE's
     scale factor (8 for SD, SDXL and Flux), since each latent pixel decodes to that many pixels a
     side, times a DiT's patch size (Flux: 2, so 16); the workflows check it once they know the
@@ -869,10 +904,15 @@ def validate_image_size(block, prefix: str, multiple: int = 1, why: str = "the m
     no multiple of 2**(its upsampling layers), diffusers upsamples to the size of the matching skip
     connection, and the export traces that path (export._upsampling_to_skip_sizes)."""
     for key in ("width", "height"):
-        value = block[key]
+        value = sizes[key]
         if value is not None and (value < multiple or value % multiple):
             rule = f"a positive multiple of {multiple}, {why}" if multiple > 1 else "positive"
-            raise UserError(f"{prefix}.{key}={value} must be {rule}")
+            raise UserError(f"{prefix}{key}={value} must be {rule}")
+
+
+def sizes_of(block) -> dict:
+    """A block's height and width, as validate_image_size takes them."""
+    return {"height": block.height, "width": block.width}
 
 
 def validate_steps(steps: int, key: str, scheduler_config) -> None:
@@ -885,7 +925,7 @@ def validate_steps(steps: int, key: str, scheduler_config) -> None:
 
 
 def validate_sampling(sampling: SamplingBlock) -> None:
-    validate_image_size(sampling, "sampling")
+    validate_image_size(sizes_of(sampling), "sampling.")
     if sampling.steps < 1:
         raise UserError(f"sampling.steps={sampling.steps} must be at least 1")
     if sampling.batch_size < 1:

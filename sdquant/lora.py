@@ -15,8 +15,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from .errors import UserError
 
 # What diffusers' training scripts save; a folder holding other .safetensors files is ambiguous.
@@ -53,9 +51,7 @@ def describe(identity: list[dict]) -> str:
 
 
 def _adapter(key: str, entry) -> Adapter:
-    if OmegaConf.is_config(entry) and OmegaConf.is_missing(entry, "path"):
-        raise UserError(f"{key}.path is missing: give the adapter's .safetensors file or folder")
-    scale = entry.get("scale", 1.0)
+    scale = entry.scale
     try:
         # bool is an int to Python, but `scale: true` is a slip, not a weight.
         if isinstance(scale, bool) or not math.isfinite(float(scale)):
@@ -63,7 +59,7 @@ def _adapter(key: str, entry) -> Adapter:
     except (TypeError, ValueError):
         raise UserError(f"{key}.scale={scale!r} is not a number: give the adapter's weight, e.g. 0.8 "
                         "(0 leaves the model as it is)") from None
-    file = weights_file(key, Path(str(entry["path"])).expanduser())
+    file = weights_file(key, Path(str(entry.path)).expanduser())
     return Adapter(key, file, float(scale), _sha256(file.resolve(), *_stamp(file)))
 
 

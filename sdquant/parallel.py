@@ -184,6 +184,12 @@ def check_split(split: SampleSplit, world: World, halves: bool, heads: int | Non
                         "GPU, and none is visible")
 
 
+def replicas_of(split: SampleSplit, world: World) -> World:
+    """The world of groups, each `split.size` processes of consecutive ranks (as place_of's mesh
+    orders them), which share the prompt batches as data-parallel ranks do."""
+    return World(world.rank // split.size, world.size // split.size, world.local_rank)
+
+
 def place_of(split: SampleSplit, world: World, device: torch.device) -> SamplePlace:
     """This process's group: processes rank // split.size together, the guidance half the middle
     index, the token share the last (a device mesh of groups x cfg x 1 x ulysses, the 1 being
@@ -195,8 +201,8 @@ def place_of(split: SampleSplit, world: World, device: torch.device) -> SamplePl
     groups = world.size // split.size
     mesh = init_device_mesh(device.type, (groups, split.cfg, 1, split.ulysses),
                             mesh_dim_names=("group", "cfg", "ring", "ulysses"))
-    group, cfg_rank, _, token_rank = mesh.get_coordinate()
-    return SamplePlace(World(group, groups, world.local_rank), writes=cfg_rank == 0 and token_rank == 0,
+    _, cfg_rank, _, token_rank = mesh.get_coordinate()
+    return SamplePlace(replicas_of(split, world), writes=cfg_rank == 0 and token_rank == 0,
                        cfg_rank=cfg_rank, cfg_group=mesh["cfg"].get_group() if split.cfg > 1 else None,
                        sequence_mesh=mesh["ring", "ulysses"] if split.ulysses > 1 else None)
 

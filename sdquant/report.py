@@ -281,7 +281,8 @@ def latency_report(timings: list, images_per_run: int, steps: int, backbones: li
 
 
 def print_latency(report: dict) -> None:
-    print(f"\nlatency over {report['timed_runs']} timed run(s), {report['images_per_run']} image(s), "
+    timed = f" ({report['timed']})" if "timed" in report else ""
+    print(f"\nlatency over {report['timed_runs']} call(s){timed}, {report['images_per_run']} image(s), "
           f"{report['steps']} steps, backend {report.get('backend')} on {report.get('device')}")
     backbones = report["backbone"].split(" + ")
     backbone = backbones[0] if len(backbones) == 1 else "backbones"

@@ -95,13 +95,12 @@ def sdxl_run_sizes(latent_height: int, latent_width: int, windows: int = 1) -> d
     return unet_axis_sizes(latent_height, latent_width, windows, None)
 
 
-def infer_stages(cfg, device) -> dict:
-    """The stages infer_trt.py loads for `cfg` (its settled sampling and stage files)."""
-    from sdquant.workflow.infer_trt import load_stages, stage_files
-    from sdquant.workflow.settings import settle_sampling
+def infer_stages(cfg) -> dict:
+    """The stages infer_trt.py builds for `cfg` (sdquant.assembly, from its settled run)."""
+    from sdquant.assembly import assemble
+    from sdquant.runs.infer import settle_infer
 
-    sampling = settle_sampling(cfg, "modules" if cfg.backend == "torch" else "graphs", cfg.cuda_graph)
-    return load_stages(cfg, sampling, stage_files(cfg, sampling), device)
+    return assemble(settle_infer(cfg).pipeline).stages
 
 
 def refused_in_one_line(run, cfg, capsys) -> str:
@@ -158,12 +157,7 @@ def enabled_quantizers(model: str, checkpoint, group_of, attribute: str | None =
 
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from sdquant.load import empty_backbones
-    from sdquant.workflow.settings import restore_quantized_backbones
-
-    model_cfg = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbones = empty_backbones(model_cfg)
-    restore_quantized_backbones(model_cfg, "quantized_unet", str(checkpoint), backbones)
+    backbones = restored_backbones(model, checkpoint)
     (backbone,) = backbones.values() if attribute is None else (backbones[attribute],)
     groups = collections.Counter()
     for name, module in backbone.named_modules():
@@ -210,3 +204,32 @@ def assert_fp8_kernels_draw_as_fake_quantization(infer, out: Path, checkpoint: s
     reference = infer(out / "ref", "backend=torch")
     for ref, a, b in zip(reference, fake, kernels):
         assert abs(psnr(ref, a) - psnr(ref, b)) < 0.5 or psnr(a, b) > 45
+
+
+def settled_model(model: str):
+    """conf/model/<model>.yaml settled as the scripts settle it (its folder's configs read)."""
+    from sdquant.config import settled_config
+    from sdquant.runs.model import settle_model
+
+    return settle_model(settled_config(compose_config("sd_xl_quantize", [f"model={model}"])).model, drawing=False)
+
+
+def restored_backbones(model: str, folder, key: str = "quantized_backbone") -> dict:
+    """The backbones of `model` (by attribute) restored from the quantize.py checkpoint in `folder`."""
+    from sdquant.assembly import restored_backbones as restored
+    from sdquant.runs.model import settle_checkpoint
+
+    settled = settled_model(model)
+    return restored(settled, settle_checkpoint(settled, key, str(folder)))
+
+
+def flow_over(run, stages: dict, device=None):
+    """The data flow of a settled infer_trt.py run's family over `stages` (its model's tokenizers and
+    configs, its scheduler), on the CPU by default."""
+    import torch
+
+    from sdquant.families.pipeline import make_scheduler
+
+    model = run.pipeline.model
+    scheduler = make_scheduler(run.pipeline.scheduler, model.parts["scheduler_config"])
+    return model.family.text_to_image(stages, model.parts, scheduler, device or torch.device("cpu"))

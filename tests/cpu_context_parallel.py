@@ -24,17 +24,13 @@ def expert_over_processes(rank: int, size: int, port: int, checkpoint: str, inpu
 
     from sdquant import parallel
     from sdquant.families.wan import WAN
-    from sdquant.load import empty_backbones
     from sdquant.runtime import torch_backend
-    from sdquant.workflow.settings import restore_quantized_backbones
-    from conftest import compose_config
+    from conftest import restored_backbones
 
     torch.accelerator.device_count = lambda: 1
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
-    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_backbone", checkpoint, backbones)
+    backbones = restored_backbones("tiny_wan", checkpoint)
     expert = backbones["transformer_2"].to(torch.float32)
     torch_backend.convert_quantized(expert, WAN, "quantized_backbone", "fp8", "auto", 4.0)
     place = parallel.place_of(parallel.SampleSplit(1, size), parallel.World(rank, size), torch.device("cpu"))

@@ -17,7 +17,8 @@ from sdquant.graphs.geometry import SampleGeometry
 from sdquant.families.sdxl import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
-from sdquant.workflow.export_trt import build_engines, run_export, settled_export
+from sdquant.runs.export import settle_export
+from sdquant.workflow.export_trt import build_engines, run_export
 from sdquant.workflow.quantize import run_quantize
 
 import standin_tensorrt
@@ -211,7 +212,7 @@ def test_existing_engines_are_reused(fp16_engines, capsys):
     plan = engines.plan_path(cfg.infer.out_path, "unet_xl")
     mtime = plan.stat().st_mtime_ns
     capsys.readouterr()
-    build_engines(settled_export(cfg))
+    build_engines(settle_export(cfg))
     assert capsys.readouterr().out.count("  reused  ") == 4
     assert plan.stat().st_mtime_ns == mtime
 

@@ -22,7 +22,7 @@ from sdquant.runtime import torch_backend
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, fp8_kernels_missing
 from sdquant.runtime.kernels.int8 import MIN_CONV_CAPABILITY, Int8Conv2d
 
-from conftest import FAST_QUANTIZE, compose_config
+from conftest import FAST_QUANTIZE, compose_config, restored_backbones
 from test_conv8 import TWINS, _quantized
 
 pytestmark = [pytest.mark.gpu,
@@ -181,13 +181,8 @@ def converted_scene_inputs(checkpoint, fmt: str, layer_class: type, then=None) -
     """{name: (layer, its input)} for every `layer_class` layer of the SDXL scene model's UNet
     converted to `fmt`'s kernels on the GPU (and given `then(unet)`'s forms), on one call's inputs."""
     from sdquant.families.sdxl import SDXL
-    from sdquant.load import empty_backbones
-    from sdquant.workflow.settings import restore_quantized_backbones
 
-    config = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
-    backbones = empty_backbones(config)
-    restore_quantized_backbones(config, "quantized_unet", str(checkpoint), backbones)
-    (unet,) = backbones.values()
+    (unet,) = restored_backbones("scenes_sdxl", checkpoint).values()
     unet.to(device=CUDA, dtype=torch.float16).eval().to(memory_format=torch.channels_last)
     torch_backend.convert_quantized(unet, SDXL, str(checkpoint), fmt)
     if then is not None:

@@ -18,15 +18,16 @@ from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import flash3_attention_rounded, reference_attention
-from sdquant.load import empty_backbones
 from sdquant.quantize.shared_ranges import attention_layers, output_groups, projection_groups
-from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.workflow.quantize import calibration_of, run_quantize
+from sdquant.config import settled_config
+from sdquant.runs.model import Model
+from sdquant.runs.quantize import calibration_of
+from sdquant.workflow.quantize import run_quantize
 from sdquant.families import family_of
 from sdquant.families.sdxl import SDXL
 
-from conftest import FAST_QUANTIZE, compose_config
+from conftest import FAST_QUANTIZE, compose_config, restored_backbones
 
 MODELS = ("scenes_sdxl", "scenes_flux")
 # One layer of each kind per model: SDXL's self-attention; Flux's joint (double) and single-stream.
@@ -47,10 +48,7 @@ def level4(tmp_path_factory):
 
 
 def _restored(model: str, folder):
-    config = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbones = empty_backbones(config)
-    restore_quantized_backbones(config, "quantized_unet", str(folder), backbones)
-    (backbone,) = backbones.values()
+    (backbone,) = restored_backbones(model, folder).values()
     return backbone.float().eval()
 
 
@@ -387,9 +385,9 @@ def test_sdxl_level4_quantizes_self_attention_only(level4):
 
 def test_only_the_fp8_checkpoints_the_recipe_changed_get_new_fingerprints():
     def settings(model, fmt, level):
-        cfg = compose_config("sd_xl_quantize", [f"model={model}", f"quantize.format={fmt}",
-                                                f"quantize.quant_level={level}"])
-        return calibration_of(cfg, family_of(cfg.model.family)).settings()
+        app = settled_config(compose_config("sd_xl_quantize", [f"model={model}", f"quantize.format={fmt}",
+                                                               f"quantize.quant_level={level}"]))
+        return calibration_of(app, Model(app.model, family_of(app.model.family), {})).settings()
 
     for model, level in (("scenes_sdxl", 1), ("scenes_sdxl", 2), ("scenes_sdxl", 3), ("scenes_flux", 3)):
         assert "recipe" not in settings(model, "int8", level)

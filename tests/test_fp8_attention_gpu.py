@@ -26,7 +26,7 @@ from sdquant.runtime import torch_backend
 from sdquant.runtime.kernels import fp8_attention as kernels
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 
-from conftest import FAST_QUANTIZE, compose_config
+from conftest import FAST_QUANTIZE, compose_config, restored_backbones
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible here)")]
@@ -132,13 +132,9 @@ def test_cudnn_fp8_attention_matches_the_twin_on_full_size_shapes(shape, flash3)
 
 def _scene_backbone(model: str, folder):
     from sdquant.families import family_of
-    from sdquant.load import empty_backbones
-    from sdquant.workflow.settings import restore_quantized_backbones
 
     config = compose_config("sd_xl_quantize", [f"model={model}"]).model
-    backbones = empty_backbones(config)
-    restore_quantized_backbones(config, "quantized_unet", str(folder), backbones)
-    (backbone,) = backbones.values()
+    (backbone,) = restored_backbones(model, folder).values()
     dtype = torch.bfloat16 if model == "scenes_flux" else torch.float16
     backbone.to(device=CUDA, dtype=dtype).eval()
     torch_backend.convert_quantized(backbone, family_of(config.family), str(folder), "fp8")

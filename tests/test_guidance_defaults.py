@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import pytest
 
+from sdquant.config import settled_config
 from sdquant.errors import UserError
 from sdquant.families import family_of
-from sdquant.workflow.quantize import calibration_of
-from sdquant.workflow.settings import settled_guidance
+from sdquant.runs.model import Model
+from sdquant.runs.quantize import calibration_of
 
 from conftest import compose_config
 
 
 def _sampling_guidance(model: str, *overrides: str) -> dict:
-    cfg = compose_config("sd_xl_trt_inference", [f"model={model}", *overrides])
-    return settled_guidance(cfg.sampling, "sampling", cfg.model)
+    app = settled_config(compose_config("sd_xl_trt_inference", [f"model={model}", *overrides]))
+    scales = family_of(app.model.family).settle_guidance(app.model, "sampling.", app.sampling.guidance_scale,
+                                                         app.sampling.guidance_scale_2)
+    return dict(zip(("guidance_scale", "guidance_scale_2"), scales))
 
 
 def _calibration(*overrides: str) -> dict:
-    cfg = compose_config("sd_xl_quantize", list(overrides))
-    return calibration_of(cfg, family_of(cfg.model.family)).settings()
+    app = settled_config(compose_config("sd_xl_quantize", list(overrides)))
+    return calibration_of(app, Model(app.model, family_of(app.model.family), {})).settings()
 
 
 @pytest.mark.parametrize("model,first,second", [("sdxl_base", 5.0, None), ("flux_dev", 3.5, None),
@@ -51,6 +54,5 @@ def test_a_models_own_guidance_and_the_same_value_given_make_one_checkpoint():
 
 
 def test_a_second_scale_on_a_model_of_one_backbone_is_refused():
-    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "model.guidance_scale_2=3.0"])
     with pytest.raises(UserError, match="model.guidance_scale_2=3.0"):
-        settled_guidance(cfg.sampling, "sampling", cfg.model)
+        _sampling_guidance("tiny_sdxl", "model.guidance_scale_2=3.0")

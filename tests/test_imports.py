@@ -90,7 +90,10 @@ LAYERS = (
     ("sdquant.runtime",),
     ("sdquant.families",),
     ("sdquant.load", "sdquant.report"),
-    ("sdquant.quality",),
+    # Each script's config settled, then the pipeline built once from it, then the Python API.
+    ("sdquant.runs",),
+    ("sdquant.assembly",),
+    ("sdquant.api", "sdquant.quality"),
     ("sdquant.workflow",),
 )
 

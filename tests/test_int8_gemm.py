@@ -13,13 +13,11 @@ from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.int8 import Int8Conv2d, Int8Linear, int8_scales
-from sdquant.load import empty_backbones
 from sdquant.quantize.quantizers import quantized_inputs
-from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.families.sdxl import SDXL
 
-from conftest import FAST_QUANTIZE, compose_config
+from conftest import FAST_QUANTIZE, compose_config, restored_backbones
 from test_torch_backend import _image, _psnr
 
 
@@ -43,10 +41,7 @@ def fp8_l3(tmp_path_factory, model_cache):
 
 
 def _restored(checkpoint) -> torch.nn.Module:
-    model = compose_config("sd_xl_quantize", ["model=tiny_sdxl"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_unet", str(checkpoint), backbones)
-    (unet,) = backbones.values()
+    (unet,) = restored_backbones("tiny_sdxl", checkpoint).values()
     return unet.float().eval()
 
 

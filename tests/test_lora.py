@@ -15,6 +15,7 @@ from onnx import numpy_helper
 from sdquant.export import engines, onnx_graphs, refit
 from sdquant.quantize import checkpoint
 from sdquant import lora
+from sdquant.config import LoraAdapter
 from sdquant.families.encoders import ClipGraph
 from sdquant.families.sdxl import SDXL
 from sdquant.cli import exits_cleanly
@@ -23,7 +24,8 @@ from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.workflow.quantize import quantized_checkpoint_dir, run_quantize
+from sdquant.runs.quantize import settle_quantize
+from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config, refused_in_one_line, save_random_lora
 from test_export import _rel_err, _session, _torch_unet, _unet_feeds
@@ -155,18 +157,21 @@ def quantized_with_a(lora_files, model_cache, tmp_path_factory):
 def test_checkpoint_fingerprint_names_each_adapter_and_scale(quantized_with_a, lora_files):
     cfg, folder = quantized_with_a
     sidecar = json.loads((folder / checkpoint.RECORD_FILE).read_text())
-    sha_a = lora.adapters([{"path": str(lora_files["a"])}])[0].sha256
+    sha_a = lora.adapters([LoraAdapter(path=str(lora_files["a"]))])[0].sha256
     assert sidecar["settings"]["model"]["loras"] == [{"sha256": sha_a, "scale": 0.7}]
     others = [[], [(lora_files["a"], 0.5)], [(lora_files["b"], 0.7)], [(lora_files["a"], 0.7), (lora_files["b"], 1)]]
-    names = {quantized_checkpoint_dir(compose_config("sd_xl_quantize", [
-        "model=tiny_sdxl", f"out_dir={cfg.out_dir}", *SMALL_CALIBRATION,
-        *([_loras(*entries)] if entries else [])])).name for entries in others}
+    names = {_folder(cfg, *([_loras(*entries)] if entries else [])).name for entries in others}
     assert len(names) == len(others) and folder.name not in names
     # The same adapter renamed is the same adapter.
     renamed = lora_files["a"].parent / "renamed.safetensors"
     renamed.write_bytes(lora_files["a"].read_bytes())
-    assert quantized_checkpoint_dir(compose_config("sd_xl_quantize", [
-        "model=tiny_sdxl", f"out_dir={cfg.out_dir}", *SMALL_CALIBRATION, _loras((renamed, 0.7))])) == folder
+    assert _folder(cfg, _loras((renamed, 0.7))) == folder
+
+
+def _folder(cfg, *overrides: str):
+    """The checkpoint folder quantize.py settles for the tiny SDXL with these overrides."""
+    return settle_quantize(compose_config("sd_xl_quantize", [
+        "model=tiny_sdxl", f"out_dir={cfg.out_dir}", *SMALL_CALIBRATION, *overrides])).calibration.folder
 
 
 def test_another_scale_calibrates_again(quantized_with_a, lora_files, capsys):

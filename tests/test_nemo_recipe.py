@@ -13,8 +13,11 @@ from sdquant.quantize.calibrate import max_abs, quantize_backbones
 from sdquant.families.sdxl import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
-from sdquant.workflow.settings import checked_checkpoint
-from sdquant.workflow.quantize import run_quantize, settle_quantize
+from sdquant.runs.model import settle_checkpoint
+from sdquant.runs.quantize import settle_quantize
+from sdquant.workflow.quantize import run_quantize
+
+from conftest import settled_model
 
 N_STEPS = 4
 
@@ -59,7 +62,7 @@ def _calibrate_beside(pipe, cfg, observe: dict) -> None:
     handles = [module.register_forward_pre_hook(lambda _m, args, name=name: observe[name](args[0]))
                for name, module in pipe.unet.named_modules() if name in observe]
     try:
-        quantize_backbones(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), settle_quantize(cfg).block, cfg.seed)
+        quantize_backbones(pipe, SDXL, load_prompts(None, cfg.quantize.calib_size), settle_quantize(cfg).calibration.block, cfg.seed)
     finally:
         for handle in handles:
             handle.remove()
@@ -159,6 +162,5 @@ def test_a_checkpoint_of_the_older_recipe_is_refused_in_one_line(quantize_cfg, t
     sidecar = json.loads((folder / "checkpoint.json").read_text())
     del sidecar["settings"]["quantize"]["percentile_layers"]
     (folder / "checkpoint.json").write_text(json.dumps(sidecar))
-    cfg = quantize_cfg()
     with pytest.raises(UserError, match="calibrated by an sdquant older than NeMo's recipe.*quantize again"):
-        checked_checkpoint(cfg.model, "quantized_unet", str(folder))
+        settle_checkpoint(settled_model("tiny_sdxl"), "quantized_unet", str(folder))

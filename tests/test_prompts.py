@@ -14,13 +14,13 @@ from sdquant.load import pipeline_parts
 from sdquant.families.pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
 from sdquant.families.sdxl import SDXL
 from sdquant.runtime.stages import StageTimer
-from sdquant.workflow.settings import settle_sampling
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
+from sdquant.runs.infer import settle_infer
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
-from conftest import compose_config, refused_in_one_line
+from conftest import compose_config, flow_over, refused_in_one_line
 
 # The tiny models' tokenizer spells every letter and mark as one token: this prompt takes 79, and
 # cutting it to CLIP's window drops its last 4, "sky,".
@@ -43,8 +43,8 @@ def _png(path) -> tuple[np.ndarray, dict]:
 
 
 def _tiny_sdxl(tiny_pipeline) -> TextToImage:
-    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl"])
-    return settle_sampling(cfg).pipeline(SDXL.torch_stages(tiny_pipeline(), torch.float32), CPU)
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "backend=torch"])
+    return flow_over(settle_infer(cfg), SDXL.torch_stages(tiny_pipeline(), torch.float32))
 
 
 def _settings(prompts: list[str], **options) -> SamplingSettings:
@@ -166,9 +166,10 @@ def test_say_truncated_names_each_prompt_once(model_cache, capsys):
 def test_evaluate_without_prompts_takes_the_models_own(model, count, model_cache):
     """A scene model is evaluated on its held-out prompts (scored for adherence); another model on
     the package's photo prompts; given prompts win over both."""
-    from sdquant.workflow.settings import sampling_runs
+    from sdquant.config import settled_config
+    from sdquant.runs.sample import prompt_batches
 
-    cfg = compose_config("sd_xl_evaluate", [f"model={model}"])
-    assert sum(len(settings.prompts) for settings in sampling_runs(cfg.sampling, cfg.model)) == count
-    cfg = compose_config("sd_xl_evaluate", [f"model={model}", 'sampling.prompts=["a cat"]'])
-    assert [settings.prompts for settings in sampling_runs(cfg.sampling, cfg.model)] == [["a cat"]]
+    app = settled_config(compose_config("sd_xl_evaluate", [f"model={model}"]))
+    assert sum(len(prompts) for prompts in prompt_batches(app.sampling, app.model)) == count
+    app = settled_config(compose_config("sd_xl_evaluate", [f"model={model}", 'sampling.prompts=["a cat"]']))
+    assert prompt_batches(app.sampling, app.model) == [["a cat"]]

@@ -14,14 +14,15 @@ from sdquant.quantize.calibrate import activation_amax, quantize_backbones
 from sdquant.families import family_of
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
-from sdquant.workflow.quantize import run_quantize, settle_quantize
+from sdquant.runs.quantize import settle_quantize
+from sdquant.workflow.quantize import run_quantize
 
 
 def _calibrate(tiny_pipeline, quantize_cfg, *overrides, model="tiny_sdxl"):
     cfg = quantize_cfg(*overrides, model=model)
     pipe = tiny_pipeline(model)
     quantize_backbones(pipe, family_of(cfg.model.family), load_prompts(None, cfg.quantize.calib_size),
-                       settle_quantize(cfg).block, cfg.seed)
+                       settle_quantize(cfg).calibration.block, cfg.seed)
     return pipe
 
 
@@ -115,7 +116,7 @@ def test_out_of_memory_names_batch_size(tiny_pipeline, quantize_cfg):
 
     pipe.unet.register_forward_pre_hook(exhaust)
     with pytest.raises(UserError, match="lower quantize.batch_size"):
-        quantize_backbones(pipe, family_of(cfg.model.family), load_prompts(None, 4), settle_quantize(cfg).block, cfg.seed)
+        quantize_backbones(pipe, family_of(cfg.model.family), load_prompts(None, 4), settle_quantize(cfg).calibration.block, cfg.seed)
 
 
 def test_run_writes_sidecar_and_reuses(quantize_cfg, capsys):

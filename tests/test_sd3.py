@@ -21,7 +21,8 @@ from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 
 from conftest import (assert_fp8_kernels_draw_as_fake_quantization, assert_int8_graph_runs_as_fake_quantization,
-                      compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, save_random_lora)
+                      compose_config, enabled_quantizers, quantize_each_recipe, refused_in_one_line, restored_backbones,
+                      save_random_lora)
 
 CPU = torch.device("cpu")
 # The second prompt is longer than the tiny T5's 256 tokens (one a character): T5 cuts it as
@@ -164,14 +165,9 @@ def test_quantized_transformers_build_with_tensorrt_rtx(tmp_path, checkpoints, r
 def _transformer(checkpoint, kernels: bool, level: float):
     """The checkpoint's transformer, in fake quantization or converted to the FP8 kernels (their CPU twins)."""
     from sdquant.families.sd3 import SD3
-    from sdquant.load import empty_backbones
     from sdquant.runtime import torch_backend
-    from sdquant.workflow.settings import restore_quantized_backbones
 
-    model = compose_config("sd_xl_quantize", ["model=tiny_sd3"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_unet", str(checkpoint), backbones)
-    (transformer,) = backbones.values()
+    (transformer,) = restored_backbones("tiny_sd3", checkpoint).values()
     transformer.to(torch.float32)
     conversion = torch_backend.convert_quantized(transformer, SD3, "quantized_unet", "fp8", "auto", level) \
         if kernels else None

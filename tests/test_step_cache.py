@@ -177,7 +177,7 @@ def test_missing_cached_passes_are_named_with_the_export_that_makes_them(cached_
                                         r"cache.method=deepcache cache.branch=0"):
         (graphs / "plan" / "unet_xl_full.plan").unlink()
         infer_stages(compose_config("sd_xl_trt_inference", ["model=scenes_sdxl", "sampling.cache.method=deepcache",
-                                                             *_engines(graphs)]), torch.device("cpu"))
+                                                             *_engines(graphs)]))
 
 
 def _flux_images(tmp_path, *overrides, prompts=("a red fox", "a lighthouse at dusk"), batch_size=2):

@@ -14,15 +14,13 @@ from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
 from sdquant.families.sd import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, Fp8Linear
-from sdquant.load import empty_backbones
 from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.quantize.shared_ranges import projection_groups
-from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 from sdquant.families.sdxl import SDXL
 
-from conftest import compose_config
+from conftest import compose_config, restored_backbones
 
 SCENE_PROMPTS = ["a large purple triangle at the bottom, white background",
                  "a small blue circle on the left, pink background"]
@@ -46,9 +44,7 @@ def tiny_fp8_l3(tmp_path_factory, model_cache):
 
 def _restored(checkpoint):
     model = compose_config("sd_xl_quantize", ["model=scenes_sdxl"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_unet", str(checkpoint), backbones)
-    (unet,) = backbones.values()
+    (unet,) = restored_backbones("scenes_sdxl", checkpoint).values()
     return model, unet.float().eval()
 
 

@@ -22,9 +22,9 @@ from sdquant.families.sdxl import SDXLTextToImage
 from sdquant.families import family_of
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.trt_stages import check_within_profiles, trt_stages
-from sdquant.workflow.settings import settle_sampling
+from sdquant.runs.infer import settle_infer
 
-from conftest import compose_config, sdxl_profile_shapes, sdxl_run_sizes
+from conftest import compose_config, flow_over, sdxl_profile_shapes, sdxl_run_sizes
 
 SDXL_DIMS = {"clip1": {"input_ids": [None, 77]}, "clip2": {"input_ids": [None, 77]},
              "unet_xl": {"x": [None, 4, None, None], "timesteps": [None], "context": [None, None, 2048],
@@ -61,8 +61,8 @@ def test_stage_batches_are_what_the_data_flow_runs(tiny_pipeline, model, negativ
     seen = {}
     stages = {name: _BatchRecorder(stage, name, seen)
               for name, stage in family_of("sdxl" if sdxl else "sd15").torch_stages(pipe, torch.float32).items()}
-    cfg = compose_config("sd_xl_trt_inference", [f"model={model}"])
-    pipeline = settle_sampling(cfg).pipeline(stages, torch.device("cpu"))
+    cfg = compose_config("sd_xl_trt_inference", [f"model={model}", "backend=torch"])
+    pipeline = flow_over(settle_infer(cfg), stages)
     settings = _settings(2, negative_prompt, guidance_scale, images_per_prompt)
     images = pipeline(settings, StageTimer(torch.device("cpu")), progress=False)
     assert images.shape[0] == 2 * images_per_prompt

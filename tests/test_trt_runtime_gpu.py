@@ -232,7 +232,7 @@ def test_each_engine_is_loaded_by_the_tensorrt_that_built_it(stand_in, monkeypat
     (plans / trt_engines.ENGINES_FILE).write_text(json.dumps(record))
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_sdxl", "backend=trt",
                                                  *(f"{name}={plans / f'{name}.plan'}" for name in names)])
-    stages = infer_stages(cfg, torch.device("cuda"))
+    stages = infer_stages(cfg)
     sample = torch.randint(-8, 9, (2, 8), dtype=torch.float32)
     assert torch.equal(stages["unet_xl"](features=sample.cuda())["out"].cpu(), _expected(sample))
 

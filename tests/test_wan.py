@@ -20,10 +20,10 @@ from sdquant.runtime.stages import StageTimer
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.infer_trt import run_infer
+from sdquant.runs.infer import settle_infer
 from sdquant.workflow.quantize import run_quantize
-from sdquant.workflow.settings import settle_sampling
 
-from conftest import compose_config, enabled_quantizers, refused_in_one_line
+from conftest import compose_config, enabled_quantizers, flow_over, refused_in_one_line, restored_backbones
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox runs through the snow", "a paper boat on a pond"]
@@ -42,10 +42,10 @@ def _sampling(model: str, *overrides):
 def _ours(model: str, *overrides) -> tuple[torch.Tensor, object]:
     """Our torch stages' videos (B, F, 3, H, W) of the run's first prompt batch, and its settings."""
     cfg = _sampling(model, "sampling.batch_size=2", *overrides)
-    sampling = settle_sampling(cfg)
+    run = settle_infer(cfg)
     pipe = load_pipeline(cfg.model, CPU, torch.float32)
-    pipeline = sampling.pipeline(sampling.family.torch_stages(pipe, torch.float32), CPU)
-    return pipeline(sampling.runs[0], StageTimer(CPU), progress=False), sampling
+    pipeline = flow_over(run, run.pipeline.family.torch_stages(pipe, torch.float32))
+    return pipeline(run.sampling.first, StageTimer(CPU), progress=False), run.sampling.first
 
 
 @pytest.mark.parametrize("model, second", [("tiny_wan", 3.0), ("tiny_wan_ti2v", None)])
@@ -76,20 +76,21 @@ def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_st
     taylorseer = ["sampling.cache.method=taylorseer", "sampling.cache.interval=2", "sampling.cache.warmup=1"]
     cfg = _sampling("tiny_wan", "sampling.prompts=['a red fox runs through the snow']", "sampling.steps=6",
                     *taylorseer)
-    sampling = settle_sampling(cfg)
-    family, geometry = sampling.family, sampling.geometry
+    run = settle_infer(cfg)
+    family, first = run.pipeline.family, run.sampling.first
+    geometry, cache = first.geometry, first.cache
     pipe = load_pipeline(cfg.model, CPU, torch.float32)
-    stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32, sampling.cache),
+    stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, torch.float32, cache),
                                     TorchBackendBlock(), cuda_graph=False, quantized=False)
     experts = (stages["transformer"], stages["transformer_2"])
     assert all(isinstance(stage, InTurn) and stage.size == 1 for stage in experts)
-    ours = sampling.pipeline(stages, CPU)(sampling.runs[0], StageTimer(CPU), progress=False)
+    ours = flow_over(run, stages)(first, StageTimer(CPU), progress=False)
 
     def reference(cached: bool) -> torch.Tensor:
         pipe = load_pipeline(cfg.model, CPU, torch.float32)
         for expert in (pipe.transformer, pipe.transformer_2):
             if cached:
-                expert.enable_cache(sampling.cache.config(expert))
+                expert.enable_cache(cache.config(expert))
         return pipe(prompt=PROMPTS[:1], negative_prompt="blurry, static", num_inference_steps=6, guidance_scale=4.0,
                     height=geometry.height, width=geometry.width, num_frames=geometry.frames, max_sequence_length=64,
                     output_type="pt", generator=[torch.Generator().manual_seed(42)]).frames
@@ -187,12 +188,7 @@ def test_levels_keep_modelopts_wan_filter_in_high_precision(checkpoints):
 def _fp8_attention_layers(checkpoint) -> set[str]:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from sdquant.load import empty_backbones
-    from sdquant.workflow.settings import restore_quantized_backbones
-
-    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_backbone", str(checkpoint), backbones)
+    backbones = restored_backbones("tiny_wan", checkpoint)
     return {name.rsplit(".", 1)[0] for module in backbones.values() for name, quantizer in module.named_modules()
             if isinstance(quantizer, TensorQuantizer) and quantizer.is_enabled and name.endswith("q_bmm_quantizer")}
 
@@ -240,15 +236,11 @@ def test_onnx_graphs_run_as_torch_and_build_with_tensorrt_rtx(tmp_path, model_ca
 @pytest.mark.parametrize("recipe, level, attention, tolerance", [("fp8_l3", 3.0, 0, 1e-5), ("fp8_l4", 4.0, 2, 2e-2)])
 def test_fp8_kernels_compute_what_fake_quantization_does(checkpoints, recipe, level, attention, tolerance):
     from sdquant.families.wan import WAN
-    from sdquant.load import empty_backbones
     from sdquant.runtime import torch_backend
-    from sdquant.workflow.settings import restore_quantized_backbones
 
-    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
     experts = []
     for kernels in (False, True):
-        backbones = empty_backbones(model)
-        restore_quantized_backbones(model, "quantized_backbone", str(checkpoints[recipe]), backbones)
+        backbones = restored_backbones("tiny_wan", checkpoints[recipe])
         expert = backbones["transformer_2"].to(torch.float32)
         if kernels:
             conversion = torch_backend.convert_quantized(expert, WAN, "quantized_backbone", "fp8", "auto", level)
@@ -271,16 +263,12 @@ def test_an_expert_split_by_tokens_over_two_processes_computes_the_whole_call(tm
 
     from cpu_context_parallel import expert_over_processes
     from sdquant.families.wan import WAN
-    from sdquant.load import empty_backbones
     from sdquant.runtime import torch_backend
-    from sdquant.workflow.settings import restore_quantized_backbones
 
     torch.manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 16, 3, 4, 6), "timestep": torch.tensor([500.0, 500.0]),
               "encoder_hidden_states": torch.randn(2, 64, 32)}
-    model = compose_config("sd_xl_quantize", ["model=tiny_wan"]).model
-    backbones = empty_backbones(model)
-    restore_quantized_backbones(model, "quantized_backbone", str(checkpoints["fp8_l4"]), backbones)
+    backbones = restored_backbones("tiny_wan", checkpoints["fp8_l4"])
     expert = backbones["transformer_2"].to(torch.float32)
     torch_backend.convert_quantized(expert, WAN, "quantized_backbone", "fp8", "auto", 4.0)
     with torch.no_grad():
@@ -399,34 +387,6 @@ def test_splits_a_run_cannot_take_are_refused(tmp_path, capsys, monkeypatch, tin
         assert "diffusers' context parallelism places each process on a GPU, and none is visible" in \
             refused("parallel.ulysses=2")
     assert not (tmp_path / "out").exists()
-
-
-def test_fp8_attention_past_its_verified_length_runs_in_16_bits_or_is_refused(tmp_path, checkpoints, capsys,
-                                                                              monkeypatch):
-    """A call longer than the family's FP8 attention was verified right on: under attention=auto its
-    attention runs in 16 bits (the GEMMs stay FP8) with a note; attention=fp8 is refused in one line."""
-    from sdquant.families.wan.family import WanT2VFamily
-    from sdquant.runtime.attention import FP8_ATTENTION
-    from sdquant.runtime.kernels.fp8_layers import Fp8Linear
-    from sdquant.workflow import infer_trt
-
-    # tiny_wan's default 9 frames of 32x32: 12 tokens a call.
-    monkeypatch.setattr(WanT2VFamily, "fp8_attention_tokens", 11)
-    fp8 = [f"quantized_backbone={checkpoints['fp8_l4']}", "torch_backend.quantized=fp8", "num_warmup_runs=0"]
-    converted = []
-    original = infer_trt._torch_stages
-    monkeypatch.setattr(infer_trt, "_torch_stages", lambda *args: converted.append(original(*args)) or converted[-1])
-    run_infer(_sampling("tiny_wan", f"out_path={tmp_path / 'auto'}", *fp8))
-    assert "past the 11 it was verified right on for this model" in capsys.readouterr().out
-    experts = [module for name, stage in converted[0].items() if name.startswith("transformer")
-               for module in stage.graph.modules()]
-    assert any(isinstance(module, Fp8Linear) for module in experts)
-    assert not any(hasattr(module, FP8_ATTENTION) for module in experts)
-    assert sorted(path.name for path in (tmp_path / "auto").iterdir())[0] == "latency.json"
-    message = refused_in_one_line(run_infer, _sampling("tiny_wan", f"out_path={tmp_path / 'fp8'}", *fp8,
-                                                       "torch_backend.attention=fp8"), capsys)
-    assert "torch_backend.attention=fp8: FP8 attention over 12 tokens a call is past the 11" in message
-    assert not (tmp_path / "fp8").exists()
 
 
 def test_evaluate_scores_each_frame_motion_and_each_expert(tmp_path, checkpoints):

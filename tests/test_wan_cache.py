@@ -14,10 +14,10 @@ import torch
 from sdquant.load import load_pipeline
 from sdquant.runtime.stages import StageTimer
 from sdquant.workflow.evaluate import run_evaluate
+from sdquant.runs.infer import settle_infer
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.workflow.settings import settle_sampling
 
-from conftest import compose_config, refused_in_one_line
+from conftest import compose_config, flow_over, refused_in_one_line
 
 CPU = torch.device("cpu")
 # 12 UniPC steps at flow shift 3: tiny_wan's high-noise expert serves 4 (t >= 875), the other 8.
@@ -34,19 +34,19 @@ class Videos:
 
     def __init__(self, model: str, *cache: str):
         cfg = compose_config("sd_xl_trt_inference", [f"model={model}", *RUN, *cache])
-        self.sampling = settle_sampling(cfg)
+        run = settle_infer(cfg)
+        self.first, family = run.sampling.first, run.pipeline.family
         pipe = load_pipeline(cfg.model, CPU, torch.float32)
         self.calls = collections.Counter()
-        for attribute, expert in self.sampling.family.backbone_modules(pipe).items():
+        for attribute, expert in family.backbone_modules(pipe).items():
             block = expert.blocks[-2]
             for counted, layer in (("feed-forward", block.ffn), ("attention", block.attn1.to_out[0])):
                 layer.register_forward_hook(lambda *_, key=(attribute, counted): self.calls.update([key]))
-        self.flow = self.sampling.pipeline(self.sampling.family.torch_stages(pipe, torch.float32, self.sampling.cache),
-                                           CPU)
+        self.flow = flow_over(run, family.torch_stages(pipe, torch.float32, self.first.cache))
 
     def draw(self) -> torch.Tensor:
         """One video (1, F, 3, H, W) of the run's first prompt batch."""
-        return self.flow(self.sampling.runs[0], StageTimer(CPU), progress=False)
+        return self.flow(self.first, StageTimer(CPU), progress=False)
 
     def counted(self, layer: str) -> dict[str, int]:
         return {attribute: n for (attribute, counted), n in self.calls.items() if counted == layer}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
+from ..graphs.geometry import SampleGeometry
 from ..graphs.networks import Network
 
 if TYPE_CHECKING:
@@ -21,6 +22,17 @@ class Backbone:
 
     attribute: str
     graph: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one pipeline call draws, settled by its family: the geometry, the frame rate (a video's),
+    and the guidance of the first and the second expert (None: the first's)."""
+
+    geometry: SampleGeometry
+    fps: int | None
+    guidance_scale: float
+    guidance_scale_2: float | None
 
 
 # Every random-weight model is built from this seed, so the same sizes give the same weights.
@@ -160,6 +172,48 @@ class ModelFamily:
             raise UserError(f"{key}={asked}: model={model.name} draws images, which have no frame rate: leave it unset")
         return None
 
+    def settle_sample(self, model, configs: dict, prefix: str, height: int | None, width: int | None,
+                      num_frames: int | None, fps: int | None, guidance_scale: float | None,
+                      guidance_scale_2: float | None) -> Sample:
+        """What one call draws, as the family decides it, every value checked before any work: the
+        geometry (a null size or frame count the model's own; a size the family's grid can make), the
+        frame rate and the guidance (a null scale the model's). `configs`: the model folder's
+        (scheduler, backbone, VAE; none for a single file, whose size must then be given); `prefix`:
+        how the caller names the values in messages ("sampling.", "quantize.", "")."""
+        from ..config import validate_image_size
+
+        guidance = self.settle_guidance(model, prefix, guidance_scale, guidance_scale_2)
+        frames = self.settled_frames(num_frames, f"{prefix}num_frames", model)
+        frame_rate = self.settled_fps(fps, f"{prefix}fps", model)
+        asked = {"height": height, "width": width}
+        if configs:
+            scale = self.vae_scale(configs["vae_config"])
+            native = dict(zip(("height", "width"), self.native_size(model, configs, scale)))
+            multiple = self.size_multiple(scale)
+        elif None in asked.values():
+            raise UserError(f"{prefix}height and {prefix}width: model.source={model.source} is a single file, which "
+                            "does not state the model's native size: set both (1024 for SDXL, 512 for SD 1.5), or "
+                            "set model.single_file_config")
+        else:
+            native, multiple = asked, 1
+        size = {key: native[key] if value is None else value for key, value in asked.items()}
+        validate_image_size(size, prefix, multiple, self.size_reason)
+        return Sample(SampleGeometry(frames, size["height"], size["width"]), frame_rate, *guidance)
+
+    def settle_guidance(self, model, prefix: str, guidance_scale: float | None,
+                        guidance_scale_2: float | None) -> tuple[float, float | None]:
+        """The guidance of the first and the second expert, each null one the model's own
+        (model.guidance_scale, model.guidance_scale_2); a second scale refused for a family of one
+        backbone. The second stays null where both are, which the pipelines read as the first's."""
+        self.check_guidance(guidance_scale_2, f"{prefix}guidance_scale_2")
+        self.check_guidance(model.guidance_scale_2, "model.guidance_scale_2")
+        return (model.guidance_scale if guidance_scale is None else guidance_scale,
+                model.guidance_scale_2 if guidance_scale_2 is None else guidance_scale_2)
+
+    def check_declared(self, model, parts: dict) -> None:
+        """Refuses, before any work, what a model folder declares that the family's data flow cannot
+        run (`parts`: its configs, as sdquant.load reads them); nothing by default."""
+
     def check_guidance(self, second_scale: float | None, key: str) -> None:
         """Refuses a second expert's guidance scale for a family with one backbone."""
         if second_scale is not None and len(self.backbones) == 1:
@@ -234,8 +288,6 @@ class ModelFamily:
         (Flux's and SD3.5's: the AdaLN modulations of every step), by name; none by default."""
         return {}
 
-    # The longest backbone call (tokens) its FP8 attention was verified right on; None: no limit.
-    fp8_attention_tokens: int | None = None
     # Samples one backbone call of the torch backend takes at most, the batch run in turn (None: the
     # whole batch in one call, which serves images' short sequences best).
     backbone_call_samples: int | None = None

@@ -104,9 +104,14 @@ class HookedStage(InTurn):
     call the guidance halves, the hook's state cleared at each generation's first step."""
 
     def __init__(self, stage, transformer, cache: HookCache):
-        transformer.enable_cache(cache.config(transformer))
         super().__init__(stage)
         self.transformer = transformer
+        self.cache = cache
+        self.enable()
+
+    def enable(self) -> None:
+        """Puts the hook on the module (again, after the family's release_cache took it off)."""
+        self.transformer.enable_cache(self.cache.config(self.transformer))
 
     def allow_recompiles(self) -> None:
         allow_recompiles(self.transformer)

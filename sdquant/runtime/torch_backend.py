@@ -104,27 +104,11 @@ def cannot_run(backbone: torch.nn.Module, sites: list) -> list[str]:
     return reasons
 
 
-def check_attention_length(quantized: str, attention: str, tokens: int | None,
-                           verified_tokens: int | None) -> str | None:
-    """Why calls of `tokens` run no FP8 attention, where they are longer than the family's FP8
-    attention was verified right on (ModelFamily.fp8_attention_tokens), None where they may;
-    refuses torch_backend.attention=fp8 for such calls (infer_trt.py and evaluate.py ask before
-    loading anything)."""
-    if tokens is None or verified_tokens is None or tokens <= verified_tokens:
-        return None
-    why = f"FP8 attention over {tokens} tokens a call is past the {verified_tokens} it was verified right on for this model"
-    if quantized == "fp8" and attention == "fp8":
-        raise UserError(f"torch_backend.attention=fp8: {why}: set torch_backend.attention=fp16 or auto")
-    return why
-
-
-def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, quant_level: float | None = None,
-                         tokens: int | None = None, verified_tokens: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
+                         quant_level: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """{attention layer: its q, k and v ranges} for the layers to run FP8 attention, as
     torch_backend.attention asks: auto, every layer the checkpoint calibrated it for; fp16, none;
-    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`). Calls of
-    `tokens` past the longest its family's FP8 attention was verified right on (`verified_tokens`)
-    run attention in 16 bits under auto and are refused under fp8."""
+    fp8, the same as auto, refused for a checkpoint without any (made at `quant_level`)."""
     from .kernels.fp8_attention import cuda_kernel_missing
 
     ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
@@ -134,10 +118,6 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str, 
                         "ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
                         "torch_backend.attention=auto")
     if attention == "fp16" or not ranges:
-        return {}
-    why = check_attention_length("fp8", attention, tokens, verified_tokens)
-    if why:
-        print(f"note: {named}: {why}; its attention runs in 16 bits (its GEMMs stay FP8)", flush=True)
         return {}
     device = next(backbone.parameters()).device
     missing = cuda_kernel_missing(device) if device.type == "cuda" else None
@@ -177,13 +157,12 @@ class Conversion:
 
 
 def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: str, attention: str = "auto",
-                      quant_level: float | None = None, tokens: int | None = None) -> Conversion:
+                      quant_level: float | None = None) -> Conversion:
     """Replaces every calibrated Linear and Conv2d with the layers of `quantized`'s kernels (fp8 or
     int8, the checkpoint's own format), scales taken from the checkpoint's quantizers, and every
     other quantized module class with its plain torch layer; for FP8, then gives the attention layers
     their fused projections and, as torch_backend.attention asks, FP8 attention (sdquant.runtime.attention)
-    by `family`'s processors. `named`: the config key and value that name the checkpoint, for messages;
-    `tokens`: what each call attends over, where the run knows it (fp8_attention_ranges)."""
+    by `family`'s processors. `named`: the config key and value that name the checkpoint, for messages."""
     from modelopt.torch.quantization.nn import QuantModule
 
     from .attention import convert_attention
@@ -199,8 +178,7 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
         _check_fp8_kernels(backbone, named)
     else:
         _note_int8_on_hopper(backbone, named)
-    attention_ranges = (fp8_attention_ranges(backbone, named, attention, quant_level, tokens,
-                                             family.fp8_attention_tokens) if quantized == "fp8" else {})
+    attention_ranges = fp8_attention_ranges(backbone, named, attention, quant_level) if quantized == "fp8" else {}
     amax: dict[str, dict[str, torch.Tensor]] = {}
     for site in sites:
         amax.setdefault(site.layer, {})[site.role] = site.amax
@@ -331,51 +309,72 @@ def in_turn(stage, size: int) -> InTurn:
 
 def speed_up(pipe, family, stages: dict, block, cuda_graph: bool, quantized: bool) -> dict:
     """Applies the torch backend's settings to the stages of `pipe`, in place; returns them."""
+    prepare_modules(family, family.backbone_modules(pipe), pipe.vae, block, quantized, pipe.device)
+    stages = fast_stages(family, stages, block, cuda_graph, pipe.device)
+    # Run once a generation, eager: a few small kernels and one GEMM per AdaLN map.
+    stages.update(family.generation_stages(pipe))
+    return stages
+
+
+def speed_up_backbones(family, modules: dict, stages: dict, block, cuda_graph: bool, device: torch.device,
+                       quantized: bool) -> dict:
+    """speed_up for backbone modules and their stages alone (the others' stages already at speed)."""
+    prepare_modules(family, modules, None, block, quantized, device)
+    return fast_stages(family, stages, block, cuda_graph, device)
+
+
+def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: torch.device) -> None:
+    """The backbone modules (by attribute) and the VAE (None: leave it) in the forms the torch
+    backend runs them in, in place: their attention kernel and, where it compiles, the forms it
+    compiles them in.
+
+    diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
+    decoder's layers in forms that compile to faster kernels (sdquant.runtime.compiled_forms). An
+    8-bit backbone's block outputs are pinned channels-last and its GroupNorms take the form too
+    (faster only together); a 16-bit backbone keeps the compiler's layouts, which ran it faster.
+    Every backbone's tanh-approximated GELUs take their sigmoid form, the same function in fewer
+    instructions, and its family's own forms (Flux: q/k features in the order its rotary embedding
+    compiles best in; Flux and SD3.5: their AdaLN modulations taken precomputed for every step from
+    a stage of their own, from generation_stages, unless a cache hook is on). An FP8 backbone's GEGLU
+    layers run as one kernel each, GEMM, gating and rounding (sdquant.runtime.kernels.fp8_geglu).
+    Rows up to 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers. A video family's
+    3-D convolutions (its patch embedding, its VAE) have no channels-last form."""
+    kernel = chosen_kernel(block.attention_kernel, device)
+    for module in modules.values():
+        use_attention_kernel(module, kernel)
+    if not block.compile:
+        return
+    for module in modules.values():
+        compiled_backbone_forms(module, family, quantized)
+    if vae is not None:
+        if family.channels_last:
+            vae.to(memory_format=torch.channels_last)
+        use_compiled_forms(vae)
+    use_persistent_rows()
+    tag_compile_cache()
+
+
+def fast_stages(family, stages: dict, block, cuda_graph: bool, device: torch.device) -> dict:
+    """`stages` (any of a pipeline's, by graph name) at the torch backend's settings, in place:
+    a family's backbones run a few samples a call where it says so; the backbones' and the
+    decoder's stages (each cached pass its own) compiled, the decoder run on vae_batch images at a
+    time, and each replayed as one CUDA graph per shape; returns them."""
     from ..graphs.networks import Role
 
-    kernel = chosen_kernel(block.attention_kernel, pipe.device)
     for backbone in family.backbones:
-        use_attention_kernel(getattr(pipe, backbone.attribute), kernel)
-        if family.backbone_call_samples:
+        if family.backbone_call_samples and backbone.graph in stages:
             stages[backbone.graph] = in_turn(stages[backbone.graph], family.backbone_call_samples)
-
-    # The backbones (each cached pass its own compiled graph and CUDA graph) and the decoder: the
-    # stages that run every step or on every image.
     replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
     if block.compile:
-        # diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
-        # decoder's layers in forms that compile to faster kernels (sdquant.runtime.compiled_forms).
-        # An 8-bit backbone's block outputs are pinned channels-last and its GroupNorms take the
-        # form too: the FP8 SDXL UNet ran 185 -> 175 -> 169 ms a call at 16 samples (H100,
-        # benchmarks/results/group_norm_kernels_h100.json, group_norm_statistics_h100.json); the
-        # form alone, unpinned, had made it slower (208 against 188 ms a step). A 16-bit backbone
-        # keeps the compiler's layouts: pinned, fp16 SDXL ran 0.988x the peer's time against 0.963x
-        # unpinned (two runs), and the form was not timed on it. Every backbone's tanh-approximated
-        # GELUs take their sigmoid form, the same function in fewer instructions, and its family's
-        # own forms (Flux: q/k features in the order its rotary embedding compiles best in; Flux and
-        # SD3.5: their AdaLN modulations taken precomputed for every step from a stage of their own,
-        # from generation_stages, unless a cache hook is on). An FP8 backbone's GEGLU layers run as
-        # one kernel each, GEMM, gating and rounding (sdquant.runtime.kernels.fp8_geglu). Rows up to
-        # 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers, 1.45x inductor's loop.
-        # A video family's 3-D convolutions (its patch embedding, its VAE) have no channels-last form.
-        for backbone in family.backbones:
-            compiled_backbone_forms(getattr(pipe, backbone.attribute), family, quantized)
-        if family.channels_last:
-            pipe.vae.to(memory_format=torch.channels_last)
-        use_compiled_forms(pipe.vae)
-        use_persistent_rows()
-        tag_compile_cache()
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, dynamic=block.dynamic, **compile_settings(block))
             if hasattr(stages[name], "allow_recompiles"):
                 stages[name].allow_recompiles()
     # Outside the compiled graph, so that it compiles for vae_batch images, not an unrolled batch.
     decode_in_slices(family, stages, block.vae_batch)
-    if cuda_graph and pipe.device.type == "cuda":
+    if cuda_graph and device.type == "cuda":
         # The text encoders stay as they are: they build masks from host tensors, which a
         # capture cannot take.
         for name in replayed:
             stages[name] = GraphReplayStage(stages[name])
-    # Run once a generation, eager: a few small kernels and one GEMM per AdaLN map.
-    stages.update(family.generation_stages(pipe))
     return stages

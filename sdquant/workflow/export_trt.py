@@ -1,88 +1,36 @@
 """export_trt.py: the ONNX export of every network, then the TensorRT engines, as the switches say;
 or instead a refit of refittable engines with other LoRA adapters. The config is settled once
-(settle_export) into an Export, which quantize.py settles from its own blocks to export the
-backbones it calibrated."""
+(sdquant.runs.export) into an ExportRun, as quantize.py settles the export of its checkpoint."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..export import engines, onnx_graphs, refit
 from ..quantize import checkpoint
-from .. import load, lora
+from .. import lora
 from ..artifacts import read_json
+from ..assembly import restore
 from ..cli import stage
-from ..config import quantized_backbone, validate_export, validate_image_size
+from ..config import sizes_of, validate_image_size
 from ..errors import UserError
-from ..families import family_of
-from ..families.base import ModelFamily
-from ..graphs.geometry import SampleGeometry
 from ..graphs.networks import Role
 from ..load import empty_backbones, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
-from .settings import checked_cache, checked_checkpoint, frozen, restore_quantized_backbones, settled_geometry
-
-
-@dataclass(frozen=True)
-class Export:
-    """export_trt.py's config settled: the model and its family, the export folder and the engines'
-    batch and geometry (`infer`, read-only), the TensorRT and ONNX blocks (read-only), the
-    checkpoint and the key that named it, the step cache and the switches."""
-
-    model: object
-    family: ModelFamily
-    infer: object
-    geometry: SampleGeometry | None
-    trt: object
-    onnx: object
-    checkpoint_key: str
-    checkpoint: str | None
-    cache: object | None
-    force: bool
-    device: str
-    run_onnx_export: bool
-    run_trt_export: bool
-    run_refit: bool = False
-
-
-def settle_export(model, infer, trt, onnx, checkpoint_key: str, checkpoint_folder: str | None, cache_block,
-                  force: bool, device: str, run_onnx_export: bool, run_trt_export: bool,
-                  run_refit: bool = False, checkpoint_to_come: bool = False) -> Export:
-    """An export of `model` with these blocks, every value checked before any work: the engines'
-    geometry (a null size the model's native one), the checkpoint (when it is exported; not one the
-    run is to make first, `checkpoint_to_come`), the step cache the engines are for (cache_block, or
-    None for none)."""
-    validate_export(infer, trt, onnx)
-    family = family_of(model.family)
-    if checkpoint_folder and run_onnx_export and not run_refit and not checkpoint_to_come:
-        checked_checkpoint(model, checkpoint_key, checkpoint_folder)
-    geometry = None if run_refit else settled_geometry(infer, "infer", model)
-    cache = None
-    if cache_block is not None and not run_refit:
-        cache = checked_cache(cache_block, "cache", model, load.model_configs(model), "graphs")
-    settled_infer = infer if geometry is None else frozen(infer, height=geometry.height, width=geometry.width,
-                                                          num_frames=geometry.frames)
-    return Export(frozen(model), family, settled_infer, geometry, frozen(trt), frozen(onnx), checkpoint_key,
-                  checkpoint_folder, cache, force, device, run_onnx_export, run_trt_export, run_refit)
-
-
-def settled_export(cfg) -> Export:
-    """export_trt.py's config settled."""
-    checkpoint_key, checkpoint_folder = quantized_backbone(cfg)
-    return settle_export(cfg.model, cfg.infer, cfg.trt, cfg.onnx, checkpoint_key, checkpoint_folder, cfg.cache,
-                         cfg.force, cfg.device, cfg.run_onnx_export, cfg.run_trt_export, cfg.run_refit)
+from ..runs.export import ExportRun, settle_export
+from ..runs.model import settle_checkpoint
 
 
 def run_export(cfg) -> list[Path]:
-    """export_trt.py: the ONNX export, then the engines, as the switches say (or a refit)."""
-    return export(settled_export(cfg))
+    """export_trt.py at its edge: the config settled, then the ONNX export and the engines, as the
+    switches say (or a refit)."""
+    return export(settle_export(cfg))
 
 
-def export(settled: Export) -> list[Path]:
+def export(settled: ExportRun) -> list[Path]:
     """The settled export's steps: the ONNX graphs, then the engines (or a refit)."""
     if settled.run_refit:
         return refit_engines(settled)
@@ -92,7 +40,7 @@ def export(settled: Export) -> list[Path]:
     return written
 
 
-def export_onnx(settled: Export) -> list[Path]:
+def export_onnx(settled: ExportRun) -> list[Path]:
     """Exports every graph of the pipeline (and the backbone's passes under the step cache) to ONNX;
     returns the ONNX files."""
     start = time.perf_counter()
@@ -100,15 +48,16 @@ def export_onnx(settled: Export) -> list[Path]:
     dtype = _graph_dtype(settled)
     # Loaded straight in the graph's precision: a full-size SDXL in fp32 would not leave room to
     # trace it on a 24 GB host.
-    family, model, cache = settled.family, settled.model, settled.cache
+    family, model, cache = settled.family, settled.model.config, settled.cache
     quantized = None
     with stage("loading the model"):
         if settled.checkpoint:
             # The checkpoint holds every backbone weight: loading the model's own first would hold
             # it twice, which a full-size SDXL cannot afford on a 24 GB host.
             pipe = load_pipeline(model, device, dtype, backbones=empty_backbones(model))
-            quantized = restore_quantized_backbones(model, settled.checkpoint_key, settled.checkpoint,
-                                                    family.backbone_modules(pipe))
+            restored = settle_checkpoint(settled.model, settled.checkpoint_key, settled.checkpoint)
+            restore(restored, family.backbone_modules(pipe))
+            quantized = restored.record
             pipe.to(device)
         else:
             pipe = load_pipeline(model, device, dtype)
@@ -143,8 +92,8 @@ def export_onnx(settled: Export) -> list[Path]:
     return written + reused
 
 
-def _graph_fingerprint(settled: Export, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
-    family, model, cache = settled.family, settled.model, settled.cache
+def _graph_fingerprint(settled: ExportRun, name: str, dtype: torch.dtype, quantized: dict | None) -> str:
+    family, model, cache = settled.family, settled.model.config, settled.cache
     backbone = name in family.backbone_graphs()
     return checkpoint.fingerprint({
         "graph": name,
@@ -163,17 +112,17 @@ def _graph_fingerprint(settled: Export, name: str, dtype: torch.dtype, quantized
     })
 
 
-def _graph_dtype(settled: Export) -> torch.dtype:
+def _graph_dtype(settled: ExportRun) -> torch.dtype:
     return torch.float16 if settled.onnx.precision == "fp16" else torch.float32
 
 
-def refit_engines(settled: Export) -> list[Path]:
+def refit_engines(settled: ExportRun) -> list[Path]:
     """export_trt.py run_refit=true: writes the weights of the model with model.loras fused in into
     the refittable engines in infer.out_path, without exporting or building; returns the plans."""
     start = time.perf_counter()
     out = settled.infer.out_path
     record = engines.engines_record(out)
-    wanted = lora.identities(settled.model.loras)
+    wanted = lora.identities(settled.model.config.loras)
     family = settled.family
     plans = {name: engines.plan_path(out, name) for name in family.graph_names() if family.carries_adapters(name)}
     for name, plan in plans.items():
@@ -187,10 +136,9 @@ def refit_engines(settled: Export) -> list[Path]:
     # As the export loaded it, so the fused weights round as in a graph exported with them.
     dtype = _graph_dtype(settled)
     with stage("loading the model"):
-        pipe = load_pipeline(settled.model, resolve_device(settled.device), dtype)
-    geometry = settled_geometry(settled.infer, "infer", settled.model)
+        pipe = load_pipeline(settled.model.config, resolve_device(settled.device), dtype)
     modules = {spec.name: spec.module for spec in family.graph_specs(
-        pipe, 1, geometry, settled.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
+        pipe, 1, settled.geometry, settled.onnx.trace_latent_size, dtype, dtype) if spec.name in stale}
     refitted = []
     for name in stale:
         # Only the TensorRT that built an engine can load it, and so refit it.
@@ -209,7 +157,7 @@ def refit_engines(settled: Export) -> list[Path]:
     return refitted
 
 
-def build_engines(settled: Export) -> list[Path]:
+def build_engines(settled: ExportRun) -> list[Path]:
     """Builds every engine from its ONNX file; returns the plan files."""
     start = time.perf_counter()
     out, family, trt = settled.infer.out_path, settled.family, settled.trt
@@ -222,7 +170,7 @@ def build_engines(settled: Export) -> list[Path]:
     decoder = next(name for name in onnx_files if family.network(name).role is Role.decoder)
     vae_scale = (read_json(onnx_files[decoder].parent / onnx_graphs.META_FILE) or {}).get("vae_scale_factor", 8)
     # The graphs may be from another model.source than the size was settled for.
-    validate_image_size(settled.infer, "infer", family.size_multiple(vae_scale), family.size_reason)
+    validate_image_size(sizes_of(settled.infer), "infer.", family.size_multiple(vae_scale), family.size_reason)
     record = engines.engines_record(out)
     engines.free_gpu_memory_for_builder()
     written, reused = [], []

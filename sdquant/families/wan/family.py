@@ -232,12 +232,6 @@ class WanFamily(HookCaching, ModelFamily):
     def size_multiple(self, vae_scale: int) -> int:
         return vae_scale * 2
 
-    # No fp8_attention_tokens limit: an A14B block's self-attention came 48.8% (relative) from its
-    # fake quantization at 75,600 tokens (720p, 81 frames) on an H100 while Hopper's FP8 accumulator
-    # lost the values' shared part; with their mean taken out on the GPU
-    # (runtime.attention.Fp8Attention) it came 1.35% (tests/test_wan_gpu.py,
-    # benchmarks/results/gpu_tests_wan_centred_h100.log), so FP8 attention runs at any length.
-
     def sequence_tokens(self, parts: dict, geometry) -> int:
         scale = self.vae_scale(parts["vae_config"])
         return latent_tokens(latent_frames(geometry.frames, temporal_scale(parts["vae_config"])),

@@ -1,0 +1,133 @@
+"""quantize.py's config settled: the calibration (what makes the checkpoint, and its folder) and,
+where NeMo's switches ask, the export of the checkpoint to come, settled as export_trt.py settles
+its own: two settled runs, which the script runs one after the other."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ExportApp, QuantizeApp, QuantizeBlock, freeze, settled_config, validate_quantize_block, \
+    validate_steps
+from ..errors import UserError
+from ..graphs.geometry import SampleGeometry
+from ..load import load_prompts, resolve_device
+from ..quantize import checkpoint
+from .export import ExportRun, settle_export_app
+from .model import Model, settle_model
+
+
+@dataclass(frozen=True)
+class QuantizeRun:
+    """A calibration settled: the model, what identifies the checkpoint and its folder, the quantize
+    block with the guidance and geometry filled in (a null size stays null in the calibration's
+    identity, as in the checkpoints made before), the prompts, the switches, the device."""
+
+    model: Model
+    calibration: checkpoint.Calibration
+    folder: Path
+    block: QuantizeBlock
+    geometry: SampleGeometry | None
+    prompts: tuple[str, ...]
+    config: dict
+    force: bool
+    device: str
+    dtype: str
+    cuda_graph: bool
+    cpu_offload: bool
+    run_quantization: bool
+
+    @property
+    def family(self):
+        return self.model.family
+
+
+@dataclass(frozen=True)
+class QuantizeScript:
+    """quantize.py settled: its calibration and, where the switches ask, the export that follows."""
+
+    calibration: QuantizeRun
+    export: ExportRun | None
+
+
+def settle_quantize(cfg) -> QuantizeScript:
+    """quantize.py's config, every value checked before any work: the recipe, the model and the
+    geometry (from the model's configs where its folder states them), the steps and, where the
+    switches ask for the export, the export of the checkpoint into infer.out_path (a relative one
+    inside the checkpoint's folder, so sweep jobs never export into one another's)."""
+    app: QuantizeApp = settled_config(cfg)
+    validate_quantize_block(app.quantize)
+    model = settle_model(app.model, drawing=False)
+    check_level(model, app.quantize)
+    if app.cpu_offload and resolve_device(app.device).type != "cuda":
+        raise UserError(f"cpu_offload=true keeps the networks a GPU is not running in host memory, but device="
+                        f"{app.device} runs on the CPU: set cpu_offload=false")
+    block = app.quantize
+    asked = (block.height, block.width, block.num_frames, None, block.guidance_scale, block.guidance_scale_2)
+    sample = model.family.settle_sample(model.config, model.parts, "quantize.", *asked) \
+        if model.parts or None not in (block.height, block.width) else None
+    if "scheduler_config" in model.parts:
+        validate_steps(block.n_steps, "quantize.n_steps", model.parts["scheduler_config"])
+    calibration = calibration_of(app, model)
+    folder = Path(app.out_dir).expanduser() / calibration.folder_name()
+    # A null size stays null in the calibration (and so in the checkpoint's fingerprint), but the
+    # pipeline is handed the size settled here: diffusers' own default is not always the model's
+    # (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
+    guidance = settled_guidance(model, block)
+    settled_block = freeze(dataclasses.replace(block, **guidance, **({} if sample is None else {
+        "height": sample.geometry.height, "width": sample.geometry.width, "num_frames": sample.geometry.frames})))
+    run = QuantizeRun(model, calibration, folder, settled_block, None if sample is None else sample.geometry,
+                      tuple(load_prompts(calibration.prompts_file, block.calib_size)), dataclasses.asdict(app), app.force, app.device, app.dtype,
+                      app.cuda_graph, app.cpu_offload, app.run_quantization)
+    return QuantizeScript(run, _export_of(app, model, folder))
+
+
+def _export_of(app: QuantizeApp, model: Model, folder: Path) -> ExportRun | None:
+    """The export NeMo's switches ask of the checkpoint to come, into infer.out_path (a relative one
+    inside the checkpoint's folder)."""
+    if not (app.run_onnx_export or app.run_trt_export):
+        return None
+    out_path = Path(app.infer.out_path).expanduser()
+    infer = dataclasses.replace(app.infer, out_path=str(out_path if out_path.is_absolute() else folder / out_path))
+    export = ExportApp(infer=infer, trt=app.trt, onnx=app.onnx, model=app.model, quantized_backbone=str(folder),
+                       force=app.force, device=app.device, run_onnx_export=app.run_onnx_export,
+                       run_trt_export=app.run_trt_export)
+    return settle_export_app(freeze(export), model, checkpoint_to_come=True)
+
+
+def check_level(model: Model, block: QuantizeBlock) -> None:
+    """Refuses a quant_level the model's family has no recipe for."""
+    level = float(block.quant_level)
+    levels = model.family.quant_levels()
+    if level not in levels:
+        raise UserError(f"quantize.quant_level={level:g} is not a level of {model.family.name} models: choose one of "
+                        f"{', '.join(f'{each:g}' for each in levels)}"
+                        + (" (a DiT has no convolutions for level 1)" if level == 1.0 else ""))
+
+
+def settled_guidance(model: Model, block: QuantizeBlock) -> dict:
+    """The quantize block's guidance, each null scale the model's own (ModelFamily.settle_guidance)."""
+    scales = model.family.settle_guidance(model.config, "quantize.", block.guidance_scale, block.guidance_scale_2)
+    return dict(zip(("guidance_scale", "guidance_scale_2"), scales))
+
+
+def calibration_of(app: QuantizeApp, model: Model) -> checkpoint.Calibration:
+    """What identifies the checkpoint `app` makes. The guidance is the settled one (a null scale the
+    model's), so a checkpoint of a model's own guidance is the same whether asked for by value or by
+    null. The keys only a video model has (frames, the second expert's guidance) are absent while
+    null, so that image checkpoints keep their fingerprints; a video model's geometry is the one its
+    config settles to, since a null size or frame count takes the model config's own, which the
+    model's identity does not hold."""
+    family = model.family
+    block = dataclasses.asdict(app.quantize) | settled_guidance(model, app.quantize)
+    block = {key: value for key, value in block.items()
+             if value is not None or key not in ("num_frames", "guidance_scale_2")}
+    if family.output == "video":
+        native = dict(zip(("height", "width"), family.native_size(app.model, {}, 0)))
+        block.update({key: native[key] if block[key] is None else block[key] for key in native},
+                     num_frames=family.settled_frames(app.quantize.num_frames, "quantize.num_frames", app.model))
+    return checkpoint.Calibration(
+        quantize=block, model=checkpoint.model_identity(app.model), model_name=app.model.name,
+        prompts_file=app.prompts_file or app.model.calib_prompts, seed=app.seed,
+        revisions=family.recipe_revisions(app.quantize.format, app.quantize.quant_level))

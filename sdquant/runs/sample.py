@@ -1,0 +1,152 @@
+"""What one pipeline call draws, settled against the model: the one place that checks a call's
+prompts, steps, size or frames, guidance and step cache, for a script's prompt batches, the Python
+API's calls and a server's requests alike."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import load
+from ..config import CACHE_METHODS, LONG_PROMPTS, CacheBlock, SamplingBlock, validate_steps
+from ..errors import UserError
+from ..families.pipeline import SamplingSettings
+from .model import Model
+
+# A call's settings as a caller names them (sampling.<name> in the scripts' configs), with what a
+# null or absent one takes.
+CALL_DEFAULTS = {"negative_prompt": "", "steps": SamplingBlock.steps, "guidance_scale": None,
+                 "guidance_scale_2": None, "height": None, "width": None, "num_frames": None, "fps": None,
+                 "seed": SamplingBlock.seed, "num_images_per_prompt": 1, "long_prompts": "truncate", "cache": None}
+
+
+def settle_call(model: Model, prompts: list[str], prefix: str = "", **asked) -> SamplingSettings:
+    """One pipeline call of `prompts`, each value of `asked` (CALL_DEFAULTS' names; an absent or
+    null one the model's own) checked against the model before any work; `prefix` names the values
+    in messages as the caller does ("sampling." in the scripts). `cache`: a CacheBlock, or None for
+    none."""
+    unknown = sorted(set(asked) - set(CALL_DEFAULTS))
+    if unknown:
+        raise UserError(f"{prefix}{unknown[0]} is no setting of a call: give {', '.join(CALL_DEFAULTS)}")
+    values = {**CALL_DEFAULTS, **{key: value for key, value in asked.items() if value is not None}}
+    _check_values(values, prefix)
+    if isinstance(prompts, str) or not prompts or not all(isinstance(prompt, str) for prompt in prompts):
+        raise UserError(f"{prefix}prompts={prompts!r}: give a list of one or more prompts")
+    family = model.family
+    sample = family.settle_sample(model.config, model.parts, prefix, values["height"], values["width"],
+                                  values["num_frames"], values["fps"], values["guidance_scale"],
+                                  values["guidance_scale_2"])
+    if "scheduler_config" in model.parts:
+        validate_steps(values["steps"], f"{prefix}steps", model.parts["scheduler_config"])
+    cache = settle_cache(model, cache_block(values["cache"], f"{prefix}cache"), f"{prefix}cache")
+    geometry = sample.geometry
+    return SamplingSettings(prompts=list(prompts), negative_prompt=values["negative_prompt"], steps=values["steps"],
+                            guidance_scale=sample.guidance_scale, height=geometry.height, width=geometry.width,
+                            seed=values["seed"], images_per_prompt=values["num_images_per_prompt"],
+                            long_prompts=values["long_prompts"], cache=cache, frames=geometry.frames, fps=sample.fps,
+                            guidance_scale_2=sample.guidance_scale_2)
+
+
+def _check_values(values: dict, prefix: str) -> None:
+    """The values alone, before the model is asked: counts positive, names known."""
+    for key in ("steps", "num_images_per_prompt"):
+        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
+            raise UserError(f"{prefix}{key}={values[key]!r} must be a whole number, at least 1")
+    if isinstance(values["seed"], bool) or not isinstance(values["seed"], int):
+        raise UserError(f"{prefix}seed={values['seed']!r} must be a whole number")
+    if values["long_prompts"] not in LONG_PROMPTS:
+        raise UserError(f"{prefix}long_prompts={values['long_prompts']!r} is unknown: choose "
+                        f"{' or '.join(LONG_PROMPTS)}")
+    if not isinstance(values["negative_prompt"], str):
+        raise UserError(f"{prefix}negative_prompt={values['negative_prompt']!r} must be text")
+
+
+def cache_block(asked, key: str) -> CacheBlock:
+    """A call's step cache as a CacheBlock: given as one, as a dict of its keys, or None (none)."""
+    if asked is None or isinstance(asked, CacheBlock):
+        return asked or CacheBlock()
+    known = {field.name for field in dataclasses.fields(CacheBlock)}
+    if not isinstance(asked, dict) or set(asked) - known:
+        raise UserError(f"{key}={asked!r}: give a dict of {', '.join(sorted(known))} (sampling.cache's keys)")
+    for name, value in asked.items():
+        kind = type(getattr(CacheBlock, name))
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise UserError(f"{key}.{name}={value!r} must be {'a number' if kind is float else kind.__name__}")
+    return CacheBlock(**asked)
+
+
+def settle_cache(model: Model, block: CacheBlock, key: str):
+    """The step cache config `key` asks for (None for none), refused where the model's backbones
+    cannot take it or its settings are out of range."""
+    family = model.family
+    if block.method not in CACHE_METHODS:
+        raise UserError(f"{key}.method={block.method!r} is unknown: choose {' or '.join(CACHE_METHODS)}")
+    if block.method not in family.cache_methods:
+        takes = "takes" if len(family.backbones) == 1 else "take"
+        raise UserError(f"{key}.method={block.method}: model={model.name}'s {' and '.join(family.backbone_attributes)} "
+                        f"{takes} {' or '.join(family.cache_methods)}")
+    cache = family.step_cache(block)
+    if cache is not None:
+        cache.check(model.parts.get("backbone_config", {}), key)
+    return cache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """sampling.* settled: one call per prompt batch (the run's k-th sample, counted over all calls,
+    seeded seed + k), the scheduler, and the block as the records hold it."""
+
+    runs: tuple[SamplingSettings, ...]
+    scheduler: str
+    record: dict
+
+    @property
+    def first(self) -> SamplingSettings:
+        return self.runs[0]
+
+
+def settle_sampling(model: Model, block: SamplingBlock) -> Sampling:
+    """sampling.* as the pipeline calls take it: each prompt batch's call settled (settle_call), the
+    scheduler (a null one the family's), prompts past the text encoders refused where
+    long_prompts=error; says the size where it is the model's own."""
+    batches = prompt_batches(block, model.config)
+    first = settle_call(model, batches[0], "sampling.", **{key: getattr(block, key) for key in CALL_DEFAULTS})
+    per_batch = block.batch_size * block.num_images_per_prompt
+    runs = tuple(dataclasses.replace(first, prompts=prompts, seed=block.seed + index * per_batch)
+                 for index, prompts in enumerate(batches))
+    scheduler = block.scheduler or model.family.default_scheduler
+    if block.long_prompts == "error":
+        model.family.text_to_image({}, model.parts, None, torch.device("cpu")).refuse_cut_prompts(runs)
+    say_size(first.geometry, native=None in (block.height, block.width))
+    record = {**dataclasses.asdict(block), "guidance_scale": first.guidance_scale,
+              "guidance_scale_2": first.guidance_scale_2, "height": first.height, "width": first.width,
+              "num_frames": first.frames, "fps": first.fps, "scheduler": scheduler}
+    return Sampling(runs, scheduler, record)
+
+
+def say_size(geometry, native: bool) -> None:
+    """Says the size a run settled on, and where it is the model's own."""
+    note = " (the model's native size)" if native else ""
+    print(f"{'video' if geometry.frames > 1 else 'image'} size: {geometry.describe()}{note}", flush=True)
+
+
+def prompt_batches(block: SamplingBlock, model) -> list[list[str]]:
+    """sampling.prompts_file's prompts, else sampling.prompts, else the model's evaluation prompts,
+    in batches of sampling.batch_size."""
+    if block.batch_size < 1:
+        raise UserError(f"sampling.batch_size={block.batch_size} must be at least 1")
+    if block.prompts_file or block.prompts is None:
+        key, value = ("sampling.prompts_file", block.prompts_file) if block.prompts_file else \
+            ("model.eval_prompts", model.eval_prompts or load.builtin_prompts_path("eval_prompts.txt"))
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UserError(f"{key}={path}: no such file")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    else:
+        prompts = list(block.prompts)
+    if not prompts:
+        raise UserError("no prompts: set sampling.prompts or sampling.prompts_file")
+    return [prompts[i:i + block.batch_size] for i in range(0, len(prompts), block.batch_size)]
