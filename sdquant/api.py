@@ -1,0 +1,101 @@
+"""The Python API: a model's pipeline built once, with the settings infer_trt.py takes, then called
+per request.
+
+    from sdquant.api import load
+
+    with load("scenes_sdxl", backend="torch", sampling={"steps": 20}) as pipe:
+        drawn = pipe(["a red circle on the left and a blue square on the right"], seed=7)
+        images = drawn.samples          # N x 3 x H x W in [0, 1]; drawn.stage_seconds per stage
+
+`load` composes conf/sd_xl_trt_inference.yaml for the model as infer_trt.py does (its keys, its
+defaults, its one-line refusals), so a call draws what the script draws for the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from .assembly import Pipeline, assemble
+from .config import register_schemas, settled_config, validate_infer
+from .errors import UserError
+from .runs.infer import settle_pipeline
+from .runs.model import settle_model
+from .runs.sample import CALL_DEFAULTS, settle_cache
+
+# The scripts' configs, beside the package in a checkout (pip install -e).
+CONF = Path(__file__).resolve().parents[1] / "conf"
+INFER_CONFIG = "sd_xl_trt_inference"
+
+
+def compose(config_name: str, model: str, overrides: Sequence[str] = (), settings: dict | None = None):
+    """The Hydra config `config_name` of conf/ for conf/model/<model>.yaml, with Hydra's `overrides`
+    (as a script's command line takes them) and then `settings` (nested dicts of the same keys)
+    merged in; a wrong key or type is refused in one line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not (CONF / f"{config_name}.yaml").is_file():
+        raise UserError(f"{CONF} holds no {config_name}.yaml: the API reads the scripts' configs from a checkout of "
+                        "sdquant (pip install -e .)")
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=[f"model={model}", *overrides])
+        return OmegaConf.merge(cfg, settings or {})
+    except (HydraException, OmegaConfBaseException) as error:
+        raise UserError(f"model={model} {' '.join(overrides)} {settings or ''}: {str(error).splitlines()[0]}") \
+            from None
+
+
+def load(model: str = "sdxl_base", overrides: Sequence[str] = (), **settings) -> Pipeline:
+    """The pipeline of conf/model/<model>.yaml built once with infer_trt.py's settings: `settings`
+    as nested dicts (backend="torch", quantized_backbone="quantized/<folder>",
+    torch_backend={"quantized": "fp8", "compile": True}, cuda_graph=True, ...), or `overrides` as
+    the script's command line takes them ("model.source=/path/to/folder"). Its calls default to the
+    config's sampling.* (steps, guidance, size, seed, ...)."""
+    app = settled_config(compose(INFER_CONFIG, model, overrides, settings))
+    validate_infer(app)
+    settled = settle_model(app.model, drawing=True)
+    cache = settle_cache(settled, app.sampling.cache, "sampling.cache")
+    pipeline = assemble(settle_pipeline(app, settled, cache))
+    pipeline.defaults = {key: getattr(app.sampling, key) for key in CALL_DEFAULTS}
+    return pipeline
+
+
+def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None, **settings) -> Pipeline:
+    """A diffusers pipeline already in memory (a benchmark's full-size architecture with random
+    weights) built into the pipeline with infer_trt.py's settings (`settings` as for load; the
+    torch backend), for family `family`; `quantized`: its backbones are fake-quantized in memory
+    (ModelOpt's quantizers, calibrated) at this (format, quant_level), run on torch_backend.quantized's
+    kernels."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import InferApp, ModelConfig
+    from .families import family_of
+    from .runs.model import Checkpoint, Model
+
+    register_schemas()
+    kernels = (settings.get("torch_backend") or {}).get("quantized", "fake")
+    asked = {**settings, "torch_backend": {**(settings.get("torch_backend") or {}), "quantized": "fake"}}
+    config = ModelConfig(name=f"{family} in memory", family=family, source="<in memory>")
+    try:
+        app = settled_config(OmegaConf.merge(OmegaConf.structured(InferApp(model=config, backend="torch")), asked))
+    except OmegaConfBaseException as error:
+        raise UserError(f"{settings}: {str(error).splitlines()[0]}") from None
+    validate_infer(app)
+    model = Model(app.model, family_of(family), family_of(family).parts_of(pipe))
+    run = settle_pipeline(app, model, settle_cache(model, app.sampling.cache, "sampling.cache"))
+    if quantized is not None:
+        fmt, level = quantized
+        run = dataclasses.replace(run, checkpoint=Checkpoint.in_memory(f"the {family} backbones quantized in memory",
+                                                                       fmt, level),
+                                  torch_backend=dataclasses.replace(run.torch_backend, quantized=kernels))
+    pipeline = assemble(run, pipe=pipe)
+    pipeline.defaults = {key: getattr(app.sampling, key) for key in CALL_DEFAULTS}
+    return pipeline
