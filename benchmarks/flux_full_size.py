@@ -45,14 +45,13 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.runtime import step_modulations, torch_backend
+from sdquant.api import from_pipeline
+from sdquant.runtime import step_modulations
 from sdquant.quantize.calibrate import quantize_backbones
-from sdquant.config import QuantizeBlock, TorchBackendBlock
+from sdquant.config import QuantizeBlock
 from sdquant.families import flux
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
-from sdquant.families.pipeline import SamplingSettings, make_scheduler
-from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 from torch_backend_full_size import (PEERS, add_compile_arguments, add_process_arguments, compile_peer,
                                      cudagraph_skips, kernel_profile, nonfinite_values, one_process_each,
@@ -80,81 +79,97 @@ def peer(pipe, runs: int, variant: str = "peer", tuned: bool = False) -> dict:
 FP8_LEVELS = {"fp8": 3.0, "fp8_l4": 4.0}
 
 
-def fp8_transformer(pipe, family, level: float) -> torch_backend.Conversion:
+def fp8_transformer(pipe, family, level: float) -> None:
+    """Calibrates the transformer in memory with quantize.py's own calibration at FP8 `level`."""
     block = QuantizeBlock(format="fp8", quant_level=level, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=GUIDANCE)
     quantize_backbones(pipe, family, [PROMPT], block, seed=0, cuda_graph=False)
-    return torch_backend.convert_quantized(pipe.transformer, family, f"the benchmark's FP8 level-{level:g} transformer",
-                                           "fp8", quant_level=level)
 
 
 def build_variant(family, variant: str) -> tuple[object, dict]:
-    """`family`'s full-size pipeline on the GPU, its transformer turned FP8 for an FP8 variant, and
-    the set-up's figures for the results row: FP8 layers, build time, and the set-up's peak memory
-    (building, calibrating, converting), apart from what inference holds."""
+    """`family`'s full-size pipeline on the GPU, its transformer calibrated for an FP8 variant, and
+    the set-up's figures for the results row: build time and the set-up's peak memory (building,
+    calibrating), apart from what inference holds."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     pipe = family.full_size_on_gpu()
     build_s = time.perf_counter() - start
-    fp8 = fp8_transformer(pipe, family, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
-    setup = {"fp8_layers": fp8.layers if fp8 else 0, "fp8_attention_layers": fp8.attention if fp8 else 0,
-             "build_s": build_s, "setup_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if variant in FP8_LEVELS:
+        fp8_transformer(pipe, family, FP8_LEVELS[variant])
+    setup = {"build_s": build_s, "setup_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     torch.cuda.empty_cache()
     return pipe, setup
 
 
-def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
+def cache_block(setting: str) -> dict | None:
     """'taylorseer:<interval>[:<warm-up passes>]', 'taylorseer_blocks:<interval>[:<warm-up passes>]'
-    (3 unless given) or 'first_block:<threshold>' as a cache hook on a transformer of these block
-    lists (Flux's by default); '' as none."""
+    (3 unless given) or 'first_block:<threshold>' as a sampling.cache block; '' as none."""
     if not setting:
         return None
     method, value, *warmup = setting.split(":")
-    return (HookCache(method, int(value), 0.0, stacks, *map(int, warmup)) if method in TAYLORSEER_METHODS
-            else HookCache(method, 1, float(value), stacks))
+    if method in TAYLORSEER_METHODS:
+        return {"method": method, "interval": int(value), **({"warmup": int(warmup[0])} if warmup else {})}
+    return {"method": method, "threshold": float(value)}
 
 
-def ours(pipe, quantized: bool, runs: int, cache: HookCache | None = None, profile: bool = False,
-         tuned: bool = False) -> dict:
-    stages = torch_backend.speed_up(pipe, FLUX, FLUX.torch_stages(pipe, torch.bfloat16, cache),
-                                    TorchBackendBlock(compile=True, tune_kernels=tuned), cuda_graph=cache is None,
-                                    quantized=quantized)
-    pipeline = FLUX.text_to_image(stages, FLUX.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
-                                  CUDA)
-    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
-                                height=SIZE, width=SIZE, seed=42, cache=cache)
-    return time_one_image(pipeline, settings, runs, profile)
+def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
+    """cache_block's setting as a cache hook on a transformer of these block lists (Flux's by
+    default), for a peer that hooks diffusers' own pipeline."""
+    block = cache_block(setting)
+    return None if block is None else HookCache(block["method"], block.get("interval", 1),
+                                                block.get("threshold", 0.0), stacks, block.get("warmup", 3))
 
 
-def time_one_image(pipeline, settings: SamplingSettings, runs: int, profile: bool = False) -> dict:
+def our_pipeline(pipe, family: str, variant: str, cache: dict | None = None, tuned: bool = False):
+    """`pipe` built into our pipeline as infer_trt.py builds it (sdquant.api.from_pipeline): compiled,
+    with CUDA graphs unless a cache hook runs; an FP8 variant's transformer on FP8 kernels."""
+    level = FP8_LEVELS.get(variant)
+    return from_pipeline(pipe, family, None if level is None else ("fp8", level),
+                         torch_backend={"compile": True, "tune_kernels": tuned, **({"quantized": "fp8"} if level else {})},
+                         cuda_graph=cache is None, sampling={"scheduler": "flow_euler", **({"cache": cache} if cache else {})})
+
+
+def ours(pipe, variant: str, runs: int, cache: dict | None = None, profile: bool = False, tuned: bool = False) -> dict:
+    pipeline = our_pipeline(pipe, "flux", variant, cache, tuned)
+    settings = pipeline.settle([PROMPT], steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, seed=42)
+    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline)}
+
+
+def conversion_row(pipeline) -> dict:
+    """What the row records of the backbones' conversion to FP8 kernels."""
+    conversions = pipeline.conversions.values()
+    return {"fp8_layers": sum(each.layers for each in conversions),
+            "fp8_attention_layers": sum(each.attention for each in conversions)}
+
+
+def time_one_image(pipeline, settings, runs: int, profile: bool = False) -> dict:
     """A DiT pipeline's first call, best of `runs` after warm-up, its stages and peak memory; with
     `profile`, the GPU time per kernel over one whole call (every step, the text encoders, the VAE)."""
     torch.cuda.reset_peak_memory_stats()
-    first = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), 1)[0]
-    pipeline(settings, StageTimer(CUDA), progress=False)  # graph replays start with the third call
-    seconds = timed(lambda: pipeline(settings, StageTimer(CUDA), progress=False), runs)
-    timer = StageTimer(CUDA)
-    images = pipeline(settings, timer, progress=False)
-    stage = report.latency_report([(min(seconds), timer.finish())], 1, settings.steps, ["transformer"])
+    first = timed(lambda: pipeline.run(settings, progress=False), 1)[0]
+    pipeline.run(settings, progress=False)  # graph replays start with the third call
+    seconds = timed(lambda: pipeline.run(settings, progress=False), runs)
+    drawn = pipeline.run(settings, progress=False)
+    stage = report.latency_report([(min(seconds), drawn.stage_seconds)], 1, settings.steps, ["transformer"])
     return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
             "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
             "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "nonfinite_values": nonfinite_values(images),
-            **({"call_profile": kernel_profile(lambda: pipeline(settings, StageTimer(CUDA), progress=False), top=20)}
+            "nonfinite_values": nonfinite_values(drawn.samples),
+            **({"call_profile": kernel_profile(lambda: pipeline.run(settings, progress=False), top=20)}
                if profile else {})}
 
 
-def run_variant(variant: str, args, cache: HookCache | None) -> tuple[str, dict]:
+def run_variant(variant: str, args, cache: dict | None) -> tuple[str, dict]:
     """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
     start = time.perf_counter()
     pipe, setup = build_variant(FLUX, variant)
     if variant in PEERS:
         row = peer(pipe, args.runs, variant, tuned=args.tune_kernels)
     else:
-        row = ours(pipe, variant in FP8_LEVELS, args.runs, cache, args.profile, tuned=args.tune_kernels)
+        row = ours(pipe, variant, args.runs, cache, args.profile, tuned=args.tune_kernels)
         if cache is not None:
-            row["cache"] = cache.describe()
+            row["cache"] = hook_cache(args.cache).describe()
             variant = f"{variant}_{args.cache.replace(':', '_')}"
     row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
     ours_variant = variant not in PEERS
@@ -202,7 +217,7 @@ def main() -> None:
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
-    cache = hook_cache(args.cache)
+    cache = cache_block(args.cache)
     record_variant(results, args.out, variants[0], lambda: run_variant(variants[0], args, cache))
     print(f"wrote {args.out}")
 

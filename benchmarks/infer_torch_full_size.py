@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from sdquant import report
+from sdquant.api import from_pipeline
 from sdquant.load import quiet_libraries
-from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.sdxl import SDXL
-from sdquant.runtime.stages import StageTimer
 
 TARGET_OVERHEAD = 0.02
 
@@ -31,24 +29,17 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipe = SDXL.full_size_on_gpu()
-    scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
-    device = torch.device("cuda")
-    pipeline = SDXL.text_to_image(SDXL.torch_stages(pipe, torch.float16), SDXL.parts_of(pipe), scheduler, device)
+    pipeline = from_pipeline(SDXL.full_size_on_gpu(), "sdxl", sampling={"scheduler": "euler"})
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
-        settings = SamplingSettings(prompts=["a photo of an astronaut riding a horse on mars"],
-                                    negative_prompt="", steps=steps, guidance_scale=5.0,
-                                    height=1024, width=1024, seed=42)
-        pipeline(settings, StageTimer(device), progress=False)  # warm-up
+        settings = pipeline.settle(["a photo of an astronaut riding a horse on mars"], steps=steps,
+                                   guidance_scale=5.0, height=1024, width=1024, seed=42)
+        pipeline.run(settings, progress=False)  # warm-up
         timings = []
         for _ in range(args.timed_runs):
-            timer = StageTimer(device)
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            pipeline(settings, timer, progress=False)
-            stage_seconds = timer.finish()
-            timings.append((time.perf_counter() - start, stage_seconds))
+            drawn = pipeline.run(settings, progress=False)
+            timings.append((drawn.seconds, drawn.stage_seconds))
         latency = report.latency_report(timings, 1, steps, ["unet_xl"])
         latency["meets_overhead_target"] = latency["pipeline_overhead_fraction"] < TARGET_OVERHEAD
         print(json.dumps(latency["ms"]), f"overhead {100 * latency['pipeline_overhead_fraction']:.2f}%")

@@ -30,12 +30,10 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.config import TorchBackendBlock
-from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
-from sdquant.runtime import torch_backend
-from flux_full_size import FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, time_one_image
+from flux_full_size import (FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, conversion_row, our_pipeline,
+                            time_one_image)
 from torch_backend_full_size import (add_compile_arguments, add_process_arguments, one_process_each, peer_compile,
                                      record_variant, time_calls, use_compile_arguments, variant_name)
 
@@ -59,22 +57,17 @@ def peer(pipe, runs: int, mode: str, tuned: bool) -> dict:
     return {**time_calls(call, runs), "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def ours(pipe, quantized: bool, runs: int, profile: bool, tuned: bool) -> dict:
-    stages = torch_backend.speed_up(pipe, SD3, SD3.torch_stages(pipe, torch.bfloat16),
-                                    TorchBackendBlock(compile=True, tune_kernels=tuned), cuda_graph=True,
-                                    quantized=quantized)
-    pipeline = SD3.text_to_image(stages, SD3.parts_of(pipe), make_scheduler("flow_euler", dict(pipe.scheduler.config)),
-                                 CUDA)
-    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=STEPS, guidance_scale=GUIDANCE,
-                                height=SIZE, width=SIZE, seed=42)
-    return time_one_image(pipeline, settings, runs, profile)
+def ours(pipe, variant: str, runs: int, profile: bool, tuned: bool) -> dict:
+    pipeline = our_pipeline(pipe, "sd3", variant, tuned=tuned)
+    settings = pipeline.settle([PROMPT], steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, seed=42)
+    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline)}
 
 
 def run_variant(variant: str, args) -> dict:
     start = time.perf_counter()
     pipe, setup = build_variant(SD3, variant)
-    row = peer(pipe, args.runs, args.peer_mode, args.tune_kernels) if variant == "peer" else ours(pipe, variant in FP8_LEVELS, args.runs,
-                                                                                      args.profile, args.tune_kernels)
+    row = peer(pipe, args.runs, args.peer_mode, args.tune_kernels) if variant == "peer" else \
+        ours(pipe, variant, args.runs, args.profile, args.tune_kernels)
     row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
     if variant == "peer":
         row["compile_mode"] = args.peer_mode

@@ -59,16 +59,14 @@ from pathlib import Path
 import torch
 
 from sdquant import report
+from sdquant.api import from_pipeline
 from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
-from sdquant.families.deep_cache import DeepCache
-from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
 from sdquant.families.sdxl import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
-from sdquant.runtime.stages import StageTimer
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE = 1024
@@ -273,10 +271,9 @@ def peer_pipeline(pipe, variant: str, tuned: bool) -> tuple[object, dict]:
 QUANTIZED_VARIANTS = {"fp8": (QuantFormat.fp8, 3.0), "fp8_l4": (QuantFormat.fp8, 4.0), "int8": (QuantFormat.int8, 3.0)}
 
 
-def quantized_unet(pipe, variant: str) -> torch_backend.Conversion:
-    """Quantizes the UNet with the project's recipe at the variant's format and level on two random
-    calls, ties the ranges quantize.py ties, then turns it into that format's kernels; returns what
-    runs in 8 bits."""
+def quantize_unet(pipe, variant: str) -> None:
+    """Quantizes the UNet in memory with the project's recipe at the variant's format and level on two
+    random calls (the kernels' speed does not depend on the values), tying the ranges quantize.py ties."""
     import modelopt.torch.quantization as mtq
 
     fmt, level = QUANTIZED_VARIANTS[variant]
@@ -298,35 +295,34 @@ def quantized_unet(pipe, variant: str) -> torch_backend.Conversion:
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
     tie_fp8_ranges(pipe.unet)
-    return torch_backend.convert_quantized(pipe.unet, SDXL, f"the benchmark's {variant} UNet", fmt.value)
 
 
-def our_pipeline(pipe, block: TorchBackendBlock, cuda_graph: bool, quantized: bool,
-                 cache: DeepCache | None = None) -> TextToImage:
-    stages = torch_backend.speed_up(pipe, SDXL, SDXL.torch_stages(pipe, torch.float16, cache), block, cuda_graph,
-                                    quantized)
-    scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
-    return SDXL.text_to_image(stages, SDXL.parts_of(pipe), scheduler, torch.device("cuda"))
+def our_pipeline(pipe, variant: str, args, cache: dict | None = None):
+    """`pipe` built into our pipeline as infer_trt.py builds it (sdquant.api.from_pipeline): eager, or
+    compiled with CUDA graphs; an 8-bit variant's UNet, quantized in memory, on its format's kernels."""
+    quantized = QUANTIZED_VARIANTS.get(variant)
+    kernels = {"quantized": quantized[0].value} if quantized else {}
+    return from_pipeline(pipe, "sdxl", None if quantized is None else (quantized[0].value, quantized[1]),
+                         torch_backend={"compile": variant != "eager", "vae_batch": args.vae_batch,
+                                        "tune_kernels": args.tune_kernels, **kernels},
+                         cuda_graph=variant != "eager", sampling={"scheduler": "euler", **({"cache": cache} if cache else {})})
 
 
-def measure_ours(pipeline: TextToImage, batch: int, steps_list: list[int], runs: int,
-                 cache: DeepCache | None = None) -> tuple[dict, torch.Tensor]:
+def measure_ours(pipeline, batch: int, steps_list: list[int], runs: int) -> tuple[dict, torch.Tensor]:
     """The variant's timings at each step count, and the images of its last call (8-bit, on the CPU)."""
     result = {}
     for steps in steps_list:
-        settings = SamplingSettings(prompts=[PROMPT] * batch, negative_prompt="", steps=steps,
-                                    guidance_scale=5.0, height=SIZE, width=SIZE, seed=42, cache=cache)
-        first = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), 1)[0]
-        pipeline(settings, StageTimer(torch.device("cuda")), progress=False)  # replays start with the 3rd call
-        seconds = timed(lambda: pipeline(settings, StageTimer(torch.device("cuda")), progress=False), runs)
-        timer = StageTimer(torch.device("cuda"))
-        images = pipeline(settings, timer, progress=False)
-        stage = report.latency_report([(min(seconds), timer.finish())], batch, steps, ["unet_xl"])
+        settings = pipeline.settle([PROMPT] * batch, steps=steps, guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
+        first = timed(lambda: pipeline.run(settings, progress=False), 1)[0]
+        pipeline.run(settings, progress=False)  # replays start with the 3rd call
+        seconds = timed(lambda: pipeline.run(settings, progress=False), runs)
+        drawn = pipeline.run(settings, progress=False)
+        stage = report.latency_report([(min(seconds), drawn.stage_seconds)], batch, steps, ["unet_xl"])
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
                                     "unet_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
                                     "text_ms": stage["ms"]["text_encoders"],
-                                    "nonfinite_values": nonfinite_values(images)}
-    return result, (images * 255).round().to(torch.uint8).cpu()
+                                    "nonfinite_values": nonfinite_values(drawn.samples)}
+    return result, (drawn.samples * 255).round().to(torch.uint8).cpu()
 
 
 def measure_peer(pipe, batch: int, steps_list: list[int], runs: int) -> dict:
@@ -367,7 +363,7 @@ def kernel_profile(call, top: int = 12) -> list[dict]:
         [{"kernel": "total", "ms": total, "calls": sum(c for _, _, c in rows)}]
 
 
-def stage_profiles(pipeline: TextToImage, batch: int) -> dict[str, list[dict]]:
+def stage_profiles(pipeline, batch: int) -> dict[str, list[dict]]:
     """The kernel profiles of one UNet call (CFG: 2 * batch samples) and one VAE decode of the batch."""
     latent = SIZE // 8
     unet_inputs = {"x": torch.randn(2 * batch, 4, latent, latent, device="cuda", dtype=torch.float16),
@@ -379,7 +375,7 @@ def stage_profiles(pipeline: TextToImage, batch: int) -> dict[str, list[dict]]:
             "vae_profile": kernel_profile(lambda: pipeline.stages["vae"](**vae_inputs))}
 
 
-def run_variant(variant: str, args, steps_list: list[int], cache: DeepCache | None) -> tuple[str, dict]:
+def run_variant(variant: str, args, steps_list: list[int], cache: dict | None) -> tuple[str, dict]:
     """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -391,18 +387,17 @@ def run_variant(variant: str, args, steps_list: list[int], cache: DeepCache | No
                "cudagraph_skips": cudagraph_skips()}
         images = None
     else:
-        conversion = quantized_unet(pipe, variant) if variant in QUANTIZED_VARIANTS else None
-        block = TorchBackendBlock(compile=variant != "eager", vae_batch=args.vae_batch,
-                                  tune_kernels=args.tune_kernels)
-        pipeline = our_pipeline(pipe, block, cuda_graph=variant != "eager", quantized=conversion is not None,
-                                cache=cache)
-        row, images = measure_ours(pipeline, args.batch, steps_list, args.runs, cache)
+        if variant in QUANTIZED_VARIANTS:
+            quantize_unet(pipe, variant)
+        pipeline = our_pipeline(pipe, variant, args, cache)
+        row, images = measure_ours(pipeline, args.batch, steps_list, args.runs)
+        conversion = pipeline.conversions.get("unet")
         row["quantized_layers"] = conversion.layers if conversion else 0
         row["fp8_attention_layers"] = conversion.attention if conversion else 0
         row["fp8_conv_layers"] = sum(isinstance(module, Fp8Conv2d) for module in pipe.unet.modules())
         if cache is not None:
-            row["cache"] = cache.describe()
-            variant = f"{variant}_deepcache_i{cache.interval}_b{cache.branch}"
+            row["cache"] = pipeline.run_settings.cache.describe()
+            variant = f"{variant}_deepcache_i{cache['interval']}_b{cache['branch']}"
         row["vae_batch"] = args.vae_batch
         if args.vae_batch != TorchBackendBlock.vae_batch:
             variant = f"{variant}_vae{args.vae_batch}"
@@ -458,7 +453,8 @@ def main() -> None:
         "benchmark": "torch_backend_full_size", "device": torch.cuda.get_device_name(),
         "versions": report.library_versions(), "resolution": SIZE, "batch": args.batch,
         "nemo_published_h100_ms": NEMO_H100_MS, "unet_tflop_per_call_batch2": UNET_TFLOP_BATCH2, "variants": {}}
-    cache = DeepCache(args.cache_interval, args.cache_branch) if args.cache_interval else None
+    cache = {"method": "deepcache", "interval": args.cache_interval, "branch": args.cache_branch} \
+        if args.cache_interval else None
     use_compile_arguments(args)
     record_variant(results, args.out, variants[0], lambda: run_variant(variants[0], args, steps_list, cache))
     print(f"wrote {args.out}")

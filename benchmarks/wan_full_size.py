@@ -65,10 +65,10 @@ from pathlib import Path
 import torch
 
 from sdquant import parallel, report
+from sdquant.api import from_pipeline
 from sdquant.parallel import batch_parts
 from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendBlock
 from sdquant.families.base import built_in
-from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.wan import WAN, WAN_TI2V
 from sdquant.families.wan.family import BLOCK_STACKS, TEMPORAL_SCALE, expert
 from sdquant.families.wan.flow import latent_frames, latent_tokens
@@ -79,8 +79,7 @@ from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
 from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
-from sdquant.runtime.stages import StageTimer
-from flux_full_size import hook_cache
+from flux_full_size import cache_block, hook_cache
 from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
 
 PROMPT = "a red fox running through fresh snow in a pine forest at dawn, cinematic"
@@ -171,7 +170,7 @@ def quantize_every_block(family) -> None:
 
 def calibrated_pipeline(family, args, level: float, device: torch.device):
     """The whole pipeline on `device` with both experts calibrated by quantize.py's calibration at
-    `level` and turned into FP8 kernels (their twins on a CPU, for the dry run)."""
+    `level` (fake-quantized in memory: our_pipeline turns them into FP8 kernels)."""
     if args.every_block:
         quantize_every_block(family)
     pipe = whole_pipeline(family, args, device)
@@ -181,13 +180,24 @@ def calibrated_pipeline(family, args, level: float, device: torch.device):
                           width=width, guidance_scale=4.0, num_frames=CALIBRATION_FRAMES)
     quantize_backbones(pipe, family, [PROMPT], block, seed=0, cuda_graph=False,
                        call_kwargs=family.calibration_call_kwargs(block))
-    converted = [torch_backend.convert_quantized(getattr(pipe, backbone.attribute), family,
-                                                 f"the benchmark's level-{level:g} {backbone.attribute}", "fp8",
-                                                 quant_level=level) for backbone in family.backbones]
-    return pipe, {"bf16_weights_gib": bf16,
-                  "fp8_weights_gib": weights_gib({name: getattr(pipe, name) for name in family.components}),
-                  "fp8_layers": sum(c.layers for c in converted),
-                  "fp8_attention_layers": sum(c.attention for c in converted)}
+    return pipe, {"bf16_weights_gib": bf16}
+
+
+def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
+    """`pipe` built into our pipeline as infer_trt.py builds it (sdquant.api.from_pipeline): compiled,
+    with torch_backend.attention_kernel's kernels; an FP8 variant's experts on FP8 kernels. The row
+    gets each component's weights after the conversion and what it turned."""
+    level = FP8_LEVELS.get(variant)
+    pipeline = from_pipeline(pipe, family.name, None if level is None else ("fp8", level),
+                             torch_backend={"compile": True, "attention_kernel": args.attention_kernel,
+                                            **({"quantized": "fp8"} if level else {})},
+                             sampling={"scheduler": "unipc", **({"cache": cache} if cache else {})})
+    conversions = pipeline.conversions.values()
+    record = {"fp8_layers": sum(each.layers for each in conversions),
+              "fp8_attention_layers": sum(each.attention for each in conversions)}
+    if level is not None:
+        record["fp8_weights_gib"] = weights_gib({name: getattr(pipe, name) for name in family.components})
+    return pipeline, record
 
 
 def umt5_seconds(pipe, family, args, device: torch.device) -> float:
@@ -195,18 +205,6 @@ def umt5_seconds(pipe, family, args, device: torch.device) -> float:
     ids = torch.ones(2, sizes(args, family).text_tokens, dtype=torch.int32, device=device)
     with torch.no_grad():
         return time_call(lambda: Umt5Graph(pipe.text_encoder)(ids, ids), 1)["best_call_s"]
-
-
-def compiled_stage(family, module, quantized: bool, kernel: str):
-    """Our expert stage as the torch backend compiles it (no CUDA graphs, which a split cannot take
-    and which a 10-second call does not need), its attention by `kernel`."""
-    torch_backend.compiled_backbone_forms(module, family, quantized)
-    use_attention_kernel(module, kernel)
-    use_persistent_rows()
-    stage = family.backbone_stages({backbone.attribute: module for backbone in family.backbones},
-                                   torch.bfloat16)[family.backbones[0].graph]
-    stage.graph = torch.compile(stage.graph, **torch_backend.compile_settings(TorchBackendBlock(compile=True)))
-    return stage
 
 
 def time_call(call, calls: int) -> dict:
@@ -257,21 +255,21 @@ def peer_attention(modules: list, args, device: torch.device) -> str:
 
 
 def ours_row(variant: str, family, args, device: torch.device) -> dict:
-    """Our expert stage: bf16 (compiled) or FP8 (fp8, fp8_l4) with the whole pipeline resident."""
-    record = {}
+    """Our first expert's stage as the pipeline runs it (sdquant.api.from_pipeline: bf16 compiled, or
+    FP8 with fp8 and fp8_l4), with the whole pipeline resident: one step's calls of both halves."""
     if variant in FP8_LEVELS:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
-        module = getattr(pipe, family.backbones[0].attribute)
-        record["fp8_pipeline_resident_gib"] = resident_gib(device)
-        record["umt5_s"] = umt5_seconds(pipe, family, args, device)
     else:
-        module = one_expert(family, args, device)
-        record["one_expert_weights_gib"] = weights_gib({"expert": module})["expert"]
-    record["attention_kernel"] = chosen_kernel(args.attention_kernel, device)
-    stage = compiled_stage(family, module.eval(), variant in FP8_LEVELS, record["attention_kernel"])
+        pipe, record = whole_pipeline(family, args, device), {}
+    pipeline, converted = our_pipeline(pipe, variant, family, args)
+    record.update(converted, pipeline_resident_gib=resident_gib(device),
+                  umt5_s=umt5_seconds(pipe, family, args, device),
+                  attention_kernel=chosen_kernel(args.attention_kernel, device))
+    module = getattr(pipe, family.backbones[0].attribute)
+    stage = pipeline.stages[family.backbones[0].graph]
+    if args.one_call:
+        stage.size = None
     inputs = expert_inputs(family, module, args, 2, device, torch.bfloat16)
-    if family.backbone_call_samples and not args.one_call:
-        stage = torch_backend.in_turn(stage, family.backbone_call_samples)
 
     def step():
         return stage(**inputs)["latent"]
@@ -286,36 +284,29 @@ def ours_row(variant: str, family, args, device: torch.device) -> dict:
 
 
 def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
-    """One whole video through the torch backend's pipeline, after a two-step call that compiles
-    both experts; the stages' times from its StageTimer."""
-    cache = hook_cache(args.cache, BLOCK_STACKS)
+    """One whole video through the pipeline as infer_trt.py builds it, after the same video as a
+    warm-up; the stages' times from the timed call."""
+    cache = cache_block(args.cache)
     if variant in FP8_LEVELS:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
     else:
         pipe, record = whole_pipeline(family, args, device), {}
     # The VAE in fp32, as infer_trt.py loads it for Wan (family.decoder_dtype).
     pipe.vae.to(torch.float32)
-    record["pipeline_resident_gib"] = resident_gib(device)
-    stages = family.torch_stages(pipe, torch.bfloat16, cache)
-    # The decoder eager: its 81-frame compile is the vae variant's to time.
-    decoder = stages.pop("vae")
-    stages = torch_backend.speed_up(pipe, family, stages, TorchBackendBlock(
-        compile=True, attention_kernel=args.attention_kernel), cuda_graph=False, quantized=variant in FP8_LEVELS)
-    stages["vae"] = decoder
-    parts = family.parts_of(pipe)
-    pipeline = family.text_to_image(stages, parts, make_scheduler("unipc", parts["scheduler_config"]), device)
+    pipeline, converted = our_pipeline(pipe, variant, family, args, cache)
+    record.update(converted, pipeline_resident_gib=resident_gib(device))
     frames, height, width = geometry(args, family)
     chosen = SETTINGS[family.name]
-    settings = SamplingSettings(prompts=[PROMPT], negative_prompt="", steps=args.steps or chosen["steps"],
-                                guidance_scale=chosen["guidance"], guidance_scale_2=chosen["guidance_2"],
-                                height=height, width=width, frames=frames, seed=42, cache=cache)
-    timer = StageTimer(device)
-    row = warm_then_timed(lambda: pipeline(settings, StageTimer(device), progress=False),
-                          lambda: pipeline(settings, timer, progress=False))
-    stage = report.latency_report([(row["video_s"], timer.finish())], 1, settings.steps,
+    settings = pipeline.settle([PROMPT], steps=args.steps or chosen["steps"], guidance_scale=chosen["guidance"],
+                               guidance_scale_2=chosen["guidance_2"], height=height, width=width, num_frames=frames,
+                               seed=42)
+    drawn = []
+    row = warm_then_timed(lambda: pipeline.run(settings, progress=False).samples,
+                          lambda: drawn.append(pipeline.run(settings, progress=False)) or drawn[-1].samples)
+    stage = report.latency_report([(row["video_s"], drawn[-1].stage_seconds)], 1, settings.steps,
                                   [backbone.graph for backbone in family.backbones])
     return {**record, **row, "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
-            "steps": settings.steps, "cache": cache.describe() if cache else None}
+            "steps": settings.steps, "cache": settings.cache.describe() if settings.cache else None}
 
 
 def warm_then_timed(warm_up, video) -> dict:
@@ -412,6 +403,9 @@ def split_row(variant: str, family, args, device: torch.device, world: parallel.
     if variant in FP8_LEVELS:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
         module = getattr(pipe, family.backbones[0].attribute)
+        conversion = torch_backend.convert_quantized(module, family, f"the benchmark's {variant} expert", "fp8",
+                                                     quant_level=FP8_LEVELS[variant])
+        record.update(fp8_layers=conversion.layers, fp8_attention_layers=conversion.attention)
         # The rest of the pipeline (UMT5, the other expert) off the GPU: the eager whole call's
         # activations need the room.
         del pipe
