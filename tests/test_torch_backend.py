@@ -312,9 +312,11 @@ def test_compiled_code_of_an_ops_older_schema_is_not_reused(tmp_path):
         assert result.stdout.strip().endswith("[1.0, 1.0, 1.0, 1.0]")
 
 
-def test_the_cache_tag_keeps_the_users_and_holds_one_of_its_own(monkeypatch):
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    torch_backend.tag_compile_cache()
-    torch_backend.tag_compile_cache()
-    tag = torch.compiler.config.cache_key_tag
+def test_the_cache_tag_keeps_the_users_and_holds_one_of_its_own():
+    # The config's own patch, not monkeypatch: undoing a setattr on torch's config module hides the
+    # option from every later test in the process.
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        torch_backend.tag_compile_cache()
+        torch_backend.tag_compile_cache()
+        tag = torch.compiler.config.cache_key_tag
     assert tag.startswith("mine sdquant-ops-") and tag.count("sdquant-ops-") == 1
