@@ -22,7 +22,7 @@ from .config import register_schemas, settled_config, validate_infer
 from .errors import UserError
 from .runs.infer import settle_pipeline
 from .runs.model import settle_model
-from .runs.sample import CALL_DEFAULTS, settle_cache
+from .runs.sample import defaults_of, settle_defaults
 
 # The scripts' configs, beside the package in a checkout (pip install -e).
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -61,9 +61,9 @@ def load(model: str = "sdxl_base", overrides: Sequence[str] = (), **settings) ->
     app = settled_config(compose(INFER_CONFIG, model, overrides, settings))
     validate_infer(app)
     settled = settle_model(app.model, drawing=True)
-    cache = settle_cache(settled, app.sampling.cache, "sampling.cache")
-    pipeline = assemble(settle_pipeline(app, settled, cache))
-    pipeline.defaults = {key: getattr(app.sampling, key) for key in CALL_DEFAULTS}
+    defaults = settle_defaults(settled, app.sampling)
+    pipeline = assemble(settle_pipeline(app, settled, defaults.cache, defaults.geometry))
+    pipeline.defaults = defaults_of(app.sampling)
     return pipeline
 
 
@@ -90,12 +90,13 @@ def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None,
         raise UserError(f"{settings}: {str(error).splitlines()[0]}") from None
     validate_infer(app)
     model = Model(app.model, family_of(family), family_of(family).parts_of(pipe))
-    run = settle_pipeline(app, model, settle_cache(model, app.sampling.cache, "sampling.cache"))
+    defaults = settle_defaults(model, app.sampling)
+    run = settle_pipeline(app, model, defaults.cache, defaults.geometry)
     if quantized is not None:
         fmt, level = quantized
         run = dataclasses.replace(run, checkpoint=Checkpoint.in_memory(f"the {family} backbones quantized in memory",
                                                                        fmt, level),
                                   torch_backend=dataclasses.replace(run.torch_backend, quantized=kernels))
     pipeline = assemble(run, pipe=pipe)
-    pipeline.defaults = {key: getattr(app.sampling, key) for key in CALL_DEFAULTS}
+    pipeline.defaults = defaults_of(app.sampling)
     return pipeline

@@ -90,7 +90,10 @@ class Pipeline:
         from .runtime.trt_stages import check_within_profiles
 
         family = self.family
-        names = [name for name in self.flow.stages if run.backend == "trt" or family.network(name).fixed]
+        # The engines' profiles, and the ONNX graphs' fixed shapes (a shared pipeline's other stages
+        # are the reference's modules, which take any shape).
+        names = [name for name, each in self.flow.stages.items()
+                 if hasattr(each, "profiles") and (run.backend == "trt" or family.network(name).fixed)]
         profiles = {name: self.flow.stages[name].profiles() for name in names}
         networks = {name: family.network(name) for name in names}
         batches = {name: batch for name, batch in self.flow.stage_batches(settings).items() if name in names}

@@ -218,8 +218,9 @@ def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
 
 
 def model_configs(model: ModelConfig) -> dict:
-    """The scheduler, backbone and VAE configs of `model`, read without any weights; {} for a
-    single-file checkpoint without model.single_file_config (only the full load knows them)."""
+    """The scheduler, backbone and VAE configs and the pipeline's own of `model`, read without any
+    weights; {} for a single-file checkpoint without model.single_file_config (only the full load
+    knows them)."""
     from diffusers import AutoencoderKL, EulerDiscreteScheduler
 
     quiet_libraries()
@@ -240,6 +241,8 @@ def model_configs(model: ModelConfig) -> dict:
             "scheduler_config": EulerDiscreteScheduler.load_config(location, subfolder="scheduler"),
             "backbone_config": family.backbone_class().load_config(location, subfolder=family.configs_backbone.attribute),
             "vae_config": AutoencoderKL.load_config(location, subfolder="vae"),
+            # model_index.json: a video model's expert boundary.
+            "pipeline_config": dict(family.pipeline_class().load_config(location)),
         }
     except (OSError, ValueError) as error:
         raise UserError(f"model.source={source}: cannot read its {family.configs_backbone.attribute}, VAE and scheduler configs "
@@ -251,9 +254,8 @@ def model_configs(model: ModelConfig) -> dict:
 
 
 def pipeline_parts(model: ModelConfig) -> dict:
-    """What running engines needs of the model besides its networks: tokenizers, the pipeline's own
-    config (model_index.json: a video model's expert boundary), the scheduler config, and the
-    backbone and VAE configs; none of the weights are loaded."""
+    """What running engines needs of the model besides its networks: its configs (model_configs) and
+    tokenizers; none of the weights are loaded."""
     from transformers import AutoTokenizer
 
     source = _resolved_source(model)
@@ -265,11 +267,9 @@ def pipeline_parts(model: ModelConfig) -> dict:
     family = family_of(model.family)
     try:
         return {"tokenizers": [AutoTokenizer.from_pretrained(location, subfolder=name)
-                               for name in family.tokenizer_folders],
-                "pipeline_config": dict(family.pipeline_class().load_config(location)), **configs}
+                               for name in family.tokenizer_folders], **configs}
     except (OSError, ValueError) as error:
-        raise UserError(f"model.source={source}: cannot read its tokenizers and pipeline config "
-                        f"({str(error).splitlines()[0]})") from error
+        raise UserError(f"model.source={source}: cannot read its tokenizers ({str(error).splitlines()[0]})") from error
 
 
 def builtin_prompts_path(name: str = "calib_prompts.txt") -> Path:

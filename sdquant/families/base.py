@@ -189,7 +189,7 @@ class ModelFamily:
         if configs:
             scale = self.vae_scale(configs["vae_config"])
             native = dict(zip(("height", "width"), self.native_size(model, configs, scale)))
-            multiple = self.size_multiple(scale)
+            multiple = self.size_multiple(scale, configs["backbone_config"])
         elif None in asked.values():
             raise UserError(f"{prefix}height and {prefix}width: model.source={model.source} is a single file, which "
                             "does not state the model's native size: set both (1024 for SDXL, 512 for SD 1.5), or "
@@ -212,7 +212,15 @@ class ModelFamily:
 
     def check_declared(self, model, parts: dict) -> None:
         """Refuses, before any work, what a model folder declares that the family's data flow cannot
-        run (`parts`: its configs, as sdquant.load reads them); nothing by default."""
+        run (`parts`: its configs, as sdquant.load reads them): a scheduler of no training steps."""
+        train_steps = parts["scheduler_config"].get("num_train_timesteps", 1000)
+        if not (isinstance(train_steps, int) and train_steps >= 1):
+            raise UserError(f"model.source={model.source}: its scheduler/scheduler_config.json declares "
+                            f"num_train_timesteps={train_steps!r}: fix the folder (1000 in every diffusion model here)")
+
+    def backbone_steps(self, parts: dict, steps: int) -> dict[str, int]:
+        """The denoising steps of `steps` each backbone serves, by attribute: every one, by default."""
+        return {attribute: steps for attribute in self.backbone_attributes}
 
     def check_guidance(self, second_scale: float | None, key: str) -> None:
         """Refuses a second expert's guidance scale for a family with one backbone."""
@@ -336,8 +344,9 @@ class ModelFamily:
         sample size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5)."""
         return configs["backbone_config"]["sample_size"] * vae_scale
 
-    def size_multiple(self, vae_scale: int) -> int:
-        """What image sides must be a multiple of: the VAE's scale, times a DiT's patch size."""
+    def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
+        """What image sides must be a multiple of: the VAE's scale, times a DiT's patch size (where
+        known, from its backbone config)."""
         return vae_scale
 
     # --- its architectures ---------------------------------------------------------------------

@@ -594,8 +594,8 @@ class FluxFamily(HookCaching, ModelFamily):
         default (128 latent pixels), and the small size a tiny or scene model was made at."""
         return configs["vae_config"]["sample_size"]
 
-    def size_multiple(self, vae_scale: int) -> int:
-        return vae_scale * 2
+    def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
+        return vae_scale * (backbone_config or {}).get("patch_size", 2)
 
     # --- its architectures ---------------------------------------------------------------------
 

@@ -422,8 +422,8 @@ class SD3Family(ModelFamily):
         return SD3TextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
                               vae_scale_factor(parts["vae_config"]), device)
 
-    def size_multiple(self, vae_scale: int) -> int:
-        return vae_scale * 2
+    def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
+        return vae_scale * (backbone_config or {}).get("patch_size", 2)
 
     # --- its architectures ---------------------------------------------------------------------
 

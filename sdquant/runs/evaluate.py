@@ -8,13 +8,15 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .. import parallel
 from ..config import EvaluateApp, MetricsBlock, ShardBlock, settled_config, validate_evaluate
 from ..errors import UserError
 from ..export.onnx_graphs import check_graph_file
 from ..load import SINGLE_FILE_SUFFIXES
 from .infer import PipelineRun, StageFile, check_cache_runs, checked_out_path
-from .model import Model, settle_checkpoint, settle_model
+from .model import Model, check_graph_made_for, settle_checkpoint, settle_model
 from .sample import Sampling, settle_cache, settle_sampling
 
 ENGINE_SUFFIXES = (".plan", ".engine")
@@ -65,17 +67,19 @@ def settle_evaluate(cfg) -> EvaluateRun:
     runs = tuple(dataclasses.replace(settings, cache=None) for settings in sampling.runs)
     reference = PipelineRun(model, "torch", app.device, sampling.scheduler, torch_backend=app.torch_backend,
                             dtype=app.dtype)
-    variants = {name: _variant(app, model, reference, name, source) for name, source in app.variants.items()}
+    variants = {name: _variant(app, model, reference, name, source, sampling.first.geometry)
+                for name, source in app.variants.items()}
     parallel.shard(list(runs), parallel.share_of(parallel.current_world(), app.shard),
                    "prompt batches (prompts / sampling.batch_size)")
     return EvaluateRun(reference, variants, dataclasses.replace(sampling, runs=runs), app.shard,
                        checked_out_path(app.out_path, "out_path"), app.metrics)
 
 
-def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, source: str | None) -> Variant:
+def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, source: str | None,
+             geometry) -> Variant:
     """Variant `name` settled: its kind, the pipeline run of its backbones, its step cache (its own,
     variant_cache.<name>, else sampling.cache) checked for what it runs on."""
-    kind = _variant_kind(model, name, source)
+    kind = _variant_kind(model, name, source, geometry)
     key = f"variant_cache.{name}" if name in app.variant_cache else "sampling.cache"
     block = app.variant_cache.get(name, app.sampling.cache)
     cache = settle_cache(model, block, key)
@@ -84,6 +88,9 @@ def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, 
                         "backbone or a quantize.py checkpoint): a graph or engine variant is one file, and a cached "
                         "backbone runs two (infer_trt.py runs the cached graphs and engines)")
     check_cache_runs(cache, key, "torch", cuda_graph=False)
+    if kind == "engine" and not torch.cuda.is_available():
+        raise UserError(f"variants.{name}={source}: a TensorRT engine runs on a CUDA GPU and none is visible here: "
+                        "give its .onnx file (ONNX Runtime runs it here)")
     if kind == "checkpoint":
         run = dataclasses.replace(reference, checkpoint=settle_checkpoint(model, f"variants.{name}", source))
     elif kind in ("onnx", "engine"):
@@ -96,7 +103,7 @@ def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, 
     return Variant(kind, source, run, cache)
 
 
-def _variant_kind(model: Model, name: str, source: str | None) -> str:
+def _variant_kind(model: Model, name: str, source: str | None, geometry) -> str:
     """What a variant's source is: the unquantized backbone itself, a quantize.py checkpoint, an ONNX
     file or an engine; refuses anything else, and checkpoints or graphs that are cut short or were
     made from another model, before any work starts."""
@@ -118,6 +125,7 @@ def _variant_kind(model: Model, name: str, source: str | None) -> str:
                         "quantize.py checkpoint folder, which holds them all")
     if path.suffix == ".onnx":
         check_graph_file(path, f"variants.{name}", family.network(family.backbones[0].graph))
+        check_graph_made_for(path, f"variants.{name}={source}", model, geometry)
         return "onnx"
     if path.suffix in ENGINE_SUFFIXES:
         return "engine"

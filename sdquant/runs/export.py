@@ -63,7 +63,7 @@ def settle_export_app(app: ExportApp, model: Model, checkpoint_to_come: bool = F
         settle_checkpoint(model, key, folder)
     geometry = model.family.settle_sample(model.config, model.parts, "infer.", app.infer.height, app.infer.width,
                                           app.infer.num_frames, None, None, None).geometry
-    say_size(geometry, native=None in (app.infer.height, app.infer.width))
+    say_size(geometry, (app.infer.height, app.infer.width))
     cache = None if app.run_refit else settle_cache(model, app.cache, "cache")
     check_cache_exported(cache)
     infer = freeze(dataclasses.replace(app.infer, height=geometry.height, width=geometry.width,

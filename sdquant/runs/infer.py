@@ -14,7 +14,7 @@ from ..config import (CAPTURING_COMPILE_MODES, InferApp, ShardBlock, TorchBacken
                       settled_config, validate_infer)
 from ..errors import UserError
 from ..export import onnx_graphs
-from .model import Checkpoint, Model, settle_checkpoint, settle_model
+from .model import Checkpoint, Model, check_graph_made_for, settle_checkpoint, settle_model
 from .sample import Sampling, settle_sampling
 
 BACKENDS = ("trt", "onnxruntime", "torch")
@@ -82,7 +82,7 @@ def settle_infer(cfg) -> InferRun:
     validate_infer(app)
     model = settle_model(app.model, drawing=True)
     sampling = settle_sampling(model, app.sampling)
-    pipeline = settle_pipeline(app, model, sampling.first.cache)
+    pipeline = settle_pipeline(app, model, sampling.first.cache, sampling.first.geometry)
     report.require_writer(model.family.output, model.name)
     checked_split(app, model, sampling)
     replicas = parallel.replicas_of(pipeline.split, parallel.current_world())
@@ -93,13 +93,13 @@ def settle_infer(cfg) -> InferRun:
                     run_record(app, sampling, pipeline.files))
 
 
-def settle_pipeline(app: InferApp, model: Model, cache) -> PipelineRun:
+def settle_pipeline(app: InferApp, model: Model, cache, geometry) -> PipelineRun:
     """What the assembler builds for infer_trt.py's config (and the Python API's, which takes the
     same keys): the checkpoint and the kernels that run it, the step cache checked against what it
     runs on, the file of each graph, the split of each sample over processes."""
     checkpoint = checked_run_checkpoint(app, model)
     check_cache_runs(cache, "sampling.cache", app.backend, app.cuda_graph)
-    files = stage_files(app, model, cache) if app.backend != "torch" else {}
+    files = stage_files(app, model, cache, geometry) if app.backend != "torch" else {}
     if app.backend == "trt" and not torch.cuda.is_available():
         raise UserError("backend=trt needs a CUDA GPU: use backend=onnxruntime or backend=torch here")
     split = parallel.SampleSplit(app.parallel.cfg, app.parallel.ulysses)
@@ -114,10 +114,14 @@ def checked_run_checkpoint(app, model: Model) -> Checkpoint | None:
     if not value:
         return None
     checkpoint = settle_checkpoint(model, key, value)
-    if app.torch_backend.quantized != "fake":
-        from ..runtime.torch_backend import check_format
+    kernels = app.torch_backend
+    if kernels.quantized != "fake":
+        from ..quantize.recipe import ATTENTION_LEVEL
+        from ..runtime.torch_backend import check_format, no_attention_ranges
 
-        check_format(checkpoint.named, checkpoint.format, app.torch_backend.quantized)
+        check_format(checkpoint.named, checkpoint.format, kernels.quantized)
+        if kernels.attention == "fp8" and float(checkpoint.quant_level) < ATTENTION_LEVEL:
+            raise no_attention_ranges(checkpoint.named, checkpoint.quant_level)
     return checkpoint
 
 
@@ -142,7 +146,7 @@ def checked_out_path(value: str, key: str) -> Path:
     return path
 
 
-def stage_files(app, model: Model, cache) -> dict[str, StageFile]:
+def stage_files(app, model: Model, cache, geometry) -> dict[str, StageFile]:
     """The file each graph's stage runs from, checked: the engine from engines.<graph>, NeMo's keys
     or engine_dir, in that order, or for backend=onnxruntime its ONNX file; a cached backbone's
     passes lie beside its engine, as export_trt.py cache=... builds them. Names a key for a graph
@@ -168,7 +172,14 @@ def stage_files(app, model: Model, cache) -> dict[str, StageFile]:
             backbone = files[backbones[0]]
             files[network.name] = StageFile(backbone.key, backbone.path.with_name(f"{network.name}{backbone.path.suffix}"))
     if app.backend == "onnxruntime":
-        return {name: onnx_file(file, family.network(name)) for name, file in files.items()}
+        found = {name: onnx_file(file, family.network(name)) for name, file in files.items()}
+        for name in family.backbone_graphs():
+            if name in found:
+                file = found[name]
+                named = f"{file.key}={file.path}" if file.given is None else \
+                    f"{file.key}={file.given}: its ONNX graph {file.path}"
+                check_graph_made_for(file.path, named, model, geometry)
+        return found
     for name, file in files.items():
         if not file.path.is_file():
             how = (f"export_trt.py cache.method={app.sampling.cache.method} cache.branch={app.sampling.cache.branch}"

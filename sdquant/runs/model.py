@@ -84,6 +84,10 @@ def settle_checkpoint(model: Model, key: str, value: str) -> Checkpoint:
         raise UserError(f"{key}={path} was calibrated by an sdquant older than NeMo's recipe (Percentile Quant "
                         "then covered every activation quantizer, and its means divided by the runs): quantize "
                         "again (quantize.percentile_layers=all quantize.mean_divisor=runs reproduces the old recipe)")
+    idle = [attribute for attribute, steps in record.get("calibration", {}).get("steps_served", {}).items() if not steps]
+    if idle:
+        raise UserError(f"{key}={path}: its {' and '.join(idle)} served none of the calibration's steps and has no "
+                        "ranges: quantize again with more quantize.n_steps")
     made_with = record.get("settings", {}).get("model", {}).get("loras", [])
     named = lora.identities(model.config.loras)
     if made_with != named:
@@ -91,6 +95,33 @@ def settle_checkpoint(model: Model, key: str, value: str) -> Checkpoint:
                         f"{lora.describe(named)}: set model.loras as the checkpoint was made, or quantize again")
     folder = checkpoint.checkpoint_folder(path, key, family.backbone_attributes)
     return Checkpoint(key, value, folder, record)
+
+
+def config_digest(config: dict) -> str:
+    """A digest of a network's config as its folder states it (its own keys, not diffusers'
+    bookkeeping), which an exported graph records to be told apart from another model's."""
+    return checkpoint.fingerprint({key: value for key, value in config.items() if not key.startswith("_")})
+
+
+def check_graph_made_for(path: Path, named: str, model: Model, geometry) -> None:
+    """Refuses a backbone graph exported (export_trt.py records it beside the graph) from a model of
+    another backbone config, or traced at a geometry other than the run's where its sizes are fixed;
+    a graph without those records is taken as it is. `named`: the config key and value that led to
+    it, for messages."""
+    from ..artifacts import read_json
+    from ..export.onnx_graphs import META_FILE
+
+    made = read_json(path.parent / META_FILE) or {}
+    if made.get("backbone_config") not in (None, config_digest(model.parts["backbone_config"])):
+        raise UserError(f"{named} was exported from a model whose {model.family.configs_backbone.attribute} "
+                        f"differs from model={model.name}'s: give the graph exported from it (export_trt.py "
+                        f"model={model.name})")
+    traced = made.get("traced_geometry")
+    if traced is not None and traced != [geometry.frames, geometry.height, geometry.width]:
+        frames, height, width = traced
+        raise UserError(f"{named} is fixed at {frames} frames of {height}x{width} (its sizes are the export's), "
+                        f"and this run draws {geometry.describe()}: draw at its geometry, or export at this one "
+                        "(export_trt.py infer.num_frames, infer.height, infer.width)")
 
 
 def family_name(config: ModelConfig) -> str:

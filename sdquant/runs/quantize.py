@@ -15,6 +15,7 @@ from ..graphs.geometry import SampleGeometry
 from ..load import load_prompts, resolve_device
 from ..quantize import checkpoint
 from .export import ExportRun, settle_export_app
+from .infer import checked_out_path
 from .model import Model, settle_model
 
 
@@ -69,8 +70,9 @@ def settle_quantize(cfg) -> QuantizeScript:
         if model.parts or None not in (block.height, block.width) else None
     if "scheduler_config" in model.parts:
         validate_steps(block.n_steps, "quantize.n_steps", model.parts["scheduler_config"])
+        check_steps_served(model, block.n_steps)
     calibration = calibration_of(app, model)
-    folder = Path(app.out_dir).expanduser() / calibration.folder_name()
+    folder = checked_out_path(app.out_dir, "out_dir") / calibration.folder_name()
     # A null size stays null in the calibration (and so in the checkpoint's fingerprint), but the
     # pipeline is handed the size settled here: diffusers' own default is not always the model's
     # (FluxPipeline draws 128 latent pixels a side whatever the model was trained on).
@@ -94,6 +96,16 @@ def _export_of(app: QuantizeApp, model: Model, folder: Path) -> ExportRun | None
                        force=app.force, device=app.device, run_onnx_export=app.run_onnx_export,
                        run_trt_export=app.run_trt_export)
     return settle_export_app(freeze(export), model, checkpoint_to_come=True)
+
+
+def check_steps_served(model: Model, steps: int) -> None:
+    """Refuses a calibration in which a backbone (a two-expert model's) serves none of the steps,
+    which would leave it without ranges."""
+    for attribute, served in model.family.backbone_steps(model.parts, steps).items():
+        if not served:
+            raise UserError(f"quantize.n_steps={steps}: model={model.name}'s {attribute} serves none of the "
+                            f"{steps} calibration steps (the experts split them at the model's noise boundary), so "
+                            "it would have no ranges: give more quantize.n_steps")
 
 
 def check_level(model: Model, block: QuantizeBlock) -> None:

@@ -108,28 +108,41 @@ class Sampling:
         return self.runs[0]
 
 
+def settle_defaults(model: Model, block: SamplingBlock) -> SamplingSettings:
+    """sampling.*'s values but the prompts settled as a call's (settle_call), the defaults of the
+    calls a Python API pipeline takes."""
+    return settle_call(model, [""], "sampling.", **defaults_of(block))
+
+
+def defaults_of(block: SamplingBlock) -> dict:
+    """A sampling block's values of a call's settings (CALL_DEFAULTS' names)."""
+    return {key: getattr(block, key) for key in CALL_DEFAULTS}
+
+
 def settle_sampling(model: Model, block: SamplingBlock) -> Sampling:
     """sampling.* as the pipeline calls take it: each prompt batch's call settled (settle_call), the
     scheduler (a null one the family's), prompts past the text encoders refused where
     long_prompts=error; says the size where it is the model's own."""
     batches = prompt_batches(block, model.config)
-    first = settle_call(model, batches[0], "sampling.", **{key: getattr(block, key) for key in CALL_DEFAULTS})
+    first = settle_call(model, batches[0], "sampling.", **defaults_of(block))
     per_batch = block.batch_size * block.num_images_per_prompt
     runs = tuple(dataclasses.replace(first, prompts=prompts, seed=block.seed + index * per_batch)
                  for index, prompts in enumerate(batches))
     scheduler = block.scheduler or model.family.default_scheduler
     if block.long_prompts == "error":
         model.family.text_to_image({}, model.parts, None, torch.device("cpu")).refuse_cut_prompts(runs)
-    say_size(first.geometry, native=None in (block.height, block.width))
+    say_size(first.geometry, (block.height, block.width))
     record = {**dataclasses.asdict(block), "guidance_scale": first.guidance_scale,
               "guidance_scale_2": first.guidance_scale_2, "height": first.height, "width": first.width,
               "num_frames": first.frames, "fps": first.fps, "scheduler": scheduler}
     return Sampling(runs, scheduler, record)
 
 
-def say_size(geometry, native: bool) -> None:
-    """Says the size a run settled on, and where it is the model's own."""
-    note = " (the model's native size)" if native else ""
+def say_size(geometry, asked: tuple) -> None:
+    """Says the size a run settled on, and what of it is the model's own (`asked`: the height and
+    width asked for, None where not)."""
+    own = [name for name, value in zip(("height", "width"), asked) if value is None]
+    note = " (the model's native size)" if len(own) == 2 else f" (the model's native {own[0]})" if own else ""
     print(f"{'video' if geometry.frames > 1 else 'image'} size: {geometry.describe()}{note}", flush=True)
 
 
@@ -145,6 +158,8 @@ def prompt_batches(block: SamplingBlock, model) -> list[list[str]]:
         if not path.is_file():
             raise UserError(f"{key}={path}: no such file")
         prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise UserError(f"{key}={path} holds no prompts: give a file of one prompt a line")
     else:
         prompts = list(block.prompts)
     if not prompts:

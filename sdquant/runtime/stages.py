@@ -44,6 +44,7 @@ class OnnxRuntimeStage:
             raise UserError(f"{key}: ONNX Runtime cannot load {onnx_file} ({reason}): {remedy}") from None
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.named = f"{key}={given or onnx_file}"
 
     def profiles(self) -> dict[str, tuple]:
         """The inputs whose every dimension the graph fixes, each as a (min, opt, max) shape of that one
@@ -52,9 +53,17 @@ class OnnxRuntimeStage:
         return {name: (tuple(shape),) * 3 for name, shape in shapes.items() if all(isinstance(d, int) for d in shape)}
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
         device = next(iter(inputs.values())).device
         feeds = {name: _to_numpy(inputs[name], self.input_types[name]) for name in self.input_types}
-        outputs = self.session.run(self.output_names, feeds)
+        try:
+            outputs = self.session.run(self.output_names, feeds)
+        except InvalidArgument as error:
+            # A graph exported before it recorded its model and geometry is checked only here.
+            raise UserError(f"{self.named}: ONNX Runtime cannot run it on this run's inputs "
+                            f"({str(error).splitlines()[0][:200]}): give the graph exported from this model at this "
+                            "run's size (export_trt.py)") from None
         return {name: torch.from_numpy(value).to(device) for name, value in zip(self.output_names, outputs)}
 
 

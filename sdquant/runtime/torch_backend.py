@@ -113,10 +113,7 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
 
     ranges = {site.layer: site.amax for site in quantized_attention(backbone)}
     if attention == "fp8" and not ranges:
-        made_at = "below quant_level=4" if quant_level is None else f"at quant_level={quant_level:g}"
-        raise UserError(f"torch_backend.attention=fp8: {named} was made {made_at}, which calibrates no attention "
-                        "ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
-                        "torch_backend.attention=auto")
+        raise no_attention_ranges(named, quant_level)
     if attention == "fp16" or not ranges:
         return {}
     device = next(backbone.parameters()).device
@@ -125,6 +122,14 @@ def fp8_attention_ranges(backbone: torch.nn.Module, named: str, attention: str,
         raise UserError(f"{named} holds FP8 attention (quant_level=4), but {missing}: set "
                         "torch_backend.attention=fp16 to run its attention in 16 bits")
     return ranges
+
+
+def no_attention_ranges(named: str, quant_level: float | None) -> UserError:
+    """The refusal of torch_backend.attention=fp8 for a checkpoint made without attention ranges."""
+    made_at = "below quant_level=4" if quant_level is None else f"at quant_level={quant_level:g}"
+    return UserError(f"torch_backend.attention=fp8: {named} was made {made_at}, which calibrates no attention "
+                     "ranges: quantize with quantize.format=fp8 quantize.quant_level=4, or set "
+                     "torch_backend.attention=auto")
 
 
 def _check_fp8_kernels(backbone: torch.nn.Module, named: str) -> None:

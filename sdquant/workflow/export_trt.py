@@ -21,7 +21,7 @@ from ..graphs.networks import Role
 from ..load import empty_backbones, load_pipeline, resolve_device
 from ..report import library_versions, print_engine_table, print_summary
 from ..runs.export import ExportRun, settle_export
-from ..runs.model import settle_checkpoint
+from ..runs.model import config_digest, settle_checkpoint
 
 
 def run_export(cfg) -> list[Path]:
@@ -82,7 +82,9 @@ def export_onnx(settled: ExportRun) -> list[Path]:
                 **(cache.record() if spec.name in family.cached_graphs() else {}),
                 "loras": lora.identities(model.loras) if family.carries_adapters(spec.name) else [],
                 "vae_scale_factor": family.vae_scale(pipe.vae.config), **family.export_sizes(pipe, settled.geometry),
-                "versions": library_versions()}
+                **({"backbone_config": config_digest(settled.model.parts["backbone_config"])}
+                   if runs_backbone and settled.model.parts else {}),
+                **family.traced_geometry_record(spec.name, settled.geometry), "versions": library_versions()}
         with stage(f"exporting {spec.name}"):
             print(f"exporting {spec.name} to {folder} ...", flush=True)
             onnx_graphs.export_graph(spec, folder, settled.onnx.opset, meta, graph_dtype)
@@ -162,6 +164,8 @@ def build_engines(settled: ExportRun) -> list[Path]:
     start = time.perf_counter()
     out, family, trt = settled.infer.out_path, settled.family, settled.trt
     onnx_files = required_onnx(out, family)
+    for name, onnx_file in onnx_files.items():
+        onnx_graphs.check_graph_file(onnx_file, "infer.out_path", family.network(name), Path(out))
     fp8 = {name: engines.uses_fp8(onnx_file) for name, onnx_file in onnx_files.items()}
     builder = engines.engine_builder(trt, any(fp8.values()))
     timing_cache = Path(trt.timing_cache).expanduser() if trt.timing_cache else \

@@ -13,8 +13,9 @@ from ...errors import UserError
 from ...graphs.geometry import SampleGeometry
 from ...quantize.recipe import LayerGroup, LevelTable
 from .. import components
-from ..base import SEED, Backbone, HookCaching, ModelFamily
-from .flow import TEMPORAL_SCALE, WanTextToVideo, latent_frames, latent_tokens, temporal_scale, text_tokens
+from ..base import SEED, Backbone, HookCaching, ModelFamily, Sample
+from .flow import (TEMPORAL_SCALE, WanTextToVideo, expert_at, latent_frames, latent_tokens, temporal_scale,
+                   text_tokens)
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 
 # WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
@@ -142,7 +143,7 @@ class WanFamily(HookCaching, ModelFamily):
     hook_block_stacks = BLOCK_STACKS
     gpu_dtype = torch.bfloat16
     default_scheduler = "unipc"
-    size_reason = "the VAE's spatial scale factor times the experts' 2x2 patches"
+    size_reason = "the VAE's spatial scale factor times the experts' patch size (patch_size in their config)"
     level_table = LEVELS
     output = "video"
     channels_last = False
@@ -200,8 +201,8 @@ class WanFamily(HookCaching, ModelFamily):
 
     def settled_frames(self, asked: int | None, key: str, model) -> int:
         """4k + 1 frames (the VAE keeps the first frame alone and packs 4 a latent frame after it), the
-        model's own where none is asked."""
-        frames = asked if asked is not None else (model.num_frames or self.default_frames)
+        model's own (model.num_frames, else the family's) where none is asked."""
+        frames, key = _own(asked, key, model.num_frames, "model.num_frames", self.default_frames)
         if frames < 1 or (frames - 1) % TEMPORAL_SCALE:
             near = max(1, (frames - 1) // TEMPORAL_SCALE * TEMPORAL_SCALE + 1)
             raise UserError(f"{key}={frames}: model={model.name}'s VAE takes 4k + 1 frames (1, 5, 9, ..., 81): "
@@ -209,16 +210,96 @@ class WanFamily(HookCaching, ModelFamily):
         return frames
 
     def settled_fps(self, asked: int | None, key: str, model) -> int:
-        fps = asked if asked is not None else (model.fps or self.default_fps)
+        fps, named = _own(asked, key, model.fps, "model.fps", self.default_fps)
         if fps < 1:
-            raise UserError(f"{key}={fps}: give the frames per second the video plays at, 1 or more "
-                            f"({model.name}'s own: {model.fps or self.default_fps})")
+            own = f" ({model.name}'s own: {model.fps or self.default_fps})" if named == key else ""
+            raise UserError(f"{named}={fps}: give the frames per second the video plays at, 1 or more{own}")
         return fps
 
     def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
-        """A Wan folder states no size: the model config's, else the family's (MLPerf's 720x1280 for
-        the A14B, the TI2V-5B's own 704x1280)."""
-        return (model.height or self.default_size[0], model.width or self.default_size[1])
+        """A Wan folder states no size: the model config's (model.height, model.width, refused where
+        the experts' grid cannot make it), else the family's (MLPerf's 720x1280 for the A14B, the
+        TI2V-5B's own 704x1280)."""
+        from ...config import validate_image_size
+
+        if configs:
+            validate_image_size({"height": model.height, "width": model.width}, "model.",
+                                self.size_multiple(vae_scale, configs["backbone_config"]), self.size_reason)
+        return tuple(own if own is not None else default for own, default in zip((model.height, model.width),
+                                                                                 self.default_size))
+
+    def settle_sample(self, model, configs: dict, prefix: str, *asked) -> Sample:
+        """The base's settling, and the geometry the experts' rotary tables can place: latent frames
+        and patches a side at most rope_max_seq_len each."""
+        sample = super().settle_sample(model, configs, prefix, *asked)
+        if configs:
+            self._check_positions(sample.geometry, configs, prefix, model)
+        return sample
+
+    def _check_positions(self, geometry: SampleGeometry, configs: dict, prefix: str, model) -> None:
+        backbone, vae = configs["backbone_config"], configs["vae_config"]
+        positions = backbone.get("rope_max_seq_len", 1024)
+        _, patch_height, patch_width = backbone.get("patch_size", (1, 2, 2))
+        scale, frame_scale = self.vae_scale(vae), temporal_scale(vae)
+        placed = {"num_frames": (latent_frames(geometry.frames, frame_scale), "latent frames",
+                                 frame_scale * (positions - 1) + 1),
+                  "height": (geometry.height // (scale * patch_height), "patches a side", scale * patch_height * positions),
+                  "width": (geometry.width // (scale * patch_width), "patches a side", scale * patch_width * positions)}
+        for key, (count, what, most) in placed.items():
+            if count > positions:
+                raise UserError(f"{prefix}{key}={getattr(geometry, 'frames' if key == 'num_frames' else key)}: "
+                                f"model={model.name}'s experts place at most {positions} {what} (rope_max_seq_len in "
+                                f"its transformer config): choose {most} or less")
+
+    def settle_guidance(self, model, prefix: str, guidance_scale: float | None,
+                        guidance_scale_2: float | None) -> tuple[float, float | None]:
+        """The base's, refusing a second expert's scale asked for a video whose guidance is off (a
+        first scale of 1 or less turns classifier-free guidance off for the whole video, as
+        WanPipeline decides it)."""
+        scales = super().settle_guidance(model, prefix, guidance_scale, guidance_scale_2)
+        if guidance_scale_2 is not None and scales[0] <= 1.0 < guidance_scale_2:
+            raise UserError(f"{prefix}guidance_scale_2={guidance_scale_2} has no effect: guidance_scale={scales[0]} "
+                            "turns guidance off for the whole video: set guidance_scale above 1, or leave "
+                            f"{prefix}guidance_scale_2 unset")
+        return scales
+
+    def check_declared(self, model, parts: dict) -> None:
+        """Refuses a folder whose VAE scales by nothing, whose experts place no position, or (two
+        experts) whose boundary leaves one expert no step."""
+        super().check_declared(model, parts)
+        vae, backbone = parts["vae_config"], parts["backbone_config"]
+        for key in ("scale_factor_spatial", "scale_factor_temporal"):
+            if key in vae and not (isinstance(vae[key], int) and vae[key] >= 1):
+                raise UserError(f"model.source={model.source}: its vae/config.json declares {key}={vae[key]!r}, "
+                                "a Wan VAE's is a positive whole number (8 or 16 in space, 4 in time): fix the folder")
+        positions = backbone.get("rope_max_seq_len", 1024)
+        if not (isinstance(positions, int) and positions >= 1):
+            raise UserError(f"model.source={model.source}: its transformer config declares rope_max_seq_len="
+                            f"{positions!r}: fix the folder (Wan2.2's experts: 1024)")
+        boundary = self.boundary_of(parts)
+        if len(self.backbones) > 1 and (isinstance(boundary, bool) or not isinstance(boundary, (int, float))
+                                        or not 0 < boundary < 1):
+            raise UserError(f"model.source={model.source}: its model_index.json declares boundary_ratio={boundary!r}, "
+                            "where one expert takes over from the other, a number between 0 and 1 (Wan2.2-T2V-A14B: "
+                            "0.875): fix the folder")
+
+    def boundary_of(self, parts: dict) -> float | None:
+        """Where the second expert takes over, as a share of the training timesteps: the folder's
+        boundary_ratio, else the family's (None: one expert throughout)."""
+        if len(self.backbones) == 1:
+            return None
+        return parts.get("pipeline_config", {}).get("boundary_ratio", self.boundary_ratio)
+
+    def backbone_steps(self, parts: dict, steps: int) -> dict[str, int]:
+        """The steps of `steps` each expert serves: the first while t >= boundary x the training
+        timesteps, as the data flow and WanPipeline split them."""
+        from ..pipeline import make_scheduler
+
+        scheduler = make_scheduler(self.default_scheduler, parts["scheduler_config"])
+        scheduler.set_timesteps(steps)
+        served = [expert_at(t, self.boundary_of(parts), scheduler.config.num_train_timesteps, len(self.backbones))
+                  for t in scheduler.timesteps]
+        return {backbone.attribute: served.count(index) for index, backbone in enumerate(self.backbones)}
 
     def decoder_dtype(self, vae_config, dtype: torch.dtype) -> torch.dtype:
         """fp32 wherever the pipeline runs in half precision, as WanPipeline's documentation and
@@ -229,8 +310,10 @@ class WanFamily(HookCaching, ModelFamily):
         # Configs saved before diffusers wrote the key are the Wan2.1 VAE's, which scales 8x.
         return vae_config.get("scale_factor_spatial", 8)
 
-    def size_multiple(self, vae_scale: int) -> int:
-        return vae_scale * 2
+    def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
+        """The VAE's spatial scale times the experts' patches (patch_size, 1x2x2 in Wan2.2's)."""
+        patch = (backbone_config or {}).get("patch_size", (1, 2, 2))
+        return vae_scale * max(patch[1:])
 
     def sequence_tokens(self, parts: dict, geometry) -> int:
         scale = self.vae_scale(parts["vae_config"])
@@ -297,7 +380,7 @@ class WanFamily(HookCaching, ModelFamily):
 
     def text_to_image(self, stages: dict, parts: dict, scheduler, device):
         pipeline_config = parts.get("pipeline_config", {})
-        boundary = pipeline_config.get("boundary_ratio", self.boundary_ratio) if len(self.backbones) > 1 else None
+        boundary = self.boundary_of(parts)
         return WanTextToVideo(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
                               parts["vae_config"], device, tuple(backbone.graph for backbone in self.backbones),
                               boundary, pipeline_config.get("expand_timesteps", self.expand_timesteps), UMT5_TOKENS)
@@ -424,3 +507,11 @@ class WanTI2VFamily(WanFamily):
 
 WAN = WanT2VFamily()
 WAN_TI2V = WanTI2VFamily()
+
+
+def _own(asked, key: str, own, own_key: str, default) -> tuple:
+    """The value a run takes and the key that named it: the one asked for, else the model config's
+    (`own`, named `own_key`), else the family's `default`."""
+    if asked is not None:
+        return asked, key
+    return (own, own_key) if own is not None else (default, key)

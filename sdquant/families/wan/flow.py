@@ -43,6 +43,14 @@ def latent_tokens(frames: int, height: int, width: int) -> int:
     return frames * (height // 2) * (width // 2)
 
 
+def expert_at(t, boundary_ratio: float | None, train_steps: int, experts: int) -> int:
+    """Which expert denoises at timestep t: the first while t >= boundary_ratio x the scheduler's
+    training steps, the second after (a model of one expert: always the first)."""
+    if boundary_ratio is None or experts == 1:
+        return 0
+    return 0 if t >= boundary_ratio * train_steps else 1
+
+
 class WanTextToVideo(TextToImage):
     """Stages umt5 (input_ids, attention_mask -> hidden_states), transformer and transformer_2 (each
     expert: hidden_states, timestep, encoder_hidden_states -> latent) and vae (latent -> video); a
@@ -122,11 +130,7 @@ class WanTextToVideo(TextToImage):
         return hidden.repeat_interleave(settings.images_per_prompt, 0)
 
     def expert_at(self, t: torch.Tensor) -> int:
-        """Which expert denoises at timestep t: the first while t >= boundary_ratio x the scheduler's
-        training steps, the second after (a model of one expert: always the first)."""
-        if self.boundary_ratio is None or len(self.experts) == 1:
-            return 0
-        return 0 if t >= self.boundary_ratio * self.scheduler.config.num_train_timesteps else 1
+        return expert_at(t, self.boundary_ratio, self.scheduler.config.num_train_timesteps, len(self.experts))
 
     def timesteps_for(self, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The timestep each expert call takes: one per sample, or (expand_timesteps) one per latent
