@@ -841,58 +841,58 @@ SCENE_CONFIGS = {Family.sdxl: "train_scene_model", Family.flux: "train_scene_flu
 WAN_SCENE_COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
 
 
-def validate_train_scene(cfg) -> None:
+def validate_train_scene(app) -> None:
     # Each config's schema holds one family's architecture: another family needs its own config.
-    schema_family = OmegaConf.get_type(cfg).family
-    if cfg.family != schema_family:
-        own = (f"--config-name {SCENE_CONFIGS[cfg.family]}" if cfg.family in SCENE_CONFIGS
+    schema_family = type(app).family
+    if app.family != schema_family:
+        own = (f"--config-name {SCENE_CONFIGS[app.family]}" if app.family in SCENE_CONFIGS
                else f"a family with a scene model ({', '.join(plain(f) for f in SCENE_CONFIGS)})")
-        raise UserError(f"family={plain(cfg.family)}: this config trains a {plain(schema_family)} scene model, whose "
+        raise UserError(f"family={plain(app.family)}: this config trains a {plain(schema_family)} scene model, whose "
                         f"architecture it holds: use {own}")
-    arch = cfg.architecture
-    for key in [key for key in ("unet_channels", "vae_channels") if key in arch]:
-        if not arch[key] or any(width < arch.norm_groups or width % arch.norm_groups for width in arch[key]):
-            raise UserError(f"architecture.{key}={list(arch[key])}: every width must be a positive multiple of "
+    arch = app.architecture
+    for key in [key for key in ("unet_channels", "vae_channels") if hasattr(arch, key)]:
+        if not getattr(arch, key) or any(width < arch.norm_groups or width % arch.norm_groups for width in getattr(arch, key)):
+            raise UserError(f"architecture.{key}={list(getattr(arch, key))}: every width must be a positive multiple of "
                             f"architecture.norm_groups={arch.norm_groups}")
-    if "text_widths" in arch and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
+    if hasattr(arch, "text_widths") and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
                                                                     for width in arch.text_widths)):
         raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
-    if "text_width" in arch and (arch.text_width < 32 or arch.text_width % 32):
+    if hasattr(arch, "text_width") and (arch.text_width < 32 or arch.text_width % 32):
         raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 wide)")
-    if "vae_dim_mult" in arch and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
+    if hasattr(arch, "vae_dim_mult") and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
         raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
                         "multiples (each level after the first halves the sides)")
-    if "vae_frame_levels" in arch and not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
+    if hasattr(arch, "vae_frame_levels") and not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
         raise UserError(f"architecture.vae_frame_levels={arch.vae_frame_levels}: give 0 to "
                         f"{len(arch.vae_dim_mult) - 1}, the levels after the first of vae_dim_mult")
-    if "layers" in arch and (arch.head_dim < 6 or arch.head_dim % 2):
+    if hasattr(arch, "layers") and (arch.head_dim < 6 or arch.head_dim % 2):
         raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
                         "embedding splits it into frame, height and width parts)")
-    for key in [key for key in WAN_SCENE_COUNTS if key in arch]:
-        if arch[key] < 1:
-            raise UserError(f"architecture.{key}={arch[key]}: give 1 or more")
-    if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
+    for key in [key for key in WAN_SCENE_COUNTS if hasattr(arch, key)]:
+        if getattr(arch, key) < 1:
+            raise UserError(f"architecture.{key}={getattr(arch, key)}: give 1 or more")
+    if hasattr(arch, "rope_axes") and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
         raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
                         f"architecture.head_dim={arch.head_dim}")
-    if cfg.vae_from is not None:
-        earlier = Path(cfg.vae_from).expanduser()
+    if app.vae_from is not None:
+        earlier = Path(app.vae_from).expanduser()
         if not all((earlier / name).is_file() for name in ("vae/config.json", "training.json", "loss_log.csv")):
-            raise UserError(f"vae_from={cfg.vae_from}: not a scene model folder written by tools/train_scene_model.py "
+            raise UserError(f"vae_from={app.vae_from}: not a scene model folder written by tools/train_scene_model.py "
                             "(it needs vae/, training.json and loss_log.csv): give such a folder, or null to train the VAE")
         trained_for = json.loads((earlier / "training.json").read_text()).get("family")
-        if trained_for != plain(cfg.family):
-            raise UserError(f"vae_from={cfg.vae_from}: a {trained_for} scene model's folder, and this run trains a "
-                            f"{plain(cfg.family)} one: give one of its own family")
+        if trained_for != plain(app.family):
+            raise UserError(f"vae_from={app.vae_from}: a {trained_for} scene model's folder, and this run trains a "
+                            f"{plain(app.family)} one: give one of its own family")
     for key in ("vae", "denoiser"):
-        if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
+        if getattr(app, key).steps < 1 or getattr(app, key).batch_size < 1 or getattr(app, key).learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
-    if cfg.denoiser.get("shared_steps", 0) < 0:
-        raise UserError(f"denoiser.shared_steps={cfg.denoiser.shared_steps}: give 0 or more")
-    if not 0 <= cfg.denoiser.empty_caption_rate < 1:
-        raise UserError(f"denoiser.empty_caption_rate={cfg.denoiser.empty_caption_rate} is outside [0, 1)")
-    if not 0 <= cfg.two_object_share <= 1:
-        raise UserError(f"two_object_share={cfg.two_object_share} is outside [0, 1]")
-    if cfg.dataset_size < 1 or cfg.eval_prompts < 0 or cfg.eval_steps < 1:
+    if getattr(app.denoiser, "shared_steps", 0) < 0:
+        raise UserError(f"denoiser.shared_steps={app.denoiser.shared_steps}: give 0 or more")
+    if not 0 <= app.denoiser.empty_caption_rate < 1:
+        raise UserError(f"denoiser.empty_caption_rate={app.denoiser.empty_caption_rate} is outside [0, 1)")
+    if not 0 <= app.two_object_share <= 1:
+        raise UserError(f"two_object_share={app.two_object_share} is outside [0, 1]")
+    if app.dataset_size < 1 or app.eval_prompts < 0 or app.eval_steps < 1:
         raise UserError("dataset_size and eval_steps must be positive and eval_prompts not negative")
 
 

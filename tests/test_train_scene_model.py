@@ -241,10 +241,10 @@ def test_the_one_cycle_schedule_runs_through_any_number_of_steps_and_keeps_the_r
 @pytest.mark.parametrize("frame_levels, refused", [(-1, True), (0, False), (2, False), (3, True)])
 def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, refused):
     from conftest import compose_config
-    from sdquant.config import validate_train_scene
+    from sdquant.config import settled_config, validate_train_scene
     from sdquant.errors import UserError
     from sdquant.families.wan import WAN
-    cfg = compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"])
+    cfg = settled_config(compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"]))
     if refused:
         with pytest.raises(UserError, match="architecture.vae_frame_levels"):
             validate_train_scene(cfg)
@@ -259,10 +259,10 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
 def test_shared_steps_below_zero_are_refused_and_an_image_config_has_none():
     from conftest import compose_config
     from hydra.errors import ConfigCompositionException
-    from sdquant.config import validate_train_scene
+    from sdquant.config import settled_config, validate_train_scene
     from sdquant.errors import UserError
     with pytest.raises(UserError, match="denoiser.shared_steps=-1"):
-        validate_train_scene(compose_config("train_scene_wan", ["denoiser.shared_steps=-1"]))
+        validate_train_scene(settled_config(compose_config("train_scene_wan", ["denoiser.shared_steps=-1"])))
     # One backbone has no expert to share: the key is the Wan schema's alone.
     with pytest.raises(ConfigCompositionException, match="shared_steps"):
         compose_config("train_scene_flux", ["denoiser.shared_steps=1"])

@@ -15,6 +15,7 @@ with ``save_pretrained`` in fp16 and loads like any folder of its family.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import string
@@ -27,7 +28,6 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from . import clips, scenes
 from .scoring import adherence, adherence_summary, video_adherence
@@ -379,48 +379,48 @@ def held_out_scenes(kind: SceneKind, count: int) -> list:
 SCENE_TOKENIZERS = {"clip": scene_tokenizer, "t5": scene_t5_tokenizer}
 
 
-def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
-    """Trains the scene pipeline of cfg.family at cfg.architecture's sizes and saves it (fp16,
-    safetensors) to cfg.out_dir; returns the folder and the training record, which is also
-    written into it. `cfg`: the settled training settings (config.TrainSceneApp)."""
-    out = Path(cfg.out_dir).expanduser()
-    if out.exists() and not cfg.force:
+def train_scene_model(app, device: torch.device) -> tuple[Path, dict]:
+    """Trains the scene pipeline of app.family at app.architecture's sizes and saves it (fp16,
+    safetensors) to app.out_dir; returns the folder and the training record, which is also
+    written into it. `app`: the settled training settings (config.TrainSceneApp)."""
+    out = Path(app.out_dir).expanduser()
+    if out.exists() and not app.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
-    if cfg.vae.cuda_graph and cfg.vae_from is None and device.type != "cuda":
+    if app.vae.cuda_graph and app.vae_from is None and device.type != "cuda":
         raise UserError(f"vae.cuda_graph=true replays CUDA graphs, and this run trains on {device}: "
                         "set vae.cuda_graph=false, or device=cuda on a machine with a GPU")
-    family = family_of(cfg.family)
+    family = family_of(app.family)
     kind = SCENE_KINDS[family.output]
     started = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    generator = torch.Generator(device).manual_seed(cfg.seed)
+    torch.manual_seed(app.seed)
+    generator = torch.Generator(device).manual_seed(app.seed)
     vocabulary = kind.module.caption_vocabulary()
     tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in family.scene_tokenizers}
-    pipe = family.build_pipeline(family.scene_sizes(cfg.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
-    data = make_dataset(kind, cfg.dataset_size, cfg.seed, cfg.two_object_share, tokenizers, device)
+    pipe = family.build_pipeline(family.scene_sizes(app.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
+    data = make_dataset(kind, app.dataset_size, app.seed, app.two_object_share, tokenizers, device)
     log = LossLog()
     seconds = {}
 
     phase_start = time.perf_counter()
-    if cfg.vae_from is None:
+    if app.vae_from is None:
         # The VAE's convolutions keep one shape all training: let cuDNN time its algorithms once.
         with stage("the VAE's training"), torch.backends.cudnn.flags(enabled=True, benchmark=True):
-            train_vae(pipe.vae, data, cfg.vae, generator, log)
+            train_vae(pipe.vae, data, app.vae, generator, log)
         seconds["vae"] = time.perf_counter() - phase_start
     else:
-        seconds["vae"] = keep_trained_vae(pipe, Path(cfg.vae_from).expanduser(), log)
+        seconds["vae"] = keep_trained_vae(pipe, Path(app.vae_from).expanduser(), log)
     with stage("encoding the training samples"):
         latents = encode_latents(pipe.vae, data)
-    held_out = held_out_scenes(kind, cfg.eval_prompts)
+    held_out = held_out_scenes(kind, app.eval_prompts)
     prompts = [scene.caption() for scene in held_out]
     with stage("scoring the VAE's reconstructions of held-out scenes"):
         reconstructed = reconstruction_adherence(pipe.vae, kind, held_out)
 
-    phases = family.scene_phases(pipe, latents, data, cfg.denoiser, generator)
+    phases = family.scene_phases(pipe, latents, data, app.denoiser, generator)
     for phase in phases:
         phase_start = time.perf_counter()
         with stage(f"the {phase.name}'s training"):
-            train_denoiser(phase.modules, phase.loss_of, len(latents), phase.steps, cfg.denoiser, generator, log,
+            train_denoiser(phase.modules, phase.loss_of, len(latents), phase.steps, app.denoiser, generator, log,
                            phase.name)
             phase.then()
         seconds[phase.name] = time.perf_counter() - phase_start
@@ -430,23 +430,23 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     pipe.to(torch.float16).set_progress_bar_config(disable=True)
     pipe.vae.to(family.decoder_dtype(pipe.vae.config, torch.float16))
     with stage("scoring the held-out prompts"):
-        adherence = held_out_adherence(pipe, kind, prompts, cfg.eval_steps, cfg.guidance_scale, cfg.seed,
+        adherence = held_out_adherence(pipe, kind, prompts, app.eval_steps, app.guidance_scale, app.seed,
                                        family.pipeline_call_kwargs(pipe)) if prompts else {}
     # Its weights were fp16 before the upcast, so they are stored in fp16 without loss.
     pipe.vae.to(torch.float16)
     record = {
-        "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True),
-        "family": plain(cfg.family),
+        "config": json.loads(json.dumps(dataclasses.asdict(app), default=plain)),
+        "family": plain(app.family),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "final_loss": {"vae": log.final("vae"), **{phase.name: log.final(phase.name) for phase in phases}},
         "parameters": {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in family.components},
-        "held_out_adherence": {"prompts": len(prompts), "steps": cfg.eval_steps,
-                               "guidance_scale": cfg.guidance_scale, **adherence},
+        "held_out_adherence": {"prompts": len(prompts), "steps": app.eval_steps,
+                               "guidance_scale": app.guidance_scale, **adherence},
         "reconstruction_adherence": reconstructed,
         "attributes": list(kind.attributes),
         **kind.held_out_record(),
-        "vae_from": cfg.vae_from,
+        "vae_from": app.vae_from,
         "versions": library_versions(),
     }
     with stage(f"saving the model to {out}"):

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from ..config import validate_train_scene
+from ..config import settled_config, validate_train_scene
 from ..load import resolve_device
 from ..report import print_summary
 
@@ -17,9 +15,9 @@ def run_train_scene_model(cfg) -> Path:
     from ..quality.training import train_scene_model
 
     start = time.perf_counter()
-    validate_train_scene(cfg)
-    # The settled config: the schema's own typed objects, which nothing changes.
-    out, record = train_scene_model(OmegaConf.to_object(cfg), resolve_device(cfg.device))
+    app = settled_config(cfg)
+    validate_train_scene(app)
+    out, record = train_scene_model(app, resolve_device(app.device))
     adherence = record["held_out_adherence"]
     if adherence["prompts"]:
         attributes = [name for name in record["attributes"] if adherence.get(name) is not None]
