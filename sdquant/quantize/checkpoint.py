@@ -43,20 +43,19 @@ def fingerprint(settings: dict) -> str:
 @dataclass(frozen=True)
 class Calibration:
     """Everything that changes a calibration's result, and nothing that does not: the quantize
-    block (plain values), the model's identity, the prompts file, the seed and what the recipe
-    calibrates differently from older sdquant (only where it does, so older fingerprints hold)."""
+    block (plain values), the model's identity, the prompts file, the seed and the recipe as data
+    (sdquant.quantize.recipe.recipe_identity: the family's level table and what is derived from it)."""
 
     quantize: dict
     model: dict
     model_name: str
     prompts_file: str | None
     seed: int
-    revisions: dict
+    recipe: dict
 
     def settings(self) -> dict:
-        settings = {"quantize": self.quantize, "model": self.model, "prompts_file": self.prompts_file,
-                    "seed": self.seed}
-        return {**settings, "recipe": self.revisions} if self.revisions else settings
+        return {"quantize": self.quantize, "model": self.model, "prompts_file": self.prompts_file,
+                "seed": self.seed, "recipe": self.recipe}
 
     def fingerprint(self) -> str:
         return fingerprint(self.settings())

@@ -26,7 +26,7 @@ from ..graphs.geometry import SampleGeometry
 from ..load import compute_dtype, load_pipeline, load_prompts, model_configs, resolve_device
 from ..graphs.networks import TOKENS
 from ..families.pipeline import say_truncated
-from ..quantize.recipe import uses_smoothquant
+from ..quantize.recipe import recipe_identity, uses_smoothquant
 from ..report import library_versions, print_summary
 from .export_trt import Export, export, settle_export
 from .settings import frozen, settled_geometry, settled_guidance
@@ -73,7 +73,7 @@ def calibration_of(cfg, family: ModelFamily) -> checkpoint.Calibration:
     return checkpoint.Calibration(
         quantize=block, model=checkpoint.model_identity(cfg.model), model_name=cfg.model.name,
         prompts_file=cfg.prompts_file or cfg.model.calib_prompts, seed=cfg.seed,
-        revisions=family.recipe_revisions(cfg.quantize.format, cfg.quantize.quant_level))
+        recipe=recipe_identity(family.level_table, cfg.quantize))
 
 
 def quantized_checkpoint_dir(cfg) -> Path:
