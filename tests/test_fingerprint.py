@@ -1,6 +1,7 @@
 """A checkpoint's fingerprint holds the recipe as data: an edit of any row of the family's level
 table, another level or format, or other tied ranges make another checkpoint, and the same settings
-give the same fingerprint in any process."""
+give the same fingerprint in any process. Checkpoints of an older layout are refused in one line;
+one of an earlier fingerprint still loads by folder, but quantize.py never reuses it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import sys
 from sdquant.families import family_of
 from sdquant.families.sdxl import SDXL
 from sdquant.quantize import checkpoint, shared_ranges
+from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.quantize import calibration_of, run_quantize
+from sdquant.workflow.settings import restore_quantized_backbones
 
-from conftest import FAST_QUANTIZE, REPO, compose_config
+from conftest import FAST_QUANTIZE, REPO, compose_config, refused_in_one_line
 
 
 def _fingerprint(cfg) -> str:
@@ -75,3 +78,37 @@ def test_the_record_holds_the_level_table_it_was_calibrated_with(quantize_cfg):
     record = json.loads((folder / checkpoint.RECORD_FILE).read_text())
     assert record["settings"]["recipe"]["level_table"] == json.loads(json.dumps(dataclasses.asdict(SDXL.level_table)))
     assert record["fingerprint"] == checkpoint.fingerprint(record["settings"])
+
+
+def test_a_folder_of_the_layout_before_backbone_named_files_is_refused_in_one_line(quantize_cfg, tmp_path, capsys):
+    folder = run_quantize(quantize_cfg("quantize.quant_level=1"))
+    (folder / checkpoint.RECORD_FILE).rename(folder / "unet.json")
+    cfg = compose_config("sd_xl_export", ["model=tiny_sdxl", "device=cpu", f"quantized_unet={folder}",
+                                          f"infer.out_path={tmp_path / 'export'}"])
+    capsys.readouterr()
+    err = refused_in_one_line(run_export, cfg, capsys)
+    assert f"quantized_unet={folder} is a checkpoint of the layout before" in err
+    assert "(its record unet.json)" in err and err.endswith("quantize again with force=true")
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_checkpoint_of_an_earlier_fingerprint_loads_by_folder_but_is_calibrated_again(
+        quantize_cfg, tiny_pipeline, capsys):
+    cfg = quantize_cfg("quantize.quant_level=1")
+    folder = run_quantize(cfg)
+    record_file = folder / checkpoint.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    # As the settings were fingerprinted before they held the recipe.
+    del record["settings"]["recipe"]
+    record["fingerprint"] = checkpoint.fingerprint(record["settings"])
+    record_file.write_text(json.dumps(record))
+
+    unet = tiny_pipeline().unet
+    restored = restore_quantized_backbones(cfg.model, "quantized_unet", str(folder), {"unet": unet})
+    assert restored["fingerprint"] == record["fingerprint"]
+    assert any(module.is_enabled for name, module in unet.named_modules() if name.endswith("input_quantizer"))
+
+    capsys.readouterr()
+    assert run_quantize(cfg) == folder
+    assert "reused" not in capsys.readouterr().out
+    assert json.loads(record_file.read_text())["fingerprint"] == _fingerprint(cfg)

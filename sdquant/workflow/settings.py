@@ -41,10 +41,6 @@ def checked_checkpoint(model, key: str, value: str) -> dict:
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({plain(model.family)}): choose its own model")
     checkpoint.check_backbone_files(path, key, family.backbone_attributes)
-    if "percentile_layers" not in record.get("settings", {}).get("quantize", {}):
-        raise UserError(f"{key}={path} was calibrated by an sdquant older than NeMo's recipe (Percentile Quant "
-                        "then covered every activation quantizer, and its means divided by the runs): quantize "
-                        "again (quantize.percentile_layers=all quantize.mean_divisor=runs reproduces the old recipe)")
     made_with = record.get("settings", {}).get("model", {}).get("loras", [])
     named = lora.identities(model.loras)
     if made_with != named:
