@@ -58,13 +58,9 @@ class Quantize:
 def calibration_of(cfg, family: ModelFamily) -> checkpoint.Calibration:
     """What identifies the checkpoint `cfg` makes. The guidance is the settled one (a null scale the
     model's), so a checkpoint of a model's own guidance is the same whether asked for by value or by
-    null. The keys only a video model has (frames, the second expert's guidance) are absent while
-    null, so that image checkpoints keep their fingerprints; a video model's geometry is the one its
-    config settles to, since a null size or frame count takes the model config's own, which the
-    model's identity does not hold."""
+    null. A video model's geometry is the one its config settles to, since a null size or frame count
+    takes the model config's own, which the model's identity does not hold."""
     block = OmegaConf.to_container(cfg.quantize, resolve=True) | settled_guidance(cfg.quantize, "quantize", cfg.model)
-    block = {key: value for key, value in block.items()
-             if value is not None or key not in ("num_frames", "guidance_scale_2")}
     if family.output == "video":
         native = dict(zip(("height", "width"), family.native_size(cfg.model, {}, 0)))
         block.update({key: native[key] if block[key] is None else block[key] for key in native},
