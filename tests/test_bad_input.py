@@ -114,7 +114,7 @@ def test_corrupt_or_foreign_artifacts_are_named_before_any_work(tmp_path, capsys
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "unet.mto").write_bytes(b"the first bytes of a checkpoint")
-    (checkpoint / "unet.json").write_text('{"fingerprint": "0"}')
+    (checkpoint / "checkpoint.json").write_text('{"fingerprint": "0", "settings": {"quantize": {"percentile_layers": "auto"}}}')
     err = refused_in_one_line(run_export, compose_config("sd_xl_export", [
         "model=tiny_sdxl", "device=cpu", f"quantized_unet={checkpoint}", f"infer.out_path={tmp_path / 'export'}"]),
         capsys)

@@ -20,9 +20,6 @@ from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import flash3_attention_rounded, reference_attention
 from sdquant.quantize.shared_ranges import attention_layers, output_groups, projection_groups
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.config import settled_config
-from sdquant.runs.model import Model
-from sdquant.runs.quantize import calibration_of
 from sdquant.workflow.quantize import run_quantize
 from sdquant.families import family_of
 from sdquant.families.sdxl import SDXL
@@ -381,20 +378,6 @@ def test_sdxl_level4_quantizes_self_attention_only(level4):
                for name, attn in attention_layers(fake)}
     assert {name for name, flags in enabled.items() if all(flags)} == {n for n in enabled if n.endswith(".attn1")}
     assert not any(any(flags) for name, flags in enabled.items() if name.endswith(".attn2"))
-
-
-def test_only_the_fp8_checkpoints_the_recipe_changed_get_new_fingerprints():
-    def settings(model, fmt, level):
-        app = settled_config(compose_config("sd_xl_quantize", [f"model={model}", f"quantize.format={fmt}",
-                                                               f"quantize.quant_level={level}"]))
-        return calibration_of(app, Model(app.model, family_of(app.model.family), {})).settings()
-
-    for model, level in (("scenes_sdxl", 1), ("scenes_sdxl", 2), ("scenes_sdxl", 3), ("scenes_flux", 3)):
-        assert "recipe" not in settings(model, "int8", level)
-    assert "recipe" not in settings("scenes_sdxl", "fp8", 2)
-    assert set(settings("scenes_sdxl", "fp8", 3)["recipe"]) == {"shared_fp8_ranges"}
-    assert settings("scenes_sdxl", "fp8", 4)["recipe"]["fp8_attention_scope"] == "*.attn1."
-    assert set(settings("scenes_flux", "fp8", 4)["recipe"]) == {"shared_fp8_ranges"}
 
 
 def test_fp8_attention_for_a_checkpoint_without_attention_ranges_names_its_level(tmp_path_factory, tmp_path):

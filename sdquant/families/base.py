@@ -135,13 +135,6 @@ class ModelFamily:
 
         return quant_cfg_entries(self.level_table, fmt, quant_level)
 
-    def recipe_revisions(self, fmt, quant_level: float) -> dict:
-        """What the recipe calibrates differently from older sdquant at this format and level, for
-        the fingerprint of the checkpoints it changes (sdquant.quantize.recipe.revisions)."""
-        from ..quantize.recipe import revisions
-
-        return revisions(self.level_table, fmt, quant_level)
-
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         """The timestep a call of the backbone (by the diffusers pipeline) is made with, on the
         scheduler's own scale, so the calibration's step clock can find it in the schedule."""

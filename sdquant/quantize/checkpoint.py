@@ -3,8 +3,8 @@ file of each backbone, named by its attribute on the pipeline (unet.mto, transfo
 transformer_2.mto), and a JSON record.
 
 The record is written last, so its presence marks a complete checkpoint; its ``fingerprint``
-identifies the settings that produced it, so a rerun with the same settings reuses it. Folders
-written before a family could have several backbones hold unet.mto and unet.json; they still load.
+identifies the settings that produced it, so a rerun with the same settings reuses it. What older
+sdquant wrote and this one no longer reads is refused in sdquant.quantize.compat.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from .. import lora
 from ..artifacts import atomic_path, read_json, write_json
 from ..config import plain
 from ..errors import UserError
+from . import compat
 
 RECORD_FILE = "checkpoint.json"
-# What a folder of a one-backbone family held before the files were named by backbone.
-OLDER_BACKBONE_FILE, OLDER_RECORD_FILE = "unet.mto", "unet.json"
 BACKBONE_SUFFIX = ".mto"
 
 
@@ -43,20 +42,19 @@ def fingerprint(settings: dict) -> str:
 @dataclass(frozen=True)
 class Calibration:
     """Everything that changes a calibration's result, and nothing that does not: the quantize
-    block (plain values), the model's identity, the prompts file, the seed and what the recipe
-    calibrates differently from older sdquant (only where it does, so older fingerprints hold)."""
+    block (plain values), the model's identity, the prompts file, the seed and the recipe as data
+    (sdquant.quantize.recipe.recipe_identity: the family's level table and what is derived from it)."""
 
     quantize: dict
     model: dict
     model_name: str
     prompts_file: str | None
     seed: int
-    revisions: dict
+    recipe: dict
 
     def settings(self) -> dict:
-        settings = {"quantize": self.quantize, "model": self.model, "prompts_file": self.prompts_file,
-                    "seed": self.seed}
-        return {**settings, "recipe": self.revisions} if self.revisions else settings
+        return {"quantize": self.quantize, "model": self.model, "prompts_file": self.prompts_file,
+                "seed": self.seed, "recipe": self.recipe}
 
     def fingerprint(self) -> str:
         return fingerprint(self.settings())
@@ -71,20 +69,12 @@ class Calibration:
 
 
 def backbone_file(folder: Path, attribute: str) -> Path:
-    """The file of backbone `attribute` in a checkpoint folder: <attribute>.mto, or in a folder of
-    the one-backbone layout before it, unet.mto."""
-    named = folder / f"{attribute}{BACKBONE_SUFFIX}"
-    older = folder / OLDER_BACKBONE_FILE
-    return older if not named.is_file() and older.is_file() and (folder / OLDER_RECORD_FILE).is_file() else named
-
-
-def record_file(folder: Path) -> Path:
-    older = folder / OLDER_RECORD_FILE
-    return older if not (folder / RECORD_FILE).is_file() and older.is_file() else folder / RECORD_FILE
+    """The file of backbone `attribute` in a checkpoint folder."""
+    return folder / f"{attribute}{BACKBONE_SUFFIX}"
 
 
 def is_complete(folder: Path, expected_fingerprint: str, attributes: tuple[str, ...]) -> bool:
-    record = read_json(record_file(folder))
+    record = read_json(folder / RECORD_FILE)
     return (record is not None and record.get("fingerprint") == expected_fingerprint
             and all(backbone_file(folder, attribute).is_file() for attribute in attributes))
 
@@ -94,14 +84,10 @@ def save(backbones: dict[str, object], folder: Path, record: dict) -> list[Path]
     import modelopt.torch.opt as mto
 
     folder.mkdir(parents=True, exist_ok=True)
-    stale = [folder / RECORD_FILE, folder / OLDER_RECORD_FILE]
-    if "unet" not in backbones:  # a one-backbone folder's file of before, which nothing would read again
-        stale.append(folder / OLDER_BACKBONE_FILE)
-    for path in stale:
-        path.unlink(missing_ok=True)
+    (folder / RECORD_FILE).unlink(missing_ok=True)
     written = []
     for attribute, module in backbones.items():
-        path = folder / f"{attribute}{BACKBONE_SUFFIX}"
+        path = backbone_file(folder, attribute)
         with atomic_path(path) as temp:
             mto.save(module, temp)
         written.append(path)
@@ -121,15 +107,18 @@ def checkpoint_folder(path: Path, key: str, attributes: tuple[str, ...]) -> Path
 
 
 def read_record(path: Path, key: str, attributes: tuple[str, ...]) -> dict:
-    """The record of the checkpoint config `key` names, refused in one line where it is missing or
-    unreadable (which also says whether a checkpoint is there at all)."""
+    """The record of the checkpoint config `key` names, refused in one line where it is missing,
+    unreadable (which also says whether a checkpoint is there at all) or written by an sdquant whose
+    checkpoints this one no longer reads."""
     folder = checkpoint_folder(path, key, attributes)
-    record = read_json(record_file(folder)) if folder.is_dir() else None
+    record = read_json(folder / RECORD_FILE) if folder.is_dir() else None
     if not isinstance(record, dict) or "fingerprint" not in record:
+        compat.refuse_older_layout(folder, key, path)
         if not folder.is_dir() or not any(folder.glob(f"*{BACKBONE_SUFFIX}")):
             raise UserError(f"{key}={path}: no quantize.py checkpoint there: run quantize.py first")
-        raise UserError(f"{key}={path}: its record {record_file(folder)} is missing or unreadable: run "
+        raise UserError(f"{key}={path}: its record {folder / RECORD_FILE} is missing or unreadable: run "
                         "quantize.py again with force=true")
+    compat.refuse_older_recipe(record, key, path)
     return record
 
 

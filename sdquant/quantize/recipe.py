@@ -1,5 +1,6 @@
 """The quantization recipe: which backbone quantizers a (format, quant_level) pair turns on, from a
-family's table of levels (sdquant.families), and how they are calibrated.
+family's table of levels (sdquant.families), and how they are calibrated; recipe_identity is all of
+it as data, which a checkpoint's fingerprint holds.
 
 The ModelOpt config is an ordered list in which later entries win, so it is written as: everything
 off, then what each level adds, then the family's high-precision patterns last, so that no level
@@ -8,12 +9,14 @@ can re-enable a layer that must stay in high precision.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
 import torch
 
 from ..config import QuantFormat
+from .shared_ranges import tied_groups
 
 # ModelOpt's attention quantizers: q, k and v where they enter attention, and softmax's output.
 ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")
@@ -79,26 +82,6 @@ def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -
     return entries
 
 
-# What quantize.py ties after calibrating FP8 (sdquant.quantize.shared_ranges), named in the fingerprint of the
-# checkpoints it changes.
-SHARED_FP8_RANGES = "q/k/v weights reading one input; the outputs of a joint FP8 attention"
-
-
-def revisions(table: LevelTable, fmt: QuantFormat, quant_level: float) -> dict:
-    """What this recipe calibrates differently from the sdquant that made the checkpoints before
-    it, for the fingerprints of the checkpoints it changes; empty for the others (every INT8 one),
-    whose fingerprints stay as they were."""
-    if QuantFormat(fmt) != QuantFormat.fp8:
-        return {}
-    level = float(quant_level)
-    changes = {}
-    if level >= table.qkv_level:
-        changes["shared_fp8_ranges"] = SHARED_FP8_RANGES
-    if level >= ATTENTION_LEVEL and table.attention_scope != "*":
-        changes["fp8_attention_scope"] = table.attention_scope
-    return changes
-
-
 _PARENT_CLASSES = {"nn.Conv2d": torch.nn.Conv2d, "nn.Linear": torch.nn.Linear}
 
 
@@ -145,3 +128,17 @@ def calibration_algorithm(fmt: QuantFormat, quant_level: float, alpha: float):
     if uses_smoothquant(fmt, quant_level):
         return {"method": "smoothquant", "alpha": float(alpha)}
     return {"method": "max"}
+
+
+def recipe_identity(table: LevelTable, block) -> dict:
+    """What decides which layers a calibration by quantize block `block` quantizes, and how, as plain
+    data for its checkpoint's fingerprint. The whole level table, not only the rows this level
+    reads, so that no edit of a row can leave an old checkpoint looking current; ModelOpt's
+    quant_cfg, the algorithm and the layers Percentile Quant covers, as this code derives them from
+    the table and the block, so that a change to the derivation is a new checkpoint too; and, for
+    FP8, the layers whose ranges are tied after calibration (INT8 ranges are never tied)."""
+    fmt, level = QuantFormat(block.format), float(block.quant_level)
+    identity = {"level_table": dataclasses.asdict(table), "quant_cfg": quant_cfg_entries(table, fmt, level),
+                "algorithm": calibration_algorithm(fmt, level, block.alpha),
+                "percentile_layers": percentile_layers(block)}
+    return {**identity, "tied_ranges": tied_groups()} if fmt == QuantFormat.fp8 else identity

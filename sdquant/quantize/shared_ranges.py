@@ -26,6 +26,8 @@ def attention_layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 QKV = (("to_q", "to_k", "to_v"), "to_qkv")
 KV = (("to_k", "to_v"), "to_kv")
 ADDED_QKV = (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
+# A joint attention's image and text output projections, which read its one output tensor.
+JOINT_OUTPUTS = ("to_out.0", "to_add_out")
 
 
 def projection_groups(attention: torch.nn.Module) -> list[tuple[tuple[str, ...], str]]:
@@ -42,7 +44,13 @@ def output_groups(attention: torch.nn.Module) -> list[tuple[str, ...]]:
     """The layers that read one attention output tensor: a joint attention's image and text
     output projections."""
     # diffusers' attention classes hold to_add_out = None where there is no text stream.
-    return [("to_out.0", "to_add_out")] if isinstance(getattr(attention, "to_add_out", None), torch.nn.Module) else []
+    return [JOINT_OUTPUTS] if isinstance(getattr(attention, "to_add_out", None), torch.nn.Module) else []
+
+
+def tied_groups() -> dict:
+    """What tie_fp8_ranges ties, as plain data for the fingerprint of the checkpoints it changes:
+    the weight ranges of each projection group, the input ranges of the output group."""
+    return {"weights": [QKV[0], KV[0], ADDED_QKV[0]], "inputs": [JOINT_OUTPUTS]}
 
 
 def _tie(quantizers: list) -> bool:

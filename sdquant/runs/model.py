@@ -80,10 +80,6 @@ def settle_checkpoint(model: Model, key: str, value: str) -> Checkpoint:
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({family_name(model.config)}): choose its own model")
     checkpoint.check_backbone_files(path, key, family.backbone_attributes)
-    if "percentile_layers" not in record.get("settings", {}).get("quantize", {}):
-        raise UserError(f"{key}={path} was calibrated by an sdquant older than NeMo's recipe (Percentile Quant "
-                        "then covered every activation quantizer, and its means divided by the runs): quantize "
-                        "again (quantize.percentile_layers=all quantize.mean_divisor=runs reproduces the old recipe)")
     idle = [attribute for attribute, steps in record.get("calibration", {}).get("steps_served", {}).items() if not steps]
     if idle:
         raise UserError(f"{key}={path}: its {' and '.join(idle)} served none of the calibration's steps and has no "

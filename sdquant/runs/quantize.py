@@ -14,6 +14,7 @@ from ..errors import UserError
 from ..graphs.geometry import SampleGeometry
 from ..load import load_prompts, resolve_device
 from ..quantize import checkpoint
+from ..quantize.recipe import recipe_identity
 from .export import ExportRun, settle_export_app
 from .infer import checked_out_path
 from .model import Model, settle_model
@@ -125,16 +126,14 @@ def settled_guidance(model: Model, block: QuantizeBlock) -> dict:
 
 
 def calibration_of(app: QuantizeApp, model: Model) -> checkpoint.Calibration:
-    """What identifies the checkpoint `app` makes. The guidance is the settled one (a null scale the
+    """What identifies the checkpoint `app` makes: the quantize block, the model's identity, the
+    prompts, the seed and the recipe as data (the family's level table and what it makes of it,
+    sdquant.quantize.recipe.recipe_identity). The guidance is the settled one (a null scale the
     model's), so a checkpoint of a model's own guidance is the same whether asked for by value or by
-    null. The keys only a video model has (frames, the second expert's guidance) are absent while
-    null, so that image checkpoints keep their fingerprints; a video model's geometry is the one its
-    config settles to, since a null size or frame count takes the model config's own, which the
-    model's identity does not hold."""
+    null. A video model's geometry is the one its config settles to, since a null size or frame count
+    takes the model config's own, which the model's identity does not hold."""
     family = model.family
     block = dataclasses.asdict(app.quantize) | settled_guidance(model, app.quantize)
-    block = {key: value for key, value in block.items()
-             if value is not None or key not in ("num_frames", "guidance_scale_2")}
     if family.output == "video":
         native = dict(zip(("height", "width"), family.native_size(app.model, {}, 0)))
         block.update({key: native[key] if block[key] is None else block[key] for key in native},
@@ -142,4 +141,4 @@ def calibration_of(app: QuantizeApp, model: Model) -> checkpoint.Calibration:
     return checkpoint.Calibration(
         quantize=block, model=checkpoint.model_identity(app.model), model_name=app.model.name,
         prompts_file=app.prompts_file or app.model.calib_prompts, seed=app.seed,
-        revisions=family.recipe_revisions(app.quantize.format, app.quantize.quant_level))
+        recipe=recipe_identity(family.level_table, app.quantize))

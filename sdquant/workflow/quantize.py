@@ -11,7 +11,6 @@ import torch
 
 from ..quantize import checkpoint
 from .. import parallel
-from ..artifacts import read_json
 from ..quantize.calibrate import activation_amax, amax_summary, quantize_backbones
 from ..cli import stage
 from ..config import sizes_of, validate_image_size
@@ -44,22 +43,10 @@ def calibrate(run: QuantizeRun) -> None:
         print_summary("quantize", [], time.perf_counter() - start,
                       reused=[checkpoint.backbone_file(run.folder, attribute) for attribute in attributes])
     elif run.run_quantization:
-        _say_older_recipe(run.folder)
         _calibrate_and_save(run, fingerprint, start)
     else:
         raise UserError(f"run_quantization=false but {run.folder} holds no checkpoint for these settings: "
                         "run with run_quantization=true first")
-
-
-def _say_older_recipe(folder: Path) -> None:
-    """Names a checkpoint of the same readable settings made before NeMo's recipe (its record has
-    no percentile_layers): its fingerprint differs, so it is calibrated again, not reused."""
-    prefix = folder.name.rsplit("_", 1)[0]
-    for older in sorted(folder.parent.glob(f"{prefix}_*")):
-        settings = (read_json(checkpoint.record_file(older)) or {}).get("settings", {})
-        if older != folder and "quantize" in settings and "percentile_layers" not in settings["quantize"]:
-            print(f"note: {older} was calibrated before NeMo's recipe (Percentile Quant on every layer); "
-                  f"calibrating again into {folder}", flush=True)
 
 
 def _calibrate_and_save(settled: QuantizeRun, fingerprint: str, start: float) -> None:
