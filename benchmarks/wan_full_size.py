@@ -188,10 +188,12 @@ def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
     with torch_backend.attention_kernel's kernels; an FP8 variant's experts on FP8 kernels. The row
     gets each component's weights after the conversion and what it turned."""
     level = FP8_LEVELS.get(variant)
+    frames, height, width = geometry(args, family)
     pipeline = from_pipeline(pipe, family.name, None if level is None else ("fp8", level),
                              torch_backend={"compile": True, "attention_kernel": args.attention_kernel,
                                             **({"quantized": "fp8"} if level else {})},
-                             sampling={"scheduler": "unipc", **({"cache": cache} if cache else {})})
+                             sampling={"scheduler": "unipc", "num_frames": frames, "height": height, "width": width,
+                                       **({"cache": cache} if cache else {})})
     conversions = pipeline.conversions.values()
     record = {"fp8_layers": sum(each.layers for each in conversions),
               "fp8_attention_layers": sum(each.attention for each in conversions)}

@@ -78,6 +78,7 @@ def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None,
 
     from .config import InferApp, ModelConfig
     from .families import family_of
+    from .load import DTYPES
     from .runs.model import Checkpoint, Model
 
     register_schemas()
@@ -91,7 +92,10 @@ def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None,
     validate_infer(app)
     model = Model(app.model, family_of(family), family_of(family).parts_of(pipe))
     defaults = settle_defaults(model, app.sampling)
-    run = settle_pipeline(app, model, defaults.cache, defaults.geometry)
+    # The stages run in the dtype the pipeline was built in, on any device.
+    built_in = next(model.family.backbone_modules(pipe)[model.family.backbone_attributes[0]].parameters()).dtype
+    run = dataclasses.replace(settle_pipeline(app, model, defaults.cache, defaults.geometry),
+                              dtype=next(name for name, dtype in DTYPES.items() if dtype == built_in))
     if quantized is not None:
         fmt, level = quantized
         run = dataclasses.replace(run, checkpoint=Checkpoint.in_memory(f"the {family} backbones quantized in memory",
