@@ -18,10 +18,10 @@ import torch
 
 from sdquant.quantize.calibrate import ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches, quantize_backbones
 from sdquant.config import QuantizeBlock
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.load import load_prompts, quiet_libraries
 from sdquant.report import library_versions
-from sdquant.families.sdxl import sdxl_unet
+from sdquant.families.sd.sizes import sdxl_unet
 
 TARGET_RATIO = 1.25
 

@@ -26,7 +26,7 @@ from sdquant.runtime.kernels.conv8 import fp8_conv2d, int8_conv2d, reference_fp8
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
 from sdquant.runtime.kernels.int8 import Int8Conv2d
 
-# The recipe's convolutions in 16 bits (sdquant.families.sd.HIGH_PRECISION).
+# The recipe's convolutions in 16 bits (sdquant.families.sd.recipe.HIGH_PRECISION).
 UNQUANTIZED = ("conv_in", "conv_out", "conv_shortcut")
 
 
@@ -52,7 +52,7 @@ def conv_shapes(module: torch.nn.Module, run, skip=()) -> Counter:
 def network_shapes(batch: int) -> dict[str, Counter]:
     """The quantized convolution shapes of the full-size SDXL UNet at `batch` images per call (twice
     as many samples) and of its VAE decoder's 3x3 convolutions."""
-    from sdquant.families.sdxl import SDXL
+    from sdquant.families.sd import SDXL
 
     pipe = SDXL.full_size_on_gpu()
     samples = 2 * batch

@@ -48,7 +48,7 @@ from sdquant import report
 from sdquant.runtime import step_modulations, torch_backend
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock, TorchBackendBlock
-from sdquant.families import flux
+from sdquant.families.flux import family as flux
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler

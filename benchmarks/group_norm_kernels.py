@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.runtime.compiled_forms import pin_channels_last_outputs, use_compiled_forms
 

@@ -17,7 +17,7 @@ import torch
 from sdquant import report
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.runtime.stages import StageTimer
 
 TARGET_OVERHEAD = 0.02

@@ -61,9 +61,9 @@ import torch
 from sdquant import report
 from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
-from sdquant.families.deep_cache import DeepCache
+from sdquant.families.sd.deep_cache import DeepCache
 from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges

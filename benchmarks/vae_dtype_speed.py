@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from sdquant.families.encoders import VaeDecoderGraph
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.report import library_versions
 from sdquant.runtime.compiled_forms import use_compiled_forms
 

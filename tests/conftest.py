@@ -79,7 +79,7 @@ def run_script(model_cache, tmp_path):
 def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int = 8) -> dict:
     """The engine profile export_trt.py builds for SDXL's graph `graph` at infer's image size."""
     from sdquant.export import engines
-    from sdquant.families.sdxl import SDXL
+    from sdquant.families.sd import SDXL
 
     from sdquant.graphs.geometry import SampleGeometry
 
@@ -90,7 +90,7 @@ def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int
 
 def sdxl_run_sizes(latent_height: int, latent_width: int, windows: int = 1) -> dict:
     """Every dynamic axis but the batch of SDXL's graphs in a run at this latent size and context."""
-    from sdquant.families.sd import unet_axis_sizes
+    from sdquant.families.sd.graphs import unet_axis_sizes
 
     return unet_axis_sizes(latent_height, latent_width, windows, None)
 

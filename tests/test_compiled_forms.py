@@ -15,9 +15,11 @@ from diffusers import AutoencoderKL
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, SlicedAttnProcessor
 
 from sdquant.config import TorchBackendBlock
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.families.flux import BLOCK_STACKS, FLUX, FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.flux import FLUX
+from sdquant.families.flux.family import BLOCK_STACKS
+from sdquant.families.flux.graphs import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
 from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
                                             pin_channels_last_outputs, reorder_outputs, tanh_gelu,
                                             use_compiled_forms, use_sigmoid_gelu)
@@ -175,7 +177,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
     pooled text, give what each step's call computed itself."""
     import dataclasses
 
-    from sdquant.families.flux import ModulationsGraph
+    from sdquant.families.flux.graphs import ModulationsGraph
 
     transformer = FLUX.build_pipeline(dataclasses.replace(FLUX.sizes["tiny"], guidance=guidance)).transformer
     transformer = transformer.float().eval()

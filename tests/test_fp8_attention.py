@@ -13,8 +13,8 @@ from diffusers.models.attention_processor import AttnProcessor
 
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.flux import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
-from sdquant.families.sd import UNetGraph
+from sdquant.families.flux.graphs import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import flash3_attention_rounded, reference_attention
@@ -24,7 +24,7 @@ from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import calibration_of, run_quantize
 from sdquant.families import family_of
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config
 
@@ -323,7 +323,7 @@ def test_compile_traces_a_converted_attention_layer_as_one_graph_with_the_op(lev
 def test_flux_rotary_halves_give_every_fp8_attention_todays_q_and_k_in_halves_order(level4):
     """Layer by layer, on the inputs today's order gave each attention layer, so that no CPU's
     rounding adds up across layers: q and k where they enter FP8 attention are today's, reordered."""
-    from sdquant.families.flux import _evens_then_odds, _tables_in_halves_order
+    from sdquant.families.flux.graphs import _evens_then_odds, _tables_in_halves_order
     from sdquant.runtime.attention import Fp8Attention
 
     today, conversion = _converted("scenes_flux", level4["scenes_flux"])

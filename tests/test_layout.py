@@ -15,8 +15,8 @@ from sdquant.config import Family
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_DIRS = ("quantize", "export", "runtime", "workflow", "quality")
 # The families' shared vocabulary, which every stage may use; any other module or package under
-# families/ is one family's own.
-SHARED_FAMILY_MODULES = {"base", "pipeline", "training", "components", "encoders", "deep_cache"}
+# families/ is family knowledge: one family's own, or what some families share (dit.py).
+SHARED_FAMILY_MODULES = {"base", "pipeline", "training", "components", "encoders"}
 
 
 def stage_modules() -> list[Path]:

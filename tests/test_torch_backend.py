@@ -12,7 +12,7 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.sd import UNetGraph
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, Fp8Linear
 from sdquant.load import empty_backbones
 from sdquant.quantize.quantizers import quantized_inputs
@@ -20,7 +20,7 @@ from sdquant.quantize.shared_ranges import projection_groups
 from sdquant.workflow.settings import restore_quantized_backbones
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from conftest import compose_config
 

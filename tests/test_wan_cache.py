@@ -144,7 +144,8 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     the modules are named one by one, the same ones in Flux."""
     from diffusers.hooks import TaylorSeerCacheConfig
 
-    from sdquant.families import flux
+    from sdquant.families.flux.family import BLOCK_STACKS, FLUX
+    from sdquant.families.flux.sizes import TINY as TINY_FLUX
     from sdquant.families.wan import WAN, family
     from sdquant.runtime.cache_hooks import HookCache
 
@@ -163,9 +164,9 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     ours = HookCache("taylorseer", 2, 0.0, family.BLOCK_STACKS)
     assert under(ours.config(expert), expert) == {f"blocks.{index}.attn{which}" for index in range(5)
                                                    for which in (1, 2)}
-    transformer = flux.FLUX.build_pipeline(flux.TINY).transformer
+    transformer = FLUX.build_pipeline(TINY_FLUX).transformer
     defaults = under(TaylorSeerCacheConfig(cache_interval=2), transformer)
-    assert len(defaults) == 4 and under(HookCache("taylorseer", 2, 0.0, flux.BLOCK_STACKS).config(transformer),
+    assert len(defaults) == 4 and under(HookCache("taylorseer", 2, 0.0, BLOCK_STACKS).config(transformer),
                                         transformer) == defaults
 
 

@@ -20,7 +20,7 @@ def _registry() -> dict[Family, ModelFamily]:
     from .flux import FLUX
     from .sd import SD
     from .sd3 import SD3
-    from .sdxl import SDXL
+    from .sd import SDXL
     from .wan import WAN, WAN_TI2V
 
     return {Family.sdxl: SDXL, Family.sd15: SD, Family.sd2: SD, Family.flux: FLUX, Family.sd3: SD3,
