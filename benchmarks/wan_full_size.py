@@ -70,9 +70,10 @@ from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendB
 from sdquant.families.base import built_in
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.wan import WAN, WAN_TI2V
-from sdquant.families.wan.family import BLOCK_STACKS, TEMPORAL_SCALE, expert
-from sdquant.families.wan.flow import latent_frames, latent_tokens
+from sdquant.families.wan.family import BLOCK_STACKS
+from sdquant.families.wan.flow import TEMPORAL_SCALE, latent_frames, latent_tokens
 from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
+from sdquant.families.wan.sizes import expert
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend

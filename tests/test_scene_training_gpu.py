@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from sdquant.families.wan.family import scene_sizes
+from sdquant.families.wan.scene import scene_sizes
 from sdquant.quality.training import VaeLoss
 
 from conftest import compose_config

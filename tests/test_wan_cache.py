@@ -146,7 +146,9 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
 
     from sdquant.families.flux.family import BLOCK_STACKS, FLUX
     from sdquant.families.flux.sizes import TINY as TINY_FLUX
-    from sdquant.families.wan import WAN, family
+    from sdquant.families.wan import WAN
+    from sdquant.families.wan.family import BLOCK_STACKS as WAN_BLOCK_STACKS
+    from sdquant.families.wan.sizes import expert as wan_expert
     from sdquant.runtime.cache_hooks import HookCache
 
     def hooked(module) -> set[str]:
@@ -159,9 +161,9 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
         module.disable_cache()
         return names
 
-    expert = family.expert(WAN.sizes["tiny"])
+    expert = wan_expert(WAN.sizes["tiny"])
     assert not under(TaylorSeerCacheConfig(cache_interval=2), expert)
-    ours = HookCache("taylorseer", 2, 0.0, family.BLOCK_STACKS)
+    ours = HookCache("taylorseer", 2, 0.0, WAN_BLOCK_STACKS)
     assert under(ours.config(expert), expert) == {f"blocks.{index}.attn{which}" for index in range(5)
                                                    for which in (1, 2)}
     transformer = FLUX.build_pipeline(TINY_FLUX).transformer

@@ -1,0 +1,97 @@
+"""The Wan2.2 scene model (the A14B's two experts): its architecture from the training config, its
+phases and its training loss."""
+
+from __future__ import annotations
+
+import torch
+
+from .graphs import Umt5Graph
+from .sizes import WanSizes
+from ..training import ScenePhase, autocast, kept
+
+
+def scene_sizes(arch) -> WanSizes:
+    """The Wan scene model's architecture (config's WanSceneArchitecture): UMT5 with heads of 32, a
+    Wan VAE of 16 channels whose levels after the first each halve the sides (the last
+    vae_frame_levels also the frames), unit latent statistics that training replaces with the
+    latents' own, and the A14B's flow shift."""
+    levels = len(arch.vae_dim_mult) - 1
+    frame_levels = arch.vae_frame_levels
+    return WanSizes(text_width=arch.text_width, text_layers=arch.text_layers, text_heads=arch.text_width // 32,
+                    text_head_width=32, text_ff=2 * arch.text_width, heads=arch.heads, head_dim=arch.head_dim,
+                    ffn=arch.ffn, layers=arch.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
+                    flow_shift=3.0,
+                    vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
+                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
+                         # WanPipeline sizes its latent frames by this, not by the levels.
+                         ("scale_factor_spatial", 2 ** levels), ("scale_factor_temporal", 2 ** frame_levels),
+                         ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
+
+
+def scene_phases(pipe, latents: torch.Tensor, data, block, generator: torch.Generator, experts: tuple[str, ...],
+                 together: list) -> list:
+    """With denoiser.shared_steps, the first expert and UMT5 learn every noise level first (one
+    expert's cost a step, where the experts would each learn the captions' binding apart), then
+    both experts start from its weights and learn their own shares together (the phases
+    `together`). `experts`: their attributes on the pipeline, the high-noise expert first."""
+    if not block.shared_steps:
+        return together
+    first, *others = (getattr(pipe, attribute) for attribute in experts)
+
+    def share() -> None:
+        for other in others:
+            other.load_state_dict(first.state_dict())
+
+    alone = ScenePhase(f"{experts[0]} at every noise level", [pipe.text_encoder, first],
+                       scene_loss(pipe, latents, data, block, generator, experts, everywhere=True),
+                       block.shared_steps, share)
+    return [alone, *together]
+
+
+def scene_loss(pipe, latents: torch.Tensor, data, block, generator: torch.Generator, experts: tuple[str, ...],
+               everywhere: bool = False):
+    """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
+    latent to noise, on its own share of the noise levels as the A14B's experts serve them: the
+    first from the pipeline's boundary up, the second below it (`everywhere`: the first alone,
+    on every level). Within each share the levels are drawn as the sampler steps through them:
+    uniform before the scheduler's flow shift, then shifted, so the pure noise a video starts
+    from and the levels either side of the boundary are trained as often as the sampler visits
+    them. Both experts see the same clips and captions each step (UMT5 runs once), each with its
+    own noise; UMT5's states go in as the pipeline feeds them (zero past each caption), a dropped
+    caption being the empty one, WanPipeline's negative prompt. `experts`: their attributes on the
+    pipeline, the high-noise expert first."""
+    import torch.nn.functional as F
+
+    device = latents.device
+    modules = [getattr(pipe, attribute) for attribute in experts]
+    config = pipe.scheduler.config
+    shift, train_steps = config.flow_shift, config.num_train_timesteps
+
+    def unshifted(sigma: float) -> float:
+        return sigma / (shift - (shift - 1) * sigma)
+
+    boundary = unshifted(pipe.config.boundary_ratio)
+    shares = [(0.0, 1.0)] if everywhere else [(boundary, 1.0), (0.0, boundary)]
+    encoder = Umt5Graph(pipe.text_encoder)
+    pad = pipe.tokenizer.pad_token_id
+
+    def expert_loss(expert, share: tuple[float, float], clean: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(clean.shape, device=device, generator=generator)
+        low, high = share
+        drawn = low + (high - low) * torch.rand(len(clean), device=device, generator=generator)
+        sigma = shift * drawn / (1 + (shift - 1) * drawn)
+        noisy = clean + sigma.view(-1, 1, 1, 1, 1) * (noise - clean)
+        with autocast(device):
+            velocity = expert(hidden_states=noisy, timestep=sigma * train_steps, encoder_hidden_states=text,
+                              return_dict=False)[0]
+        return F.mse_loss(velocity.float(), noise - clean)
+
+    def loss_of(indices: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(kept(block, generator, device)[:, None], data.token_ids["t5"][indices],
+                          data.empty_ids["t5"])
+        with autocast(device):
+            text = encoder(ids, (ids != pad).long())
+        return sum(expert_loss(expert, share, latents[indices], text)
+                   for expert, share in zip(modules, shares)) / len(shares)
+
+    return loss_of
