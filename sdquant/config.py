@@ -22,18 +22,6 @@ from omegaconf import MISSING, OmegaConf
 from .errors import UserError
 
 
-class Family(str, Enum):
-    """The model families model.family names; each is described in sdquant.families."""
-
-    sdxl = "sdxl"
-    sd15 = "sd15"
-    sd2 = "sd2"
-    flux = "flux"
-    sd3 = "sd3"
-    wan = "wan"
-    wan_ti2v = "wan_ti2v"
-
-
 class QuantFormat(str, Enum):
     int8 = "int8"
     fp8 = "fp8"
@@ -61,7 +49,8 @@ class LoraAdapter:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    family: Family = MISSING
+    # The family's name in sdquant.families' registry (sdxl, flux, wan, ...).
+    family: str = MISSING
     # A hub id, a local diffusers folder or a single-file .safetensors checkpoint. For tiny
     # models it is the folder the model is built into on first use.
     source: str = MISSING
@@ -529,7 +518,7 @@ class TrainSceneApp:
 
     out_dir: str = "scenes_sdxl"
     # The family whose architecture is trained (its scene sizes, loss and tokenizers).
-    family: Family = Family.sdxl
+    family: str = "sdxl"
     # Rendered training scenes (jittered); each is seen many times over the steps.
     dataset_size: int = 65536
     # The share of them that hold two objects (the rest hold one).
@@ -556,7 +545,7 @@ class TrainFluxSceneApp(TrainSceneApp):
     """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
 
     out_dir: str = "scenes_flux"
-    family: Family = Family.flux
+    family: str = "flux"
     architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
     # The shipped run's: twice the UNet's steps, and no captions dropped (Flux.1-dev distils guidance
     # into an embedding, which the scene model has nothing to distil into, so it samples unguided).
@@ -570,7 +559,7 @@ class TrainWanSceneApp(TrainSceneApp):
     --config-name train_scene_wan)."""
 
     out_dir: str = "scenes_wan"
-    family: Family = Family.wan
+    family: str = "wan"
     dataset_size: int = 32768
     architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
     vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, learning_rate=4e-4,
@@ -801,7 +790,7 @@ def validate_evaluate(cfg) -> None:
 
 
 # The training config of each family's scene model (tools/train_scene_model.py --config-name).
-SCENE_CONFIGS = {Family.sdxl: "train_scene_model", Family.flux: "train_scene_flux", Family.wan: "train_scene_wan"}
+SCENE_CONFIGS = {"sdxl": "train_scene_model", "flux": "train_scene_flux", "wan": "train_scene_wan"}
 # The Wan scene architecture's counts, each at least 1.
 WAN_SCENE_COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
 
@@ -811,8 +800,8 @@ def validate_train_scene(cfg) -> None:
     schema_family = OmegaConf.get_type(cfg).family
     if cfg.family != schema_family:
         own = (f"--config-name {SCENE_CONFIGS[cfg.family]}" if cfg.family in SCENE_CONFIGS
-               else f"a family with a scene model ({', '.join(plain(f) for f in SCENE_CONFIGS)})")
-        raise UserError(f"family={plain(cfg.family)}: this config trains a {plain(schema_family)} scene model, whose "
+               else f"a family with a scene model ({', '.join(SCENE_CONFIGS)})")
+        raise UserError(f"family={cfg.family}: this config trains a {schema_family} scene model, whose "
                         f"architecture it holds: use {own}")
     arch = cfg.architecture
     for key in [key for key in ("unet_channels", "vae_channels") if key in arch]:
@@ -845,9 +834,9 @@ def validate_train_scene(cfg) -> None:
             raise UserError(f"vae_from={cfg.vae_from}: not a scene model folder written by tools/train_scene_model.py "
                             "(it needs vae/, training.json and loss_log.csv): give such a folder, or null to train the VAE")
         trained_for = json.loads((earlier / "training.json").read_text()).get("family")
-        if trained_for != plain(cfg.family):
+        if trained_for != cfg.family:
             raise UserError(f"vae_from={cfg.vae_from}: a {trained_for} scene model's folder, and this run trains a "
-                            f"{plain(cfg.family)} one: give one of its own family")
+                            f"{cfg.family} one: give one of its own family")
     for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")

@@ -34,7 +34,6 @@ from .scoring import adherence, adherence_summary, video_adherence
 from ..artifacts import atomic_folder
 from ..cli import stage
 from ..errors import UserError
-from ..config import plain
 from ..families import family_of
 from ..families.training import autocast
 from ..progress import Progress
@@ -436,7 +435,7 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     pipe.vae.to(torch.float16)
     record = {
         "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True),
-        "family": plain(cfg.family),
+        "family": cfg.family,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "final_loss": {"vae": log.final("vae"), **{phase.name: log.final(phase.name) for phase in phases}},
