@@ -20,7 +20,7 @@ import torch
 from quality_recipes import compose_app
 
 from sdquant.config import register_schemas
-from sdquant.families import family_of
+from sdquant.families import family_of, register_scene_schemas
 from sdquant.quality import scenes
 from sdquant.quality import training
 
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     register_schemas()
+    register_scene_schemas()
     cfg = compose_app("train_scene_wan", [f"vae.steps={args.steps}", f"vae.learning_rate={args.learning_rate}"])
     device = torch.device("cuda")
     family = family_of(cfg.family)

@@ -421,59 +421,6 @@ class EvaluateApp:
 
 
 @dataclass
-class SceneArchitecture:
-    """Widths of the SDXL scene model; every UNet and VAE width must divide by norm_groups (32)."""
-
-    unet_channels: list[int] = field(default_factory=lambda: [64, 96, 128])
-    text_widths: list[int] = field(default_factory=lambda: [64, 128])
-    text_layers: int = 3
-    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    vae_layers: int = 2
-    norm_groups: int = 32
-
-
-@dataclass
-class FluxSceneArchitecture:
-    """Sizes of the Flux scene model: a FluxTransformer2DModel of heads x head_dim width, CLIP and
-    T5 encoders, a 16-channel AutoencoderKL whose widths divide by norm_groups."""
-
-    heads: int = 5
-    head_dim: int = 32
-    # Rotary axes (a text-position axis and the image's two), summing to head_dim, as Flux.1's 16/56/56.
-    rope_axes: list[int] = field(default_factory=lambda: [8, 12, 12])
-    double_blocks: int = 4
-    single_blocks: int = 8
-    clip_width: int = 64
-    t5_width: int = 128
-    text_layers: int = 2
-    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    vae_layers: int = 2
-    norm_groups: int = 32
-
-
-@dataclass
-class WanSceneArchitecture:
-    """Sizes of the Wan2.2 scene model: two WanTransformer3DModel experts of heads x head_dim width
-    (as the A14B's high- and low-noise experts), a UMT5 encoder of heads of 32, and a Wan VAE of 16
-    latent channels that scales each side by 2 per level after the first and the frames by 2 in each
-    of its last vae_frame_levels levels."""
-
-    heads: int = 4
-    head_dim: int = 32
-    layers: int = 8
-    ffn: int = 512
-    text_width: int = 128
-    text_layers: int = 2
-    vae_base: int = 16
-    # Each level's width as a multiple of vae_base; three levels scale the sides 4x.
-    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
-    vae_res_blocks: int = 1
-    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames;
-    # the scene model's clips keep their shapes whole only at 1).
-    vae_frame_levels: int = 1
-
-
-@dataclass
 class VaeTraining:
     steps: int = 4000
     batch_size: int = 128
@@ -504,21 +451,14 @@ class DenoiserTraining:
 
 
 @dataclass
-class ExpertsTraining(DenoiserTraining):
-    """The experts of a model with several (the Wan2.2 scene model's two) and its text encoder."""
+class SceneTrainingApp:
+    """What the training of every family's built-in scene model takes (tools/train_scene_model.py);
+    each family's schema (its package's scene.py) sets its out_dir, family and architecture."""
 
-    # Steps in which the first expert learns every noise level alone before both start from its
-    # weights for `steps` more on their own shares (0: each learns its share from the start).
-    shared_steps: int = 0
-
-
-@dataclass
-class TrainSceneApp:
-    """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
-
-    out_dir: str = "scenes_sdxl"
+    # The diffusers folder written.
+    out_dir: str = MISSING
     # The family whose architecture is trained (its scene sizes, loss and tokenizers).
-    family: str = "sdxl"
+    family: str = MISSING
     # Rendered training scenes (jittered); each is seen many times over the steps.
     dataset_size: int = 65536
     # The share of them that hold two objects (the rest hold one).
@@ -530,7 +470,8 @@ class TrainSceneApp:
     # vae.* settings and architecture's VAE sizes are then not used): the denoisers can be trained
     # again on one autoencoder, in a device call of their own. Its training time is counted in.
     vae_from: Optional[str] = None
-    architecture: SceneArchitecture = field(default_factory=SceneArchitecture)
+    # The family's own sizes (its schema's architecture dataclass).
+    architecture: Any = MISSING
     vae: VaeTraining = field(default_factory=VaeTraining)
     denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)
     # Held-out prompts of each kind (one object, two objects) scored at the end (0 skips it),
@@ -538,35 +479,6 @@ class TrainSceneApp:
     eval_prompts: int = 64
     eval_steps: int = 20
     guidance_scale: float = 5.0
-
-
-@dataclass
-class TrainFluxSceneApp(TrainSceneApp):
-    """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
-
-    out_dir: str = "scenes_flux"
-    family: str = "flux"
-    architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
-    # The shipped run's: twice the UNet's steps, and no captions dropped (Flux.1-dev distils guidance
-    # into an embedding, which the scene model has nothing to distil into, so it samples unguided).
-    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=9000, empty_caption_rate=0.0))
-    guidance_scale: float = 1.0
-
-
-@dataclass
-class TrainWanSceneApp(TrainSceneApp):
-    """The built-in Wan2.2 scene model, on clips of moving shapes (tools/train_scene_model.py
-    --config-name train_scene_wan)."""
-
-    out_dir: str = "scenes_wan"
-    family: str = "wan"
-    dataset_size: int = 32768
-    architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, learning_rate=4e-4,
-                                                                 kl_weight=1e-7, cuda_graph=True))
-    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=5000, shared_steps=4000,
-                                                                              batch_size=512, learning_rate=1e-3,
-                                                                              compile=True))
 
 
 def shipped_model_folder(name: str) -> str:
@@ -585,9 +497,6 @@ def register_schemas() -> None:
     OmegaConf.register_new_resolver("sdquant_model", shipped_model_folder, replace=True)
     OmegaConf.register_new_resolver("sdquant_cache", cache_folder, replace=True)
     store = ConfigStore.instance()
-    store.store(name="train_scene_schema", node=TrainSceneApp)
-    store.store(name="train_scene_flux_schema", node=TrainFluxSceneApp)
-    store.store(name="train_scene_wan_schema", node=TrainWanSceneApp)
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
@@ -789,45 +698,9 @@ def validate_evaluate(cfg) -> None:
                         f"{', '.join(LPIPS_NETS)} or null")
 
 
-# The training config of each family's scene model (tools/train_scene_model.py --config-name).
-SCENE_CONFIGS = {"sdxl": "train_scene_model", "flux": "train_scene_flux", "wan": "train_scene_wan"}
-# The Wan scene architecture's counts, each at least 1.
-WAN_SCENE_COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
-
-
 def validate_train_scene(cfg) -> None:
-    # Each config's schema holds one family's architecture: another family needs its own config.
-    schema_family = OmegaConf.get_type(cfg).family
-    if cfg.family != schema_family:
-        own = (f"--config-name {SCENE_CONFIGS[cfg.family]}" if cfg.family in SCENE_CONFIGS
-               else f"a family with a scene model ({', '.join(SCENE_CONFIGS)})")
-        raise UserError(f"family={cfg.family}: this config trains a {schema_family} scene model, whose "
-                        f"architecture it holds: use {own}")
-    arch = cfg.architecture
-    for key in [key for key in ("unet_channels", "vae_channels") if key in arch]:
-        if not arch[key] or any(width < arch.norm_groups or width % arch.norm_groups for width in arch[key]):
-            raise UserError(f"architecture.{key}={list(arch[key])}: every width must be a positive multiple of "
-                            f"architecture.norm_groups={arch.norm_groups}")
-    if "text_widths" in arch and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
-                                                                    for width in arch.text_widths)):
-        raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
-    if "text_width" in arch and (arch.text_width < 32 or arch.text_width % 32):
-        raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 wide)")
-    if "vae_dim_mult" in arch and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
-        raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
-                        "multiples (each level after the first halves the sides)")
-    if "vae_frame_levels" in arch and not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
-        raise UserError(f"architecture.vae_frame_levels={arch.vae_frame_levels}: give 0 to "
-                        f"{len(arch.vae_dim_mult) - 1}, the levels after the first of vae_dim_mult")
-    if "layers" in arch and (arch.head_dim < 6 or arch.head_dim % 2):
-        raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
-                        "embedding splits it into frame, height and width parts)")
-    for key in [key for key in WAN_SCENE_COUNTS if key in arch]:
-        if arch[key] < 1:
-            raise UserError(f"architecture.{key}={arch[key]}: give 1 or more")
-    if "rope_axes" in arch and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
-        raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
-                        f"architecture.head_dim={arch.head_dim}")
+    """Refuses settings no scene model's training could honour; the family checks its own
+    architecture when training starts (sdquant.families.scene_family)."""
     if cfg.vae_from is not None:
         earlier = Path(cfg.vae_from).expanduser()
         if not all((earlier / name).is_file() for name in ("vae/config.json", "training.json", "loss_log.csv")):
@@ -840,8 +713,6 @@ def validate_train_scene(cfg) -> None:
     for key in ("vae", "denoiser"):
         if cfg[key].steps < 1 or cfg[key].batch_size < 1 or cfg[key].learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
-    if cfg.denoiser.get("shared_steps", 0) < 0:
-        raise UserError(f"denoiser.shared_steps={cfg.denoiser.shared_steps}: give 0 or more")
     if not 0 <= cfg.denoiser.empty_caption_rate < 1:
         raise UserError(f"denoiser.empty_caption_rate={cfg.denoiser.empty_caption_rate} is outside [0, 1)")
     if not 0 <= cfg.two_object_share <= 1:

@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from sdquant.config import register_schemas
+from sdquant.families import register_scene_schemas
 from sdquant.load import compute_dtype, load_pipeline, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ CONF = REPO / "conf"
 FAST_QUANTIZE = ["quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_size=2"]
 
 register_schemas()
+register_scene_schemas()
 
 # Under pytest-xdist (the README's `-n auto`) the workers share the machine's cores: one thread
 # each, for torch here and for the scripts the tests start, instead of every worker claiming all.

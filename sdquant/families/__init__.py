@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from hydra.core.config_store import ConfigStore
+
 from .base import ModelFamily
 from ..errors import UserError
 
@@ -41,3 +43,34 @@ def family_of(name: str) -> ModelFamily:
 def all_families() -> list[ModelFamily]:
     return list(dict.fromkeys(_registry().values()))
 
+
+
+def scene_configs() -> dict[str, str]:
+    """The training config (tools/train_scene_model.py --config-name) of each family that has a
+    scene model, by the family's name."""
+    return {name: family.scene_app.config_name for name, family in _registry().items() if family.scene_app}
+
+
+def register_scene_schemas() -> None:
+    """Stores each family's scene-training schema in Hydra's ConfigStore as <its config>_schema, the
+    name its config's defaults list starts with; before Hydra composes one."""
+    store = ConfigStore.instance()
+    for family in all_families():
+        if family.scene_app is not None:
+            store.store(name=f"{family.scene_app.config_name}_schema", node=family.scene_app)
+
+
+def scene_family(cfg) -> ModelFamily:
+    """The family whose scene model the settled training config `cfg` trains, refusing in one line a
+    family other than its schema's (whose architecture the config holds) and sizes that family's
+    architecture cannot be built with."""
+    # The schema's own default: the family whose architecture it holds.
+    schema_family = type(cfg).family
+    if cfg.family != schema_family:
+        configs = scene_configs()
+        own = (f"--config-name {configs[cfg.family]}" if cfg.family in configs
+               else f"a family with a scene model ({', '.join(configs)})")
+        raise UserError(f"family={cfg.family}: this config trains a {schema_family} scene model, whose "
+                        f"architecture it holds: use {own}")
+    cfg.check()
+    return family_of(cfg.family)

@@ -59,6 +59,9 @@ class ModelFamily:
     # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
     # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
     channels_last = True
+    # Its scene model's training schema (a config.SceneTrainingApp, whose config_name is its
+    # tools/train_scene_model.py config); None: the family has no scene model.
+    scene_app: type | None = None
 
     @property
     def backbone_attributes(self) -> tuple[str, ...]:

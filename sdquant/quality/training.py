@@ -34,7 +34,7 @@ from .scoring import adherence, adherence_summary, video_adherence
 from ..artifacts import atomic_folder
 from ..cli import stage
 from ..errors import UserError
-from ..families import family_of
+from ..families import scene_family
 from ..families.training import autocast
 from ..progress import Progress
 from ..report import library_versions
@@ -381,14 +381,14 @@ SCENE_TOKENIZERS = {"clip": scene_tokenizer, "t5": scene_t5_tokenizer}
 def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     """Trains the scene pipeline of cfg.family at cfg.architecture's sizes and saves it (fp16,
     safetensors) to cfg.out_dir; returns the folder and the training record, which is also
-    written into it. `cfg`: the settled training settings (config.TrainSceneApp)."""
+    written into it. `cfg`: the settled training settings (its family's config.SceneTrainingApp)."""
+    family = scene_family(cfg)
     out = Path(cfg.out_dir).expanduser()
     if out.exists() and not cfg.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
     if cfg.vae.cuda_graph and cfg.vae_from is None and device.type != "cuda":
         raise UserError(f"vae.cuda_graph=true replays CUDA graphs, and this run trains on {device}: "
                         "set vae.cuda_graph=false, or device=cuda on a machine with a GPU")
-    family = family_of(cfg.family)
     kind = SCENE_KINDS[family.output]
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)

@@ -15,7 +15,7 @@ from .flow import T5_TOKENS, FluxTextToImage, flux_axis_sizes
 from .graphs import (CLIP, T5, FluxTorchAttnProcessor, ModulationsGraph, TransformerGraph, modulations_network,
                      transformer_network, use_rotary_halves)
 from .recipe import LEVELS
-from .scene import scene_loss, scene_sizes
+from .scene import TrainFluxSceneApp, scene_loss, scene_sizes
 from .sizes import FULL, TINY, build_pipeline
 
 TRANSFORMER = Backbone("transformer", "transformer")
@@ -36,6 +36,7 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
     size_reason = "the model's VAE scale factor times its 2x2 latent patches"
     sizes = {"tiny": TINY, "full": FULL}
     level_table = LEVELS
+    scene_app = TrainFluxSceneApp
     scene_tokenizers = ("clip", "t5")
 
     def pipeline_class(self):

@@ -1,15 +1,62 @@
-"""The Flux scene model: its architecture from the training config and its training loss."""
+"""The Flux scene model: its training schema (tools/train_scene_model.py --config-name
+train_scene_flux), its architecture from it and its training loss."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
+from ...config import DenoiserTraining, SceneTrainingApp
+from ...errors import UserError
 from .sizes import FluxSizes
-from ..training import autocast, kept
+from ..training import autocast, check_group_widths, kept
+
+
+@dataclass
+class FluxSceneArchitecture:
+    """Sizes of the Flux scene model: a FluxTransformer2DModel of heads x head_dim width, CLIP and
+    T5 encoders, a 16-channel AutoencoderKL whose widths divide by norm_groups."""
+
+    heads: int = 5
+    head_dim: int = 32
+    # Rotary axes (a text-position axis and the image's two), summing to head_dim, as Flux.1's 16/56/56.
+    rope_axes: list[int] = field(default_factory=lambda: [8, 12, 12])
+    double_blocks: int = 4
+    single_blocks: int = 8
+    clip_width: int = 64
+    t5_width: int = 128
+    text_layers: int = 2
+    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    vae_layers: int = 2
+    norm_groups: int = 32
+
+
+@dataclass
+class TrainFluxSceneApp(SceneTrainingApp):
+    """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
+
+    config_name: ClassVar[str] = "train_scene_flux"
+    out_dir: str = "scenes_flux"
+    family: str = "flux"
+    architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
+    # The shipped run's: twice the UNet's steps, and no captions dropped (Flux.1-dev distils guidance
+    # into an embedding, which the scene model has nothing to distil into, so it samples unguided).
+    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=9000, empty_caption_rate=0.0))
+    guidance_scale: float = 1.0
+
+    def check(self) -> None:
+        """Refuses, naming the key, sizes the architecture cannot be built with."""
+        arch = self.architecture
+        check_group_widths(arch, "vae_channels")
+        if sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes):
+            raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
+                            f"architecture.head_dim={arch.head_dim}")
 
 
 def scene_sizes(arch, image_size: int) -> FluxSizes:
-    """The Flux scene model's architecture (config's FluxSceneArchitecture): heads of 32 features in
+    """The Flux scene model's architecture (FluxSceneArchitecture): heads of 32 features in
     both encoders, no guidance embedding, a VAE whose shift and scale training sets."""
     return FluxSizes(
         clip_width=arch.clip_width, clip_layers=arch.text_layers, clip_heads=max(1, arch.clip_width // 32),

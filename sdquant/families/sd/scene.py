@@ -1,18 +1,53 @@
-"""The SDXL scene model: its architecture from the training config and its training loss."""
+"""The SDXL scene model: its training schema (tools/train_scene_model.py, conf/train_scene_model.yaml),
+its architecture from it and its training loss."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
+from ...config import SceneTrainingApp
+from ...errors import UserError
 from .sizes import UNetSizes
-from ..training import autocast, kept
+from ..training import autocast, check_group_widths, kept
+
+
+@dataclass
+class SdxlSceneArchitecture:
+    """Widths of the SDXL scene model; every UNet and VAE width must divide by norm_groups (32)."""
+
+    unet_channels: list[int] = field(default_factory=lambda: [64, 96, 128])
+    text_widths: list[int] = field(default_factory=lambda: [64, 128])
+    text_layers: int = 3
+    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    vae_layers: int = 2
+    norm_groups: int = 32
+
+
+@dataclass
+class TrainSdxlSceneApp(SceneTrainingApp):
+    """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
+
+    config_name: ClassVar[str] = "train_scene_model"
+    out_dir: str = "scenes_sdxl"
+    family: str = "sdxl"
+    architecture: SdxlSceneArchitecture = field(default_factory=SdxlSceneArchitecture)
+
+    def check(self) -> None:
+        """Refuses, naming the key, widths the architecture cannot be built with."""
+        arch = self.architecture
+        check_group_widths(arch, "unet_channels", "vae_channels")
+        if len(arch.text_widths) != 2 or any(width < 32 or width % 32 for width in arch.text_widths):
+            raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
 
 # The scene model's text-time embedding width: six time ids of 8 Fourier features each.
 SCENE_TIME_ID_WIDTH = 8
 
 
 def scene_sizes(arch, image_size: int) -> UNetSizes:
-    """The scene model's architecture (config's SceneArchitecture): SDXL's layout, heads of 32
+    """The scene model's architecture (SdxlSceneArchitecture): SDXL's layout, heads of 32
     features, one transformer layer per attention block; its VAE's scaling is set by training."""
     channels = tuple(arch.unet_channels)
     return UNetSizes(

@@ -16,7 +16,7 @@ from .flow import (TEMPORAL_SCALE, UMT5_TOKENS, WanTextToVideo, latent_frames, l
                    text_tokens)
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 from .recipe import LEVELS
-from .scene import scene_loss, scene_phases, scene_sizes
+from .scene import TrainWanSceneApp, scene_loss, scene_phases, scene_sizes
 from .sizes import FULL, TI2V_FULL, TI2V_TINY, TINY, build_pipeline
 
 EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "transformer_2"))
@@ -214,6 +214,7 @@ class WanT2VFamily(WanFamily):
     sizes = {"tiny": TINY, "full": FULL}
     boundary_ratio = 0.875
     default_frames, default_fps, default_size = 81, 16, (720, 1280)
+    scene_app = TrainWanSceneApp
     scene_tokenizers = ("t5",)
 
     def fuse_projections(self, backbone) -> None:

@@ -1,17 +1,95 @@
-"""The Wan2.2 scene model (the A14B's two experts): its architecture from the training config, its
-phases and its training loss."""
+"""The Wan2.2 scene model (the A14B's two experts): its training schema (tools/train_scene_model.py
+--config-name train_scene_wan), its architecture from it, its phases and its training loss."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
+from ...config import DenoiserTraining, SceneTrainingApp, VaeTraining
+from ...errors import UserError
 from .graphs import Umt5Graph
 from .sizes import WanSizes
 from ..training import ScenePhase, autocast, kept
 
 
+@dataclass
+class WanSceneArchitecture:
+    """Sizes of the Wan2.2 scene model: two WanTransformer3DModel experts of heads x head_dim width
+    (as the A14B's high- and low-noise experts), a UMT5 encoder of heads of 32, and a Wan VAE of 16
+    latent channels that scales each side by 2 per level after the first and the frames by 2 in each
+    of its last vae_frame_levels levels."""
+
+    heads: int = 4
+    head_dim: int = 32
+    layers: int = 8
+    ffn: int = 512
+    text_width: int = 128
+    text_layers: int = 2
+    vae_base: int = 16
+    # Each level's width as a multiple of vae_base; three levels scale the sides 4x.
+    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
+    vae_res_blocks: int = 1
+    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames;
+    # the scene model's clips keep their shapes whole only at 1).
+    vae_frame_levels: int = 1
+
+
+# The architecture's counts, each at least 1.
+COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
+
+
+@dataclass
+class ExpertsTraining(DenoiserTraining):
+    """The experts of a model with several (the Wan2.2 scene model's two) and its text encoder."""
+
+    # Steps in which the first expert learns every noise level alone before both start from its
+    # weights for `steps` more on their own shares (0: each learns its share from the start).
+    shared_steps: int = 0
+
+
+@dataclass
+class TrainWanSceneApp(SceneTrainingApp):
+    """The built-in Wan2.2 scene model, on clips of moving shapes (tools/train_scene_model.py
+    --config-name train_scene_wan)."""
+
+    config_name: ClassVar[str] = "train_scene_wan"
+    out_dir: str = "scenes_wan"
+    family: str = "wan"
+    dataset_size: int = 32768
+    architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
+    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, learning_rate=4e-4,
+                                                                 kl_weight=1e-7, cuda_graph=True))
+    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=5000, shared_steps=4000,
+                                                                              batch_size=512, learning_rate=1e-3,
+                                                                              compile=True))
+
+    def check(self) -> None:
+        """Refuses, naming the key, sizes the architecture cannot be built with and shared steps below 0."""
+        arch = self.architecture
+        if arch.text_width < 32 or arch.text_width % 32:
+            raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 "
+                            "wide)")
+        if len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1:
+            raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
+                            "multiples (each level after the first halves the sides)")
+        if not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
+            raise UserError(f"architecture.vae_frame_levels={arch.vae_frame_levels}: give 0 to "
+                            f"{len(arch.vae_dim_mult) - 1}, the levels after the first of vae_dim_mult")
+        if arch.head_dim < 6 or arch.head_dim % 2:
+            raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
+                            "embedding splits it into frame, height and width parts)")
+        for key in COUNTS:
+            if getattr(arch, key) < 1:
+                raise UserError(f"architecture.{key}={getattr(arch, key)}: give 1 or more")
+        if self.denoiser.shared_steps < 0:
+            raise UserError(f"denoiser.shared_steps={self.denoiser.shared_steps}: give 0 or more")
+
+
 def scene_sizes(arch) -> WanSizes:
-    """The Wan scene model's architecture (config's WanSceneArchitecture): UMT5 with heads of 32, a
+    """The Wan scene model's architecture (WanSceneArchitecture): UMT5 with heads of 32, a
     Wan VAE of 16 channels whose levels after the first each halve the sides (the last
     vae_frame_levels also the frames), unit latent statistics that training replaces with the
     latents' own, and the A14B's flow shift."""
