@@ -198,7 +198,7 @@ def main() -> None:
     if args.diffusers_rotary:
         flux.use_rotary_halves = lambda transformer: False
     if args.per_step_modulations:
-        step_modulations.precompute_modulations = lambda transformer: False
+        step_modulations.precompute_modulations = lambda transformer, adaln_norms: False
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}

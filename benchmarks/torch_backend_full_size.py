@@ -297,7 +297,7 @@ def quantized_unet(pipe, variant: str) -> torch_backend.Conversion:
 
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
-    tie_fp8_ranges(pipe.unet)
+    tie_fp8_ranges(pipe.unet, SDXL.attention_projections)
     return torch_backend.convert_quantized(pipe.unet, SDXL, f"the benchmark's {variant} UNet", fmt.value)
 
 

@@ -17,6 +17,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Sl
 from sdquant.config import TorchBackendBlock
 from sdquant.families.sd import SDXL
 from sdquant.runtime import torch_backend
+from sdquant.families.dit import adaln_norms
 from sdquant.families.flux import FLUX
 from sdquant.families.flux.family import BLOCK_STACKS
 from sdquant.families.flux.graphs import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
@@ -197,7 +198,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
 
     want = calls([pooled] * len(timesteps))
     adalns = 2 * config.num_layers + config.num_single_layers + 1
-    assert precompute_modulations(transformer)
+    assert precompute_modulations(transformer, adaln_norms())
     assert len(transformer.time_text_embed.layers) == adalns
     with torch.no_grad():
         inputs = (pooled.repeat(3, 1), timesteps.repeat_interleave(2)) + ((guidance_scale.repeat(3),) if guidance else ())
@@ -206,7 +207,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
     for got, expected in zip(calls(modulations), want):
         assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
     # Once; and a call with the pooled text itself is refused, naming what it takes.
-    assert not precompute_modulations(transformer)
+    assert not precompute_modulations(transformer, adaln_norms())
     with pytest.raises(ValueError, match=f"{transformer.time_text_embed.width} modulations as pooled_projections"):
         calls([pooled])
 

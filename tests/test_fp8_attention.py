@@ -28,6 +28,9 @@ from sdquant.families.sd import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config
 
+# What diffusers' attention modules call their projections, as every family says (the default).
+NAMES = SDXL.attention_projections
+
 MODELS = ("scenes_sdxl", "scenes_flux")
 # One layer of each kind per model: SDXL's self-attention; Flux's joint (double) and single-stream.
 LAYERS = {"scenes_sdxl": ("down_blocks.1.attentions.0.transformer_blocks.0.attn1",),
@@ -83,7 +86,7 @@ def _readers(backbone, name: str) -> list:
     """The fake-quant layers that read the attention output, in the order of its tokens (a joint
     attention's text tokens come first)."""
     attn = backbone.get_submodule(name)
-    if output_groups(attn):
+    if output_groups(attn, NAMES):
         return [attn.to_add_out, attn.to_out[0]]
     return [attn.to_out[0]] if isinstance(getattr(attn, "to_out", None), torch.nn.ModuleList) else \
         [backbone.get_submodule(name.rpartition(".")[0]).proj_out]
@@ -226,7 +229,7 @@ def _pairs(actual, expected):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_converted_attention_layer_computes_its_fake_quant_twin(level4, model):
     fake = _restored(model, level4[model])
-    names = [name for name, attn in attention_layers(fake) if attn.q_bmm_quantizer.is_enabled]
+    names = [name for name, attn in attention_layers(fake, NAMES) if attn.q_bmm_quantizer.is_enabled]
     captured = _captured_attention(model, fake, names)
     real, conversion = _converted(model, level4[model])
     # The converted layers hold fused projections in place of to_q, to_k and to_v.
@@ -257,8 +260,8 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
     real, _ = _converted(model, level4[model])
     generator = torch.Generator().manual_seed(1)
     groups = 0
-    for name, attn in attention_layers(fake):
-        for names, fused_name in projection_groups(attn):
+    for name, attn in attention_layers(fake, NAMES):
+        for names, fused_name in projection_groups(attn, NAMES):
             layers = [attn.get_submodule(layer) for layer in names]
             weight_amax = [layer.weight_quantizer.amax for layer in layers]
             assert all(torch.equal(amax, weight_amax[0]) for amax in weight_amax), f"{name}: {names} not tied"
@@ -282,7 +285,7 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
 
 def test_joint_attention_outputs_share_their_input_range(level4):
     fake = _restored("scenes_flux", level4["scenes_flux"])
-    joint = [attn for _, attn in attention_layers(fake) if output_groups(attn)]
+    joint = [attn for _, attn in attention_layers(fake, NAMES) if output_groups(attn, NAMES)]
     assert len(joint) == 4
     for attn in joint:
         assert torch.equal(attn.to_out[0].input_quantizer.amax, attn.to_add_out.input_quantizer.amax)
@@ -380,7 +383,7 @@ def test_flux_rotary_halves_leave_a_fake_quantized_transformer_as_it_is(level4):
 def test_sdxl_level4_quantizes_self_attention_only(level4):
     fake = _restored("scenes_sdxl", level4["scenes_sdxl"])
     enabled = {name: [getattr(attn, f"{kind}_quantizer").is_enabled for kind in ("q_bmm", "k_bmm", "v_bmm", "softmax")]
-               for name, attn in attention_layers(fake)}
+               for name, attn in attention_layers(fake, NAMES)}
     assert {name for name, flags in enabled.items() if all(flags)} == {n for n in enabled if n.endswith(".attn1")}
     assert not any(any(flags) for name, flags in enabled.items() if name.endswith(".attn2"))
 
@@ -415,7 +418,7 @@ def test_fp16_attention_keeps_a_level4_checkpoints_attention_in_16_bits(level4):
     backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
     conversion = torch_backend.convert_quantized(backbone, SDXL, "level 4", "fp8", attention="fp16")
     assert conversion.attention == 0
-    layers = [attn for _, attn in attention_layers(backbone)]
+    layers = [attn for _, attn in attention_layers(backbone, NAMES)]
     assert not any(hasattr(attn, "fp8_attention") for attn in layers)
     # Its projections still run as one FP8 GEMM per group.
     assert all(isinstance(getattr(attn, "to_kv" if attn.is_cross_attention else "to_qkv"), Fp8Linear)

@@ -67,7 +67,7 @@ def _converted_layer(real, layer: str):
     parent = real.get_submodule(parent_name)
     if hasattr(parent, name):
         return getattr(parent, name)
-    names, fused_name = next(group for group in projection_groups(parent) if name in group[0])
+    names, fused_name = next(group for group in projection_groups(parent, SDXL.attention_projections) if name in group[0])
     fused = getattr(parent, fused_name)
     rows = slice(names.index(name) * fused.out_features // len(names), (names.index(name) + 1) * fused.out_features // len(names))
     return Fp8Linear(fused.weight_fp8[rows], fused.weight_scale, fused.input_inverse_scale,

@@ -139,7 +139,7 @@ def _calibrated(block: torch.nn.Module) -> torch.nn.Module:
     inputs = _block_inputs(CALIBRATION_LATENT, seed=0)
     with torch.no_grad():
         mtq.quantize(expert, config, lambda calibrated: calibrated.blocks[BLOCK_INDEX](**inputs))
-    tie_fp8_ranges(expert)
+    tie_fp8_ranges(expert, WAN.attention_projections)
     return expert
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import UserError
 from ..graphs.networks import Network
+from ..quantize.shared_ranges import AttentionProjections
 
 if TYPE_CHECKING:
     from ..quantize.recipe import LevelTable
@@ -25,6 +26,12 @@ class Backbone:
 
 # Every random-weight model is built from this seed, so the same sizes give the same weights.
 SEED = 1234
+
+# diffusers' attention modules' projections that read one input, and the name it gives their fused
+# layer: a self-attention's q, k and v, a cross-attention's k and v, a joint attention's text stream's.
+QKV = (("to_q", "to_k", "to_v"), "to_qkv")
+KV = (("to_k", "to_v"), "to_kv")
+ADDED_QKV = (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
 
 
 class ModelFamily:
@@ -59,6 +66,9 @@ class ModelFamily:
     # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
     # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
     channels_last = True
+    # What its attention layers call the projections that read one input or one attention output
+    # (diffusers' names): the layers that share an FP8 range and run as one kernel.
+    attention_projections = AttentionProjections(QKV, KV, ADDED_QKV, output="to_out.0", added_output="to_add_out")
     # Its scene model's training schema (a config.SceneTrainingApp, whose config_name is its
     # tools/train_scene_model.py config); None: the family has no scene model.
     scene_app: type | None = None

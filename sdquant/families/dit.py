@@ -1,5 +1,6 @@
 """What the diffusion transformers Flux.1 and SD3.5 share: the flow-matching shift of their noise
-levels for an image's token count, and T5's sequence at their model's own length."""
+levels for an image's token count, T5's sequence at their model's own length, and their AdaLN
+norms."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ class OwnT5Length:
 
     def export_sizes(self, pipe, geometry) -> dict:
         return {"text_tokens": self.t5_length(pipe)}
+
+
+def adaln_norms() -> tuple[type, ...]:
+    """diffusers' AdaLN norms of the Flux and SD3 transformers, each mapping the embedding it is given
+    as linear(silu(emb)), whose maps the compiled torch backend precomputes for every step
+    (sdquant.runtime.step_modulations)."""
+    from diffusers.models.normalization import (AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle,
+                                                SD35AdaLayerNormZeroX)
+
+    return AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous, SD35AdaLayerNormZeroX

@@ -10,7 +10,7 @@ import torch
 from ..base import Backbone, HookCaching, ModelFamily, vae_scale_factor
 from ..encoders import ClipGraph, T5Graph, VaeDecoderGraph
 from ...graphs.networks import TOKENS, VAE, Network
-from ..dit import OwnT5Length
+from ..dit import OwnT5Length, adaln_norms
 from .flow import T5_TOKENS, FluxTextToImage, flux_axis_sizes
 from .graphs import (CLIP, T5, FluxTorchAttnProcessor, ModulationsGraph, TransformerGraph, modulations_network,
                      transformer_network, use_rotary_halves)
@@ -123,7 +123,7 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
         if not use_rotary_halves(backbone):
             print("note: the transformer's q and k stay in diffusers' order (use_rotary_halves): an attention layer "
                   "runs another processor, a projection is fake-quantized, or they are in halves order already")
-        use_step_modulations(backbone)
+        use_step_modulations(backbone, adaln_norms())
 
     def generation_stages(self, pipe) -> dict:
         from ...runtime.step_modulations import modulations_stages

@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from ..base import ADDED_QKV, QKV
 from ..encoders import clip_network, t5_network
 from ...graphs.networks import BATCH, TEXT_TOKENS, Network, Role
 from ...runtime.step_modulations import MODULATIONS
@@ -134,7 +135,6 @@ class FluxTorchAttnProcessor:
                  attention_mask: torch.Tensor | None = None, image_rotary_emb=None):
         from diffusers.models.embeddings import apply_rotary_emb
 
-        from ...quantize.shared_ranges import ADDED_QKV, QKV
         from ...runtime.attention import FP8_ATTENTION, attend, no_mask, project
 
         no_mask(attention_mask)
@@ -192,7 +192,6 @@ def use_rotary_halves(transformer) -> bool:
     transformer is in this order already (reordering twice would pair other features)."""
     from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
-    from ...quantize.shared_ranges import ADDED_QKV, QKV
     from ...runtime.compiled_forms import OUTPUT_ROWS, reorder_outputs
 
     if _tables_in_halves_order in transformer.pos_embed._forward_hooks.values():

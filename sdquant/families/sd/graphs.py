@@ -8,6 +8,7 @@ import types
 
 import torch
 
+from ..base import KV, QKV
 from .deep_cache import deep_sizes
 from ...graphs.networks import BATCH, CONTEXT, HEIGHT, LATENT, TOKENS, WIDTH, Network, Role
 
@@ -72,7 +73,6 @@ class UNetFp8AttnProcessor:
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:
-        from ...quantize.shared_ranges import KV, QKV
         from ...runtime.attention import attend, no_mask, project
 
         no_mask(attention_mask)

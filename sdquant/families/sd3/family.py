@@ -10,7 +10,7 @@ import torch
 from ..base import Backbone, ModelFamily, vae_scale_factor
 from ..encoders import ClipGraph, T5Graph, VaeDecoderGraph
 from ...graphs.networks import TOKENS, VAE, Network
-from ..dit import OwnT5Length
+from ..dit import OwnT5Length, adaln_norms
 from .flow import T5_TOKENS, SD3TextToImage, sd3_axis_sizes
 from .graphs import (CLIP_G, CLIP_L, MODULATIONS_NETWORK, NETWORKS, T5, TRANSFORMER, ModulationsGraph,
                      SD3TorchAttnProcessor, TransformerGraph)
@@ -115,7 +115,7 @@ class SD3Family(OwnT5Length, ModelFamily):
     def use_family_forms(self, backbone) -> None:
         from ...runtime.step_modulations import use_step_modulations
 
-        use_step_modulations(backbone)
+        use_step_modulations(backbone, adaln_norms())
 
     def generation_stages(self, pipe) -> dict:
         from ...runtime.step_modulations import modulations_stages

@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from ..base import ADDED_QKV, QKV
 from ..encoders import clip_network, t5_network
 from ...graphs.networks import BATCH, LATENT, VAE, Network, Role
 from ...runtime.step_modulations import MODULATIONS
@@ -81,7 +82,6 @@ class SD3TorchAttnProcessor:
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *args, **kwargs):
-        from ...quantize.shared_ranges import ADDED_QKV, QKV
         from ...runtime.attention import attend, no_mask, project
 
         no_mask(attention_mask)
