@@ -49,6 +49,7 @@ from sdquant.runtime import step_modulations, torch_backend
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock, TorchBackendBlock
 from sdquant.families.flux import family as flux
+from sdquant.families.base import full_size_on_gpu
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
@@ -95,7 +96,7 @@ def build_variant(family, variant: str) -> tuple[object, dict]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    pipe = family.full_size_on_gpu()
+    pipe = full_size_on_gpu(family)
     build_s = time.perf_counter() - start
     fp8 = fp8_transformer(pipe, family, FP8_LEVELS[variant]) if variant in FP8_LEVELS else None
     setup = {"fp8_layers": fp8.layers if fp8 else 0, "fp8_attention_layers": fp8.attention if fp8 else 0,

@@ -17,6 +17,7 @@ import torch
 from sdquant import report
 from sdquant.load import quiet_libraries
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
+from sdquant.families.base import full_size_on_gpu
 from sdquant.families.sd import SDXL
 from sdquant.runtime.stages import StageTimer
 
@@ -31,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     scheduler = make_scheduler("euler", dict(pipe.scheduler.config))
     device = torch.device("cuda")
     pipeline = SDXL.text_to_image(SDXL.torch_stages(pipe, torch.float16), SDXL.parts_of(pipe), scheduler, device)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from quality_recipes import compose_app
 
 from sdquant.config import register_schemas
@@ -40,9 +41,9 @@ def main() -> None:
     kind = training.SCENE_KINDS[family.output]
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
-    tokenizers = {name: training.SCENE_TOKENIZERS[name](kind.module.caption_vocabulary())
-                  for name in family.scene_tokenizers}
-    pipe = family.build_pipeline(family.scene_sizes(cfg.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
+    settled = OmegaConf.to_object(cfg)
+    tokenizers = {name: training.SCENE_TOKENIZERS[name](kind.module.caption_vocabulary()) for name in settled.tokenizers}
+    pipe = family.build_pipeline(settled.architecture.sizes(scenes.IMAGE_SIZE), tokenizers).to(device)
     data = training.make_dataset(kind, args.clips, cfg.seed, cfg.two_object_share, tokenizers, device)
     log = training.LossLog()
     started = time.perf_counter()

@@ -63,6 +63,7 @@ from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
 from sdquant.families.sd.deep_cache import DeepCache
 from sdquant.families.pipeline import SamplingSettings, TextToImage, make_scheduler
+from sdquant.families.base import full_size_on_gpu
 from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
@@ -383,7 +384,7 @@ def run_variant(variant: str, args, steps_list: list[int], cache: DeepCache | No
     """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     start = time.perf_counter()
     if variant in PEERS:
         pipe, setup = peer_pipeline(pipe, variant, args.tune_kernels)

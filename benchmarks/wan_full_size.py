@@ -67,7 +67,7 @@ import torch
 from sdquant import parallel, report
 from sdquant.parallel import batch_parts
 from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendBlock
-from sdquant.families.base import built_in
+from sdquant.families.base import built_in, full_size_on_gpu
 from sdquant.families.pipeline import SamplingSettings, make_scheduler
 from sdquant.families.wan import WAN, WAN_TI2V
 from sdquant.families.wan.family import BLOCK_STACKS
@@ -132,7 +132,7 @@ def one_expert(family, args, device: torch.device) -> torch.nn.Module:
 
 
 def whole_pipeline(family, args, device: torch.device):
-    return family.full_size_on_gpu("tiny" if args.tiny else "full", device.type)
+    return full_size_on_gpu(family, "tiny" if args.tiny else "full", device.type)
 
 
 def resident_gib(device: torch.device) -> float:

@@ -63,8 +63,9 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
                         f"in the cache folder ({cache_folder(model.name)}, from $SDQUANT_CACHE): leave model.source "
                         "at its default, or give the folder of one built before")
     # Another process may finish the same build first: its folder is as good as ours.
+    family = family_of(model.family)
     with atomic_folder(folder, replace=False) as staging:
-        family_of(model.family).build_tiny(staging)
+        family.build_pipeline(family.sizes["tiny"]).save_pretrained(staging)
     return folder
 
 

@@ -201,7 +201,7 @@ def test_each_wan_expert_is_trained_and_sampled_on_its_own_side_of_the_boundary(
     cpu = torch.device("cpu")
     tokenizer = scene_t5_tokenizer(clips.caption_vocabulary())
     arch = WanSceneArchitecture(heads=2, layers=1, ffn=64, text_layers=1, vae_base=8)
-    pipe = WAN.build_pipeline(WAN.scene_sizes(arch, 64), {"t5": tokenizer})
+    pipe = WAN.build_pipeline(arch.sizes(64), {"t5": tokenizer})
     data = make_dataset(SCENE_KINDS["video"], 8, 0, 0.5, {"t5": tokenizer}, cpu)
     seen = {name: [] for name in ("transformer", "transformer_2")}
     for name in seen:
@@ -246,13 +246,13 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
     from sdquant.errors import UserError
     from sdquant.families import scene_family
     from sdquant.families.wan import WAN
-    cfg = compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"])
+    cfg = OmegaConf.to_object(compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"]))
     if refused:
         with pytest.raises(UserError, match="architecture.vae_frame_levels"):
-            scene_family(OmegaConf.to_object(cfg))
+            scene_family(cfg)
     else:
-        assert scene_family(OmegaConf.to_object(cfg)) is WAN
-        vae = dict(WAN.scene_sizes(cfg.architecture, 64).vae)
+        assert scene_family(cfg) is WAN
+        vae = dict(cfg.architecture.sizes(64).vae)
         assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels
         # WanPipeline reads the frame scale from the config: a wrong one drew 5 of 9 frames.
         assert vae["scale_factor_temporal"] == 2 ** frame_levels

@@ -69,8 +69,9 @@ class ModelFamily:
     # What its attention layers call the projections that read one input or one attention output
     # (diffusers' names): the layers that share an FP8 range and run as one kernel.
     attention_projections = AttentionProjections(QKV, KV, ADDED_QKV, output="to_out.0", added_output="to_add_out")
-    # Its scene model's training schema (a config.SceneTrainingApp, whose config_name is its
-    # tools/train_scene_model.py config); None: the family has no scene model.
+    # Its scene model's training schema (a config.SceneTrainingApp: its tools/train_scene_model.py
+    # config_name, its encoders' tokenizers, its architecture's sizes and checks); None: the family
+    # has no scene model.
     scene_app: type | None = None
 
     @property
@@ -309,19 +310,6 @@ class ModelFamily:
         prompt."""
         raise NotImplementedError
 
-    def build_tiny(self, folder) -> None:
-        """Builds the family's tiny random-weight pipeline into `folder` (save_pretrained)."""
-        self.build_pipeline(self.sizes["tiny"]).save_pretrained(folder)
-
-    def full_size_on_gpu(self, size: str = "full", device: str = "cuda"):
-        """The real model's architecture (or `size`'s, for a benchmark's dry run) with random weights
-        in the family's GPU dtype, built directly on the GPU (seconds, not the minutes a CPU build and
-        copy take); its scheduler's tables on the CPU, as pipelines expect."""
-        pipe = built_in(self.gpu_dtype, torch.device(device), lambda: self.build_pipeline(self.sizes[size]))
-        pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     # --- its scene model -----------------------------------------------------------------------
 
     def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
@@ -371,6 +359,16 @@ def built_in(dtype: torch.dtype, device: torch.device, build):
             return build()
     finally:
         torch.set_default_dtype(default)
+
+
+def full_size_on_gpu(family: ModelFamily, size: str = "full", device: str = "cuda"):
+    """`family`'s real model's architecture (or `size`'s, for a benchmark's dry run) with random
+    weights in the family's GPU dtype, built directly on the GPU (seconds, not the minutes a CPU build
+    and copy take); its scheduler's tables on the CPU, as pipelines expect."""
+    pipe = built_in(family.gpu_dtype, torch.device(device), lambda: family.build_pipeline(family.sizes[size]))
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def vae_scale_factor(vae_config) -> int:

@@ -394,8 +394,8 @@ def train_scene_model(cfg, device: torch.device) -> tuple[Path, dict]:
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     vocabulary = kind.module.caption_vocabulary()
-    tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in family.scene_tokenizers}
-    pipe = family.build_pipeline(family.scene_sizes(cfg.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
+    tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in cfg.tokenizers}
+    pipe = family.build_pipeline(cfg.architecture.sizes(scenes.IMAGE_SIZE), tokenizers).to(device)
     data = make_dataset(kind, cfg.dataset_size, cfg.seed, cfg.two_object_share, tokenizers, device)
     log = LossLog()
     seconds = {}

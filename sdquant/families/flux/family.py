@@ -15,7 +15,7 @@ from .flow import T5_TOKENS, FluxTextToImage, flux_axis_sizes
 from .graphs import (CLIP, T5, FluxTorchAttnProcessor, ModulationsGraph, TransformerGraph, modulations_network,
                      transformer_network, use_rotary_halves)
 from .recipe import LEVELS
-from .scene import TrainFluxSceneApp, scene_loss, scene_sizes
+from .scene import TrainFluxSceneApp, scene_loss
 from .sizes import FULL, TINY, build_pipeline
 
 TRANSFORMER = Backbone("transformer", "transformer")
@@ -37,7 +37,6 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
     sizes = {"tiny": TINY, "full": FULL}
     level_table = LEVELS
     scene_app = TrainFluxSceneApp
-    scene_tokenizers = ("clip", "t5")
 
     def pipeline_class(self):
         from diffusers import FluxPipeline
@@ -155,7 +154,6 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
     # --- its architectures (sizes.py) and scene model (scene.py) -------------------------------
 
     build_pipeline = staticmethod(build_pipeline)
-    scene_sizes = staticmethod(scene_sizes)
     scene_loss = staticmethod(scene_loss)
 
 

@@ -32,12 +32,25 @@ class FluxSceneArchitecture:
     vae_layers: int = 2
     norm_groups: int = 32
 
+    def sizes(self, image_size: int) -> FluxSizes:
+        """These sizes as the family's for `image_size`: heads of 32 features in both encoders, no
+        guidance embedding, a VAE whose shift and scale training sets."""
+        return FluxSizes(
+            clip_width=self.clip_width, clip_layers=self.text_layers, clip_heads=max(1, self.clip_width // 32),
+            clip_activation="gelu", t5_width=self.t5_width, t5_layers=self.text_layers, t5_heads=self.t5_width // 32,
+            t5_head_width=32, t5_ff=2 * self.t5_width, double_blocks=self.double_blocks,
+            single_blocks=self.single_blocks, heads=self.heads, head_dim=self.head_dim, rope_axes=tuple(self.rope_axes),
+            vae_channels=tuple(self.vae_channels), vae_groups=self.norm_groups, vae_layers=self.vae_layers,
+            image_size=image_size, guidance=False, vae_config=(("shift_factor", 0.0), ("force_upcast", False)))
+
 
 @dataclass
 class TrainFluxSceneApp(SceneTrainingApp):
     """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
 
     config_name: ClassVar[str] = "train_scene_flux"
+    # Its encoders' tokenizers, by kind.
+    tokenizers: ClassVar[tuple[str, ...]] = ("clip", "t5")
     out_dir: str = "scenes_flux"
     family: str = "flux"
     architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
@@ -53,18 +66,6 @@ class TrainFluxSceneApp(SceneTrainingApp):
         if sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes):
             raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
                             f"architecture.head_dim={arch.head_dim}")
-
-
-def scene_sizes(arch, image_size: int) -> FluxSizes:
-    """The Flux scene model's architecture (FluxSceneArchitecture): heads of 32 features in
-    both encoders, no guidance embedding, a VAE whose shift and scale training sets."""
-    return FluxSizes(
-        clip_width=arch.clip_width, clip_layers=arch.text_layers, clip_heads=max(1, arch.clip_width // 32),
-        clip_activation="gelu", t5_width=arch.t5_width, t5_layers=arch.text_layers, t5_heads=arch.t5_width // 32,
-        t5_head_width=32, t5_ff=2 * arch.t5_width, double_blocks=arch.double_blocks,
-        single_blocks=arch.single_blocks, heads=arch.heads, head_dim=arch.head_dim, rope_axes=tuple(arch.rope_axes),
-        vae_channels=tuple(arch.vae_channels), vae_groups=arch.norm_groups, vae_layers=arch.vae_layers,
-        image_size=image_size, guidance=False, vae_config=(("shift_factor", 0.0), ("force_upcast", False)))
 
 
 def scene_loss(pipe, latents: torch.Tensor, data, block, generator: torch.Generator):

@@ -16,7 +16,7 @@ from .flow import SDTextToImage, SDXLTextToImage
 from .graphs import UNetFp8AttnProcessor, UNetGraph, unet_axis_sizes, unet_network
 from ...graphs.networks import TOKENS, VAE, Network
 from .recipe import LEVELS
-from .scene import TrainSdxlSceneApp, scene_loss, scene_sizes
+from .scene import TrainSdxlSceneApp, scene_loss
 from .sizes import SD_TINY, SDXL_FULL, SDXL_TINY, build_sd_pipeline, build_sdxl_pipeline
 
 
@@ -185,9 +185,7 @@ class SDXLFamily(StableDiffusionFamily):
     sizes = {"tiny": SDXL_TINY, "full": SDXL_FULL}
     pooled_input = True
     text_to_image_class = SDXLTextToImage
-    # The scene model's training schema and tokenizers (one CLIP tokenizer serves both encoders).
     scene_app = TrainSdxlSceneApp
-    scene_tokenizers = ("clip",)
 
     def pipeline_class(self):
         from diffusers import StableDiffusionXLPipeline
@@ -213,7 +211,6 @@ class SDXLFamily(StableDiffusionFamily):
     # --- its architectures (sizes.py) and scene model (scene.py) -------------------------------
 
     build_pipeline = staticmethod(build_sdxl_pipeline)
-    scene_sizes = staticmethod(scene_sizes)
     scene_loss = staticmethod(scene_loss)
 
 

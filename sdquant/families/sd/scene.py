@@ -14,6 +14,10 @@ from .sizes import UNetSizes
 from ..training import autocast, check_group_widths, kept
 
 
+# The scene model's text-time embedding width: six time ids of 8 Fourier features each.
+SCENE_TIME_ID_WIDTH = 8
+
+
 @dataclass
 class SdxlSceneArchitecture:
     """Widths of the SDXL scene model; every UNet and VAE width must divide by norm_groups (32)."""
@@ -25,12 +29,27 @@ class SdxlSceneArchitecture:
     vae_layers: int = 2
     norm_groups: int = 32
 
+    def sizes(self, image_size: int) -> UNetSizes:
+        """These widths as the family's sizes for `image_size`: SDXL's layout, heads of 32 features,
+        one transformer layer per attention block; its VAE's scaling is set by training."""
+        channels = tuple(self.unet_channels)
+        return UNetSizes(
+            text_widths=tuple(self.text_widths), text_layers=(self.text_layers,) * 2,
+            text_heads=tuple(max(1, width // 32) for width in self.text_widths), unet_channels=channels,
+            unet_down=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (len(channels) - 1),
+            unet_up=("CrossAttnUpBlock2D",) * (len(channels) - 1) + ("UpBlock2D",), unet_transformer_layers=1,
+            unet_head_dims=tuple(width // 32 for width in channels), unet_groups=self.norm_groups,
+            time_id_width=SCENE_TIME_ID_WIDTH, vae_channels=tuple(self.vae_channels), vae_groups=self.norm_groups,
+            vae_layers=self.vae_layers, image_size=image_size, vae_config=(("force_upcast", False),))
+
 
 @dataclass
 class TrainSdxlSceneApp(SceneTrainingApp):
     """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
 
     config_name: ClassVar[str] = "train_scene_model"
+    # Its encoders' tokenizers, by kind: one CLIP tokenizer serves both.
+    tokenizers: ClassVar[tuple[str, ...]] = ("clip",)
     out_dir: str = "scenes_sdxl"
     family: str = "sdxl"
     architecture: SdxlSceneArchitecture = field(default_factory=SdxlSceneArchitecture)
@@ -41,24 +60,6 @@ class TrainSdxlSceneApp(SceneTrainingApp):
         check_group_widths(arch, "unet_channels", "vae_channels")
         if len(arch.text_widths) != 2 or any(width < 32 or width % 32 for width in arch.text_widths):
             raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
-
-# The scene model's text-time embedding width: six time ids of 8 Fourier features each.
-SCENE_TIME_ID_WIDTH = 8
-
-
-def scene_sizes(arch, image_size: int) -> UNetSizes:
-    """The scene model's architecture (SdxlSceneArchitecture): SDXL's layout, heads of 32
-    features, one transformer layer per attention block; its VAE's scaling is set by training."""
-    channels = tuple(arch.unet_channels)
-    return UNetSizes(
-        text_widths=tuple(arch.text_widths), text_layers=(arch.text_layers,) * 2,
-        text_heads=tuple(max(1, width // 32) for width in arch.text_widths), unet_channels=channels,
-        unet_down=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (len(channels) - 1),
-        unet_up=("CrossAttnUpBlock2D",) * (len(channels) - 1) + ("UpBlock2D",), unet_transformer_layers=1,
-        unet_head_dims=tuple(width // 32 for width in channels), unet_groups=arch.norm_groups,
-        time_id_width=SCENE_TIME_ID_WIDTH, vae_channels=tuple(arch.vae_channels), vae_groups=arch.norm_groups,
-        vae_layers=arch.vae_layers, image_size=image_size, vae_config=(("force_upcast", False),))
-
 
 def scene_loss(pipe, latents: torch.Tensor, data, block, generator: torch.Generator):
     """The UNet predicts the noise added under SDXL's DDPM schedule, conditioned on both

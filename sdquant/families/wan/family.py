@@ -16,7 +16,7 @@ from .flow import (TEMPORAL_SCALE, UMT5_TOKENS, WanTextToVideo, latent_frames, l
                    text_tokens)
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
 from .recipe import LEVELS
-from .scene import TrainWanSceneApp, scene_loss, scene_phases, scene_sizes
+from .scene import TrainWanSceneApp, scene_loss, scene_phases
 from .sizes import FULL, TI2V_FULL, TI2V_TINY, TINY, build_pipeline
 
 EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "transformer_2"))
@@ -215,7 +215,6 @@ class WanT2VFamily(WanFamily):
     boundary_ratio = 0.875
     default_frames, default_fps, default_size = 81, 16, (720, 1280)
     scene_app = TrainWanSceneApp
-    scene_tokenizers = ("t5",)
 
     def fuse_projections(self, backbone) -> None:
         """Keeps q, k and v three GEMMs: at a video's 75,600 tokens the one GEMM three times as wide
@@ -224,9 +223,6 @@ class WanT2VFamily(WanFamily):
         3 x 0.8, so it keeps diffusers' fusion)."""
 
     # --- the scene model (scene.py) -----------------------------------------------------------
-
-    def scene_sizes(self, arch, image_size: int):
-        return scene_sizes(arch)
 
     def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
         together = super().scene_phases(pipe, latents, data, block, generator)

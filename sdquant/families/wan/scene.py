@@ -36,6 +36,23 @@ class WanSceneArchitecture:
     # the scene model's clips keep their shapes whole only at 1).
     vae_frame_levels: int = 1
 
+    def sizes(self, image_size: int) -> WanSizes:
+        """These sizes as the family's (a clip's size is its frames', whatever `image_size`): UMT5
+        with heads of 32, a Wan VAE of 16 channels whose levels after the first each halve the sides
+        (the last vae_frame_levels also the frames), unit latent statistics that training replaces
+        with the latents' own, and the A14B's flow shift."""
+        levels = len(self.vae_dim_mult) - 1
+        frame_levels = self.vae_frame_levels
+        return WanSizes(text_width=self.text_width, text_layers=self.text_layers, text_heads=self.text_width // 32,
+                        text_head_width=32, text_ff=2 * self.text_width, heads=self.heads, head_dim=self.head_dim,
+                        ffn=self.ffn, layers=self.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
+                        flow_shift=3.0,
+                        vae=(("base_dim", self.vae_base), ("z_dim", 16), ("dim_mult", list(self.vae_dim_mult)),
+                             ("num_res_blocks", self.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
+                             # WanPipeline sizes its latent frames by this, not by the levels.
+                             ("scale_factor_spatial", 2 ** levels), ("scale_factor_temporal", 2 ** frame_levels),
+                             ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
+
 
 # The architecture's counts, each at least 1.
 COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
@@ -56,6 +73,8 @@ class TrainWanSceneApp(SceneTrainingApp):
     --config-name train_scene_wan)."""
 
     config_name: ClassVar[str] = "train_scene_wan"
+    # Its encoder's tokenizer, by kind.
+    tokenizers: ClassVar[tuple[str, ...]] = ("t5",)
     out_dir: str = "scenes_wan"
     family: str = "wan"
     dataset_size: int = 32768
@@ -86,24 +105,6 @@ class TrainWanSceneApp(SceneTrainingApp):
                 raise UserError(f"architecture.{key}={getattr(arch, key)}: give 1 or more")
         if self.denoiser.shared_steps < 0:
             raise UserError(f"denoiser.shared_steps={self.denoiser.shared_steps}: give 0 or more")
-
-
-def scene_sizes(arch) -> WanSizes:
-    """The Wan scene model's architecture (WanSceneArchitecture): UMT5 with heads of 32, a
-    Wan VAE of 16 channels whose levels after the first each halve the sides (the last
-    vae_frame_levels also the frames), unit latent statistics that training replaces with the
-    latents' own, and the A14B's flow shift."""
-    levels = len(arch.vae_dim_mult) - 1
-    frame_levels = arch.vae_frame_levels
-    return WanSizes(text_width=arch.text_width, text_layers=arch.text_layers, text_heads=arch.text_width // 32,
-                    text_head_width=32, text_ff=2 * arch.text_width, heads=arch.heads, head_dim=arch.head_dim,
-                    ffn=arch.ffn, layers=arch.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
-                    flow_shift=3.0,
-                    vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
-                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
-                         # WanPipeline sizes its latent frames by this, not by the levels.
-                         ("scale_factor_spatial", 2 ** levels), ("scale_factor_temporal", 2 ** frame_levels),
-                         ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
 
 
 def scene_phases(pipe, latents: torch.Tensor, data, block, generator: torch.Generator, experts: tuple[str, ...],
