@@ -470,7 +470,8 @@ class SceneTrainingApp:
     # vae.* settings and architecture's VAE sizes are then not used): the denoisers can be trained
     # again on one autoencoder, in a device call of their own. Its training time is counted in.
     vae_from: Optional[str] = None
-    # The family's own sizes (its schema's architecture dataclass).
+    # The family's architecture (its schema's dataclass), declared here so that it keeps its place
+    # among the keys of every scene config and training record.
     architecture: Any = MISSING
     vae: VaeTraining = field(default_factory=VaeTraining)
     denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)

@@ -44,7 +44,6 @@ def all_families() -> list[ModelFamily]:
     return list(dict.fromkeys(_registry().values()))
 
 
-
 def scene_configs() -> dict[str, str]:
     """The training config (tools/train_scene_model.py --config-name) of each family that has a
     scene model, by the family's name."""

@@ -1,4 +1,4 @@
-"""What every model family describes, in one small base; one subclass per family in its own module."""
+"""What every model family describes, in one small base; one subclass per family in its own package."""
 
 from __future__ import annotations
 
