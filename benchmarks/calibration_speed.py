@@ -18,10 +18,11 @@ import torch
 
 from sdquant.quantize.calibrate import ActivationRecorder, CapturedBackbone, StepClock, attach_clock, calibration_batches, quantize_backbones
 from sdquant.config import QuantizeBlock
-from sdquant.families.sdxl import SDXL
+from sdquant.families.base import full_size_on_gpu
+from sdquant.families.sd import SDXL
 from sdquant.load import load_prompts, quiet_libraries
 from sdquant.report import library_versions
-from sdquant.families.sdxl import sdxl_unet
+from sdquant.families.sd.sizes import sdxl_unet
 
 TARGET_RATIO = 1.25
 
@@ -82,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     prompts = load_prompts(None, args.calib_size)
     seed = 42
     plain_block = QuantizeBlock(n_steps=args.n_steps, batch_size=args.batch_size, guidance_scale=GUIDANCE,

@@ -26,7 +26,7 @@ from sdquant.runtime.kernels.conv8 import fp8_conv2d, int8_conv2d, reference_fp8
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
 from sdquant.runtime.kernels.int8 import Int8Conv2d
 
-# The recipe's convolutions in 16 bits (sdquant.families.sd.HIGH_PRECISION).
+# The recipe's convolutions in 16 bits (sdquant.families.sd.recipe.HIGH_PRECISION).
 UNQUANTIZED = ("conv_in", "conv_out", "conv_shortcut")
 
 
@@ -52,9 +52,10 @@ def conv_shapes(module: torch.nn.Module, run, skip=()) -> Counter:
 def network_shapes(batch: int) -> dict[str, Counter]:
     """The quantized convolution shapes of the full-size SDXL UNet at `batch` images per call (twice
     as many samples) and of its VAE decoder's 3x3 convolutions."""
-    from sdquant.families.sdxl import SDXL
+    from sdquant.families.base import full_size_on_gpu
+    from sdquant.families.sd import SDXL
 
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     samples = 2 * batch
     latents = torch.randn(samples, 4, 128, 128, device="cuda", dtype=torch.float16)
     context = torch.randn(samples, 77, 2048, device="cuda", dtype=torch.float16)

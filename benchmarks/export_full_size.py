@@ -25,7 +25,7 @@ TARGET_GB, TARGET_S = 10.0, 120.0
 def build_model(folder: Path) -> None:
     """The full-size SDXL architecture with random weights, saved in fp16 as a diffusers folder."""
     code = (
-        "import torch; from sdquant.families.sdxl import SDXL; "
+        "import torch; from sdquant.families.sd import SDXL; "
         "torch.set_default_dtype(torch.float16); "
         f"SDXL.build_pipeline(SDXL.sizes['full']).save_pretrained({str(folder)!r})"
     )

@@ -26,6 +26,7 @@ import torch
 from sdquant.export import onnx_graphs
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock
+from sdquant.families.base import full_size_on_gpu
 from sdquant.families.flux import FLUX
 from sdquant.graphs.geometry import SampleGeometry
 from sdquant.load import quiet_libraries
@@ -48,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
     start = time.perf_counter()
-    pipe = FLUX.full_size_on_gpu().to(torch.float16)
+    pipe = full_size_on_gpu(FLUX).to(torch.float16)
     build_s = time.perf_counter() - start
     block = QuantizeBlock(format="fp8", quant_level=3.0, n_steps=2, calib_size=1, batch_size=1, height=SIZE,
                           width=SIZE, guidance_scale=3.5)

@@ -49,7 +49,8 @@ from sdquant.api import from_pipeline
 from sdquant.runtime import step_modulations
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.config import QuantizeBlock
-from sdquant.families import flux
+from sdquant.families.flux import family as flux
+from sdquant.families.base import full_size_on_gpu
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
@@ -93,7 +94,7 @@ def build_variant(family, variant: str) -> tuple[object, dict]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    pipe = family.full_size_on_gpu()
+    pipe = full_size_on_gpu(family)
     build_s = time.perf_counter() - start
     if variant in FP8_LEVELS:
         fp8_transformer(pipe, family, FP8_LEVELS[variant])
@@ -213,7 +214,7 @@ def main() -> None:
     if args.diffusers_rotary:
         flux.use_rotary_halves = lambda transformer: False
     if args.per_step_modulations:
-        step_modulations.precompute_modulations = lambda transformer: False
+        step_modulations.precompute_modulations = lambda transformer, adaln_norms: False
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "benchmark": "flux_full_size", "device": torch.cuda.get_device_name(), "versions": report.library_versions(),
         "resolution": SIZE, "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}

@@ -4,7 +4,7 @@ the form the torch backend traced and in candidate forms, at a block's full-size
 form compiles to, and how far its FP8 values are from the first form's. A candidate that wins here
 is worth a form in the torch backend and a whole-pipeline run (flux_full_size.py). The `qk` and
 `gelu_cat` cases ran on an H200 (benchmarks/results/flux_kernel_forms_h200.json), and
-`rotate_half` became sdquant.families.flux.use_rotary_halves; the `double` and `adaln` cases ran
+`rotate_half` became sdquant.families.flux.graphs.use_rotary_halves; the `double` and `adaln` cases ran
 on an H100 (benchmarks/results/flux_double_adaln_h100.json): `all_steps` became
 sdquant.runtime.step_modulations, and `per_stream_fp8`, twice as fast alone, gained nothing in the
 whole model (docs/speed.md).

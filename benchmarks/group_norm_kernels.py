@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from sdquant import report
-from sdquant.families.sdxl import SDXL
+from sdquant.families.base import full_size_on_gpu
+from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.runtime.compiled_forms import pin_channels_last_outputs, use_compiled_forms
 
@@ -92,7 +93,7 @@ def main() -> None:
     if not set(layouts) <= set(LAYOUTS) or layouts != sorted(layouts, key=LAYOUTS.index):
         parser.error(f"--layouts {args.layouts}: give some of {', '.join(LAYOUTS)}, in that order")
     quiet_libraries()
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     quantized_unet(pipe, "fp8")
     unet = pipe.unet.to(memory_format=torch.channels_last)
     inputs = unet_inputs(args.samples)

@@ -16,7 +16,8 @@ import torch
 from sdquant import report
 from sdquant.api import from_pipeline
 from sdquant.load import quiet_libraries
-from sdquant.families.sdxl import SDXL
+from sdquant.families.base import full_size_on_gpu
+from sdquant.families.sd import SDXL
 
 TARGET_OVERHEAD = 0.02
 
@@ -29,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_libraries()
 
-    pipeline = from_pipeline(SDXL.full_size_on_gpu(), "sdxl", sampling={"scheduler": "euler"})
+    pipeline = from_pipeline(full_size_on_gpu(SDXL), "sdxl", sampling={"scheduler": "euler"})
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
         settings = pipeline.settle(["a photo of an astronaut riding a horse on mars"], steps=steps,

@@ -36,7 +36,7 @@ family=${FAMILY:-sdxl}
 # Per family: the config, the class that builds its architecture, the quant level, images a batch,
 # batches a GPU (the rate after each process's first batch then counts the others) and steps.
 case "$family" in
-sdxl) config=sdxl_base family_class=sdxl:SDXL level=3 batch=8 batches=4 full_steps=20 ;;
+sdxl) config=sdxl_base family_class=sd:SDXL level=3 batch=8 batches=4 full_steps=20 ;;
 flux) config=flux_dev family_class=flux:FLUX level=4 batch=1 batches=8 full_steps=28 ;;
 *) echo "multi_gpu_full_size: FAMILY=$family: give sdxl or flux" >&2; exit 1 ;;
 esac
@@ -65,10 +65,11 @@ mkdir -p "$work/wall" "$work/logs"
 python3 - "$work/model" "$size" "$family_class" <<'PY'
 import importlib
 import sys
+from sdquant.families.base import full_size_on_gpu
 folder, size, family_class = sys.argv[1:]
 module, name = family_class.split(":")
 family = getattr(importlib.import_module(f"sdquant.families.{module}"), name)
-pipe = family.full_size_on_gpu() if size == "full" else family.build_pipeline(family.sizes["tiny"])
+pipe = full_size_on_gpu(family) if size == "full" else family.build_pipeline(family.sizes["tiny"])
 pipe.save_pretrained(folder)
 PY
 model=(model=$config model.source="$work/model" device="$device")

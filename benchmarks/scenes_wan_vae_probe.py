@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from quality_recipes import compose_app
 
 from sdquant.config import register_schemas
-from sdquant.families import family_of
+from sdquant.families import family_of, scene_schemas
 from sdquant.quality import scenes
 from sdquant.quality import training
 
@@ -32,16 +33,16 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=16384)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    register_schemas()
+    register_schemas(scene_schemas())
     cfg = compose_app("train_scene_wan", [f"vae.steps={args.steps}", f"vae.learning_rate={args.learning_rate}"])
     device = torch.device("cuda")
     family = family_of(cfg.family)
     kind = training.SCENE_KINDS[family.output]
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.seed)
-    tokenizers = {name: training.SCENE_TOKENIZERS[name](kind.module.caption_vocabulary())
-                  for name in family.scene_tokenizers}
-    pipe = family.build_pipeline(family.scene_sizes(cfg.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
+    settled = OmegaConf.to_object(cfg)
+    tokenizers = {name: training.SCENE_TOKENIZERS[name](kind.module.caption_vocabulary()) for name in settled.tokenizers}
+    pipe = family.build_pipeline(settled.architecture.sizes(scenes.IMAGE_SIZE), tokenizers).to(device)
     data = training.make_dataset(kind, args.clips, cfg.seed, cfg.two_object_share, tokenizers, device)
     log = training.LossLog()
     started = time.perf_counter()

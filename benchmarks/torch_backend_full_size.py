@@ -62,7 +62,8 @@ from sdquant import report
 from sdquant.api import from_pipeline
 from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
-from sdquant.families.sdxl import SDXL
+from sdquant.families.base import full_size_on_gpu
+from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
@@ -294,7 +295,7 @@ def quantize_unet(pipe, variant: str) -> None:
 
     with torch.no_grad():
         mtq.quantize(pipe.unet, config, forward_loop)
-    tie_fp8_ranges(pipe.unet)
+    tie_fp8_ranges(pipe.unet, SDXL.attention_projections)
 
 
 def our_pipeline(pipe, variant: str, args, cache: dict | None = None):
@@ -379,7 +380,7 @@ def run_variant(variant: str, args, steps_list: list[int], cache: dict | None) -
     """Builds, compiles and times one variant; its name (with the arguments' suffixes) and row."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     start = time.perf_counter()
     if variant in PEERS:
         pipe, setup = peer_pipeline(pipe, variant, args.tune_kernels)

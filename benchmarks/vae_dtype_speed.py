@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from sdquant.families.encoders import VaeDecoderGraph
-from sdquant.families.sdxl import SDXL
+from sdquant.families.base import full_size_on_gpu
+from sdquant.families.sd import SDXL
 from sdquant.report import library_versions
 from sdquant.runtime.compiled_forms import use_compiled_forms
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    pipe = SDXL.full_size_on_gpu()
+    pipe = full_size_on_gpu(SDXL)
     latents = torch.randn(1, 4, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     images, rows = {}, {}
     for name, dtype in DTYPES.items():

@@ -68,11 +68,12 @@ from sdquant import parallel, report
 from sdquant.api import from_pipeline
 from sdquant.parallel import batch_parts
 from sdquant.config import TORCH_ATTENTION_KERNELS, QuantizeBlock, TorchBackendBlock
-from sdquant.families.base import built_in
+from sdquant.families.base import built_in, full_size_on_gpu
 from sdquant.families.wan import WAN, WAN_TI2V
-from sdquant.families.wan.family import BLOCK_STACKS, TEMPORAL_SCALE, expert
-from sdquant.families.wan.flow import latent_frames, latent_tokens
+from sdquant.families.wan.family import BLOCK_STACKS
+from sdquant.families.wan.flow import TEMPORAL_SCALE, latent_frames, latent_tokens
 from sdquant.families.wan.graphs import Umt5Graph, VideoDecoderGraph
+from sdquant.families.wan.sizes import expert
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
@@ -130,7 +131,7 @@ def one_expert(family, args, device: torch.device) -> torch.nn.Module:
 
 
 def whole_pipeline(family, args, device: torch.device):
-    return family.full_size_on_gpu("tiny" if args.tiny else "full", device.type)
+    return full_size_on_gpu(family, "tiny" if args.tiny else "full", device.type)
 
 
 def resident_gib(device: torch.device) -> float:

@@ -23,18 +23,6 @@ from omegaconf import MISSING, OmegaConf
 from .errors import UserError
 
 
-class Family(str, Enum):
-    """The model families model.family names; each is described in sdquant.families."""
-
-    sdxl = "sdxl"
-    sd15 = "sd15"
-    sd2 = "sd2"
-    flux = "flux"
-    sd3 = "sd3"
-    wan = "wan"
-    wan_ti2v = "wan_ti2v"
-
-
 class QuantFormat(str, Enum):
     int8 = "int8"
     fp8 = "fp8"
@@ -98,7 +86,8 @@ class LoraAdapter(Settled):
 @dataclass
 class ModelConfig(Settled):
     name: str = MISSING
-    family: Family = MISSING
+    # The family's name in sdquant.families' registry (sdxl, flux, wan, ...).
+    family: str = MISSING
     # A hub id, a local diffusers folder or a single-file .safetensors checkpoint. For tiny
     # models it is the folder the model is built into on first use.
     source: str = MISSING
@@ -472,60 +461,7 @@ class EvaluateApp(Settled):
 
 
 @dataclass
-class SceneArchitecture:
-    """Widths of the SDXL scene model; every UNet and VAE width must divide by norm_groups (32)."""
-
-    unet_channels: list[int] = field(default_factory=lambda: [64, 96, 128])
-    text_widths: list[int] = field(default_factory=lambda: [64, 128])
-    text_layers: int = 3
-    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    vae_layers: int = 2
-    norm_groups: int = 32
-
-
-@dataclass
-class FluxSceneArchitecture:
-    """Sizes of the Flux scene model: a FluxTransformer2DModel of heads x head_dim width, CLIP and
-    T5 encoders, a 16-channel AutoencoderKL whose widths divide by norm_groups."""
-
-    heads: int = 5
-    head_dim: int = 32
-    # Rotary axes (a text-position axis and the image's two), summing to head_dim, as Flux.1's 16/56/56.
-    rope_axes: list[int] = field(default_factory=lambda: [8, 12, 12])
-    double_blocks: int = 4
-    single_blocks: int = 8
-    clip_width: int = 64
-    t5_width: int = 128
-    text_layers: int = 2
-    vae_channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    vae_layers: int = 2
-    norm_groups: int = 32
-
-
-@dataclass
-class WanSceneArchitecture:
-    """Sizes of the Wan2.2 scene model: two WanTransformer3DModel experts of heads x head_dim width
-    (as the A14B's high- and low-noise experts), a UMT5 encoder of heads of 32, and a Wan VAE of 16
-    latent channels that scales each side by 2 per level after the first and the frames by 2 in each
-    of its last vae_frame_levels levels."""
-
-    heads: int = 4
-    head_dim: int = 32
-    layers: int = 8
-    ffn: int = 512
-    text_width: int = 128
-    text_layers: int = 2
-    vae_base: int = 16
-    # Each level's width as a multiple of vae_base; three levels scale the sides 4x.
-    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
-    vae_res_blocks: int = 1
-    # How many of the last levels also halve the frames (the A14B's VAE: 2, so 4x; 81 -> 21 frames;
-    # the scene model's clips keep their shapes whole only at 1).
-    vae_frame_levels: int = 1
-
-
-@dataclass
-class VaeTraining:
+class VaeTraining(Settled):
     steps: int = 4000
     batch_size: int = 128
     learning_rate: float = 1e-3
@@ -538,7 +474,7 @@ class VaeTraining:
 
 
 @dataclass
-class DenoiserTraining:
+class DenoiserTraining(Settled):
     """The denoiser (UNet or transformer) and the text encoders, trained together."""
 
     steps: int = 4500
@@ -555,21 +491,14 @@ class DenoiserTraining:
 
 
 @dataclass
-class ExpertsTraining(DenoiserTraining):
-    """The experts of a model with several (the Wan2.2 scene model's two) and its text encoder."""
+class SceneTrainingApp(Settled):
+    """What the training of every family's built-in scene model takes (tools/train_scene_model.py);
+    each family's schema (its package's scene.py) sets its out_dir, family and architecture."""
 
-    # Steps in which the first expert learns every noise level alone before both start from its
-    # weights for `steps` more on their own shares (0: each learns its share from the start).
-    shared_steps: int = 0
-
-
-@dataclass
-class TrainSceneApp:
-    """The built-in SDXL scene model, trained from scratch (tools/train_scene_model.py)."""
-
-    out_dir: str = "scenes_sdxl"
+    # The diffusers folder written.
+    out_dir: str = MISSING
     # The family whose architecture is trained (its scene sizes, loss and tokenizers).
-    family: Family = Family.sdxl
+    family: str = MISSING
     # Rendered training scenes (jittered); each is seen many times over the steps.
     dataset_size: int = 65536
     # The share of them that hold two objects (the rest hold one).
@@ -581,7 +510,9 @@ class TrainSceneApp:
     # vae.* settings and architecture's VAE sizes are then not used): the denoisers can be trained
     # again on one autoencoder, in a device call of their own. Its training time is counted in.
     vae_from: Optional[str] = None
-    architecture: SceneArchitecture = field(default_factory=SceneArchitecture)
+    # The family's architecture (its schema's dataclass), declared here so that it keeps its place
+    # among the keys of every scene config and training record.
+    architecture: Any = MISSING
     vae: VaeTraining = field(default_factory=VaeTraining)
     denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)
     # Held-out prompts of each kind (one object, two objects) scored at the end (0 skips it),
@@ -589,35 +520,6 @@ class TrainSceneApp:
     eval_prompts: int = 64
     eval_steps: int = 20
     guidance_scale: float = 5.0
-
-
-@dataclass
-class TrainFluxSceneApp(TrainSceneApp):
-    """The built-in Flux scene model (tools/train_scene_model.py --config-name train_scene_flux)."""
-
-    out_dir: str = "scenes_flux"
-    family: Family = Family.flux
-    architecture: FluxSceneArchitecture = field(default_factory=FluxSceneArchitecture)
-    # The shipped run's: twice the UNet's steps, and no captions dropped (Flux.1-dev distils guidance
-    # into an embedding, which the scene model has nothing to distil into, so it samples unguided).
-    denoiser: DenoiserTraining = field(default_factory=lambda: DenoiserTraining(steps=9000, empty_caption_rate=0.0))
-    guidance_scale: float = 1.0
-
-
-@dataclass
-class TrainWanSceneApp(TrainSceneApp):
-    """The built-in Wan2.2 scene model, on clips of moving shapes (tools/train_scene_model.py
-    --config-name train_scene_wan)."""
-
-    out_dir: str = "scenes_wan"
-    family: Family = Family.wan
-    dataset_size: int = 32768
-    architecture: WanSceneArchitecture = field(default_factory=WanSceneArchitecture)
-    vae: VaeTraining = field(default_factory=lambda: VaeTraining(steps=4000, batch_size=64, learning_rate=4e-4,
-                                                                 kl_weight=1e-7, cuda_graph=True))
-    denoiser: ExpertsTraining = field(default_factory=lambda: ExpertsTraining(steps=5000, shared_steps=4000,
-                                                                              batch_size=512, learning_rate=1e-3,
-                                                                              compile=True))
 
 
 def shipped_model_folder(name: str) -> str:
@@ -632,18 +534,19 @@ def cache_folder(name: str = "") -> str:
     return str(root / name)
 
 
-def register_schemas() -> None:
+def register_schemas(more: dict | None = None) -> None:
+    """Stores the scripts' schemas in Hydra's ConfigStore, and `more` (name: schema, as the families'
+    scene_schemas gives them), before Hydra composes a config."""
     OmegaConf.register_new_resolver("sdquant_model", shipped_model_folder, replace=True)
     OmegaConf.register_new_resolver("sdquant_cache", cache_folder, replace=True)
     store = ConfigStore.instance()
-    store.store(name="train_scene_schema", node=TrainSceneApp)
-    store.store(name="train_scene_flux_schema", node=TrainFluxSceneApp)
-    store.store(name="train_scene_wan_schema", node=TrainWanSceneApp)
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
     store.store(name="evaluate_schema", node=EvaluateApp)
     store.store(group="model", name="model_schema", node=ModelConfig)
+    for name, node in (more or {}).items():
+        store.store(name=name, node=node)
 
 
 def validate_quantize_block(block: QuantizeBlock) -> None:
@@ -835,59 +738,21 @@ def validate_evaluate(app) -> None:
                         f"{', '.join(LPIPS_NETS)} or null")
 
 
-# The training config of each family's scene model (tools/train_scene_model.py --config-name).
-SCENE_CONFIGS = {Family.sdxl: "train_scene_model", Family.flux: "train_scene_flux", Family.wan: "train_scene_wan"}
-# The Wan scene architecture's counts, each at least 1.
-WAN_SCENE_COUNTS = ("heads", "layers", "ffn", "text_layers", "vae_base", "vae_res_blocks")
-
-
 def validate_train_scene(app) -> None:
-    # Each config's schema holds one family's architecture: another family needs its own config.
-    schema_family = type(app).family
-    if app.family != schema_family:
-        own = (f"--config-name {SCENE_CONFIGS[app.family]}" if app.family in SCENE_CONFIGS
-               else f"a family with a scene model ({', '.join(plain(f) for f in SCENE_CONFIGS)})")
-        raise UserError(f"family={plain(app.family)}: this config trains a {plain(schema_family)} scene model, whose "
-                        f"architecture it holds: use {own}")
-    arch = app.architecture
-    for key in [key for key in ("unet_channels", "vae_channels") if hasattr(arch, key)]:
-        if not getattr(arch, key) or any(width < arch.norm_groups or width % arch.norm_groups for width in getattr(arch, key)):
-            raise UserError(f"architecture.{key}={list(getattr(arch, key))}: every width must be a positive multiple of "
-                            f"architecture.norm_groups={arch.norm_groups}")
-    if hasattr(arch, "text_widths") and (len(arch.text_widths) != 2 or any(width < 32 or width % 32
-                                                                    for width in arch.text_widths)):
-        raise UserError(f"architecture.text_widths={list(arch.text_widths)}: give two multiples of 32")
-    if hasattr(arch, "text_width") and (arch.text_width < 32 or arch.text_width % 32):
-        raise UserError(f"architecture.text_width={arch.text_width}: give a multiple of 32 (UMT5's heads are 32 wide)")
-    if hasattr(arch, "vae_dim_mult") and (len(arch.vae_dim_mult) < 3 or min(arch.vae_dim_mult) < 1):
-        raise UserError(f"architecture.vae_dim_mult={list(arch.vae_dim_mult)}: give three or more positive "
-                        "multiples (each level after the first halves the sides)")
-    if hasattr(arch, "vae_frame_levels") and not 0 <= arch.vae_frame_levels <= len(arch.vae_dim_mult) - 1:
-        raise UserError(f"architecture.vae_frame_levels={arch.vae_frame_levels}: give 0 to "
-                        f"{len(arch.vae_dim_mult) - 1}, the levels after the first of vae_dim_mult")
-    if hasattr(arch, "layers") and (arch.head_dim < 6 or arch.head_dim % 2):
-        raise UserError(f"architecture.head_dim={arch.head_dim}: give an even number of 6 or more (the rotary "
-                        "embedding splits it into frame, height and width parts)")
-    for key in [key for key in WAN_SCENE_COUNTS if hasattr(arch, key)]:
-        if getattr(arch, key) < 1:
-            raise UserError(f"architecture.{key}={getattr(arch, key)}: give 1 or more")
-    if hasattr(arch, "rope_axes") and (sum(arch.rope_axes) != arch.head_dim or any(axis % 2 for axis in arch.rope_axes)):
-        raise UserError(f"architecture.rope_axes={list(arch.rope_axes)}: give even sizes that sum to "
-                        f"architecture.head_dim={arch.head_dim}")
+    """Refuses settings no scene model's training could honour; the family checks its own
+    architecture when training starts (sdquant.families.scene_family)."""
     if app.vae_from is not None:
         earlier = Path(app.vae_from).expanduser()
         if not all((earlier / name).is_file() for name in ("vae/config.json", "training.json", "loss_log.csv")):
             raise UserError(f"vae_from={app.vae_from}: not a scene model folder written by tools/train_scene_model.py "
                             "(it needs vae/, training.json and loss_log.csv): give such a folder, or null to train the VAE")
         trained_for = json.loads((earlier / "training.json").read_text()).get("family")
-        if trained_for != plain(app.family):
+        if trained_for != app.family:
             raise UserError(f"vae_from={app.vae_from}: a {trained_for} scene model's folder, and this run trains a "
-                            f"{plain(app.family)} one: give one of its own family")
+                            f"{app.family} one: give one of its own family")
     for key in ("vae", "denoiser"):
         if getattr(app, key).steps < 1 or getattr(app, key).batch_size < 1 or getattr(app, key).learning_rate <= 0:
             raise UserError(f"{key}.steps, {key}.batch_size and {key}.learning_rate must be positive")
-    if getattr(app.denoiser, "shared_steps", 0) < 0:
-        raise UserError(f"denoiser.shared_steps={app.denoiser.shared_steps}: give 0 or more")
     if not 0 <= app.denoiser.empty_caption_rate < 1:
         raise UserError(f"denoiser.empty_caption_rate={app.denoiser.empty_caption_rate} is outside [0, 1)")
     if not 0 <= app.two_object_share <= 1:

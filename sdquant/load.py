@@ -11,7 +11,7 @@ from .artifacts import atomic_folder
 from .config import ModelConfig, cache_folder
 from .errors import UserError
 from .lora import fuse as fuse_loras
-from .families import Family, family_of
+from .families import family_of
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
@@ -63,8 +63,9 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
                         f"in the cache folder ({cache_folder(model.name)}, from $SDQUANT_CACHE): leave model.source "
                         "at its default, or give the folder of one built before")
     # Another process may finish the same build first: its folder is as good as ours.
+    family = family_of(model.family)
     with atomic_folder(folder, replace=False) as staging:
-        family_of(model.family).build_tiny(staging)
+        family.build_pipeline(family.sizes["tiny"]).save_pretrained(staging)
     return folder
 
 
@@ -140,7 +141,7 @@ def load_pipeline(model: ModelConfig, device: torch.device, dtype: torch.dtype, 
     missing = [name for name in family.components if getattr(pipe, name, None) is None]
     if missing:
         raise UserError(f"model.source={source} has no {', '.join(missing)}, so it is no {cls.__name__} as "
-                        f"model.family={Family(model.family).value} needs: set model.family to the model's own")
+                        f"model.family={model.family} needs: set model.family to the model's own")
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.to(decoder_dtype(model, pipe.vae.config, dtype))
     # Given backbones stay where they are, on the meta device, until their weights are restored: a
@@ -211,7 +212,7 @@ def _load_or_explain(loader, source: str, model: ModelConfig, **kwargs):
         return loader(source, **kwargs)
     except (OSError, ValueError) as error:
         raise UserError(
-            f"model.source={source} could not be loaded as a {Family(model.family).value} "
+            f"model.source={source} could not be loaded as a {model.family} "
             f"pipeline ({type(error).__name__}: {str(error).splitlines()[0]}); download it first "
             "or point model.source at a local diffusers folder"
         ) from error

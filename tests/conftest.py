@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from sdquant.config import register_schemas
+from sdquant.families import scene_schemas
 from sdquant.load import compute_dtype, load_pipeline, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,7 +19,7 @@ CONF = REPO / "conf"
 # Small calibration settings that still cover several steps and batches.
 FAST_QUANTIZE = ["quantize.n_steps=4", "quantize.calib_size=4", "quantize.batch_size=2"]
 
-register_schemas()
+register_schemas(scene_schemas())
 
 # Under pytest-xdist (the README's `-n auto`) the workers share the machine's cores: one thread
 # each, for torch here and for the scripts the tests start, instead of every worker claiming all.
@@ -79,7 +80,7 @@ def run_script(model_cache, tmp_path):
 def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int = 8) -> dict:
     """The engine profile export_trt.py builds for SDXL's graph `graph` at infer's image size."""
     from sdquant.export import engines
-    from sdquant.families.sdxl import SDXL
+    from sdquant.families.sd import SDXL
 
     from sdquant.graphs.geometry import SampleGeometry
 
@@ -90,7 +91,7 @@ def sdxl_profile_shapes(infer, trt, graph: str, input_dims: dict, vae_scale: int
 
 def sdxl_run_sizes(latent_height: int, latent_width: int, windows: int = 1) -> dict:
     """Every dynamic axis but the batch of SDXL's graphs in a run at this latent size and context."""
-    from sdquant.families.sd import unet_axis_sizes
+    from sdquant.families.sd.graphs import unet_axis_sizes
 
     return unet_axis_sizes(latent_height, latent_width, windows, None)
 

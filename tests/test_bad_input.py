@@ -29,6 +29,7 @@ BAD_QUANTIZE = [
     (["model.source=/nonexistent/model"], "model.source=/nonexistent/model: no tiny model there"),
     (["quantize.calib_size=400"], "holds 320 prompts but quantize.calib_size=400"),
     (["prompts_file=/nonexistent/prompts.txt"], "prompts_file=/nonexistent/prompts.txt: no such file"),
+    (["model.family=sdxxl"], "model.family=sdxxl is not a family sdquant knows: choose one of sdxl, sd15, sd2, flux"),
 ]
 
 

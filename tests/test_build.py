@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from sdquant.export import engines, onnx_graphs
 from sdquant import config
 from sdquant.graphs.geometry import SampleGeometry
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.runs.export import settle_export

@@ -15,9 +15,12 @@ from diffusers import AutoencoderKL
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, SlicedAttnProcessor
 
 from sdquant.config import TorchBackendBlock
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.runtime import torch_backend
-from sdquant.families.flux import BLOCK_STACKS, FLUX, FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.dit import adaln_norms
+from sdquant.families.flux import FLUX
+from sdquant.families.flux.family import BLOCK_STACKS
+from sdquant.families.flux.graphs import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
 from sdquant.runtime.compiled_forms import (ChannelStatisticsGroupNorm, SigmoidTanhGELU, SigmoidTanhGELUProjection,
                                             pin_channels_last_outputs, reorder_outputs, tanh_gelu,
                                             use_compiled_forms, use_sigmoid_gelu)
@@ -175,7 +178,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
     pooled text, give what each step's call computed itself."""
     import dataclasses
 
-    from sdquant.families.flux import ModulationsGraph
+    from sdquant.families.flux.graphs import ModulationsGraph
 
     transformer = FLUX.build_pipeline(dataclasses.replace(FLUX.sizes["tiny"], guidance=guidance)).transformer
     transformer = transformer.float().eval()
@@ -195,7 +198,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
 
     want = calls([pooled] * len(timesteps))
     adalns = 2 * config.num_layers + config.num_single_layers + 1
-    assert precompute_modulations(transformer)
+    assert precompute_modulations(transformer, adaln_norms())
     assert len(transformer.time_text_embed.layers) == adalns
     with torch.no_grad():
         inputs = (pooled.repeat(3, 1), timesteps.repeat_interleave(2)) + ((guidance_scale.repeat(3),) if guidance else ())
@@ -204,7 +207,7 @@ def test_flux_modulations_precomputed_for_every_step_give_each_steps_transformer
     for got, expected in zip(calls(modulations), want):
         assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
     # Once; and a call with the pooled text itself is refused, naming what it takes.
-    assert not precompute_modulations(transformer)
+    assert not precompute_modulations(transformer, adaln_norms())
     with pytest.raises(ValueError, match=f"{transformer.time_text_embed.width} modulations as pooled_projections"):
         calls([pooled])
 

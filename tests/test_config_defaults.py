@@ -7,13 +7,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from sdquant import config
+from sdquant.families import all_families
 
 from conftest import compose_config
 
 SCHEMAS = {"sd_xl_quantize": config.QuantizeApp, "sd_xl_export": config.ExportApp,
            "sd_xl_trt_inference": config.InferApp, "sd_xl_evaluate": config.EvaluateApp,
-           "train_scene_model": config.TrainSceneApp, "train_scene_flux": config.TrainFluxSceneApp,
-           "train_scene_wan": config.TrainWanSceneApp}
+           **{family.scene_app.config_name: family.scene_app for family in all_families() if family.scene_app}}
 
 
 def _leaves(node, prefix: str = "") -> dict:

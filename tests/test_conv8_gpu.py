@@ -180,7 +180,7 @@ def level3(tmp_path_factory):
 def converted_scene_inputs(checkpoint, fmt: str, layer_class: type, then=None) -> dict:
     """{name: (layer, its input)} for every `layer_class` layer of the SDXL scene model's UNet
     converted to `fmt`'s kernels on the GPU (and given `then(unet)`'s forms), on one call's inputs."""
-    from sdquant.families.sdxl import SDXL
+    from sdquant.families.sd import SDXL
 
     (unet,) = restored_backbones("scenes_sdxl", checkpoint).values()
     unet.to(device=CUDA, dtype=torch.float16).eval().to(memory_format=torch.channels_last)

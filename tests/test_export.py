@@ -15,8 +15,9 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 from sdquant.quantize import checkpoint
 from sdquant.export import onnx_graphs
 from sdquant.families.encoders import ClipGraph, VaeDecoderGraph
-from sdquant.families.sd import UNetGraph
-from sdquant.families.sdxl import SDXL, sdxl_y
+from sdquant.families.sd.graphs import UNetGraph
+from sdquant.families.sd import SDXL
+from sdquant.families.sd.flow import sdxl_y
 from sdquant.errors import UserError
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.quantize import run_quantize

@@ -14,8 +14,8 @@ import sys
 from sdquant.assembly import restore
 from sdquant.config import settled_config
 from sdquant.families import family_of
-from sdquant.families.sdxl import SDXL
-from sdquant.quantize import checkpoint, shared_ranges
+from sdquant.families.sd import SDXL
+from sdquant.quantize import checkpoint
 from sdquant.runs.model import Model, settle_checkpoint
 from sdquant.runs.quantize import calibration_of
 from sdquant.workflow.export_trt import run_export
@@ -59,7 +59,8 @@ def test_every_level_and_format_is_another_checkpoint(quantize_cfg):
 def test_the_tied_ranges_are_in_fp8_fingerprints_only(quantize_cfg, monkeypatch):
     fp8, int8 = quantize_cfg("quantize.format=fp8", "quantize.quant_level=3"), quantize_cfg("quantize.quant_level=3")
     before = {"fp8": _fingerprint(fp8), "int8": _fingerprint(int8)}
-    monkeypatch.setattr(shared_ranges, "KV", (("to_k", "to_v", "to_out.0"), "to_kvo"))
+    names = dataclasses.replace(SDXL.attention_projections, kv=(("to_k", "to_v", "to_out.0"), "to_kvo"))
+    monkeypatch.setattr(SDXL, "attention_projections", names)
     assert _fingerprint(fp8) != before["fp8"]
     assert _fingerprint(int8) == before["int8"], "INT8 ranges are per channel and never tied"
 

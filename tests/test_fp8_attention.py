@@ -13,8 +13,8 @@ from diffusers.models.attention_processor import AttnProcessor
 
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.flux import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
-from sdquant.families.sd import UNetGraph
+from sdquant.families.flux.graphs import FluxTorchAttnProcessor, TransformerGraph, use_rotary_halves
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
 from sdquant.runtime.kernels.fp8_attention import flash3_attention_rounded, reference_attention
@@ -22,9 +22,12 @@ from sdquant.quantize.shared_ranges import attention_layers, output_groups, proj
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
 from sdquant.families import family_of
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config, restored_backbones
+
+# What diffusers' attention modules call their projections, as every family says (the default).
+NAMES = SDXL.attention_projections
 
 MODELS = ("scenes_sdxl", "scenes_flux")
 # One layer of each kind per model: SDXL's self-attention; Flux's joint (double) and single-stream.
@@ -78,7 +81,7 @@ def _readers(backbone, name: str) -> list:
     """The fake-quant layers that read the attention output, in the order of its tokens (a joint
     attention's text tokens come first)."""
     attn = backbone.get_submodule(name)
-    if output_groups(attn):
+    if output_groups(attn, NAMES):
         return [attn.to_add_out, attn.to_out[0]]
     return [attn.to_out[0]] if isinstance(getattr(attn, "to_out", None), torch.nn.ModuleList) else \
         [backbone.get_submodule(name.rpartition(".")[0]).proj_out]
@@ -221,7 +224,7 @@ def _pairs(actual, expected):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_converted_attention_layer_computes_its_fake_quant_twin(level4, model):
     fake = _restored(model, level4[model])
-    names = [name for name, attn in attention_layers(fake) if attn.q_bmm_quantizer.is_enabled]
+    names = [name for name, attn in attention_layers(fake, NAMES) if attn.q_bmm_quantizer.is_enabled]
     captured = _captured_attention(model, fake, names)
     real, conversion = _converted(model, level4[model])
     # The converted layers hold fused projections in place of to_q, to_k and to_v.
@@ -252,8 +255,8 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
     real, _ = _converted(model, level4[model])
     generator = torch.Generator().manual_seed(1)
     groups = 0
-    for name, attn in attention_layers(fake):
-        for names, fused_name in projection_groups(attn):
+    for name, attn in attention_layers(fake, NAMES):
+        for names, fused_name in projection_groups(attn, NAMES):
             layers = [attn.get_submodule(layer) for layer in names]
             weight_amax = [layer.weight_quantizer.amax for layer in layers]
             assert all(torch.equal(amax, weight_amax[0]) for amax in weight_amax), f"{name}: {names} not tied"
@@ -277,7 +280,7 @@ def test_fused_qkv_gemm_equals_the_three_fp8_gemms_of_the_tied_checkpoint(level4
 
 def test_joint_attention_outputs_share_their_input_range(level4):
     fake = _restored("scenes_flux", level4["scenes_flux"])
-    joint = [attn for _, attn in attention_layers(fake) if output_groups(attn)]
+    joint = [attn for _, attn in attention_layers(fake, NAMES) if output_groups(attn, NAMES)]
     assert len(joint) == 4
     for attn in joint:
         assert torch.equal(attn.to_out[0].input_quantizer.amax, attn.to_add_out.input_quantizer.amax)
@@ -318,7 +321,7 @@ def test_compile_traces_a_converted_attention_layer_as_one_graph_with_the_op(lev
 def test_flux_rotary_halves_give_every_fp8_attention_todays_q_and_k_in_halves_order(level4):
     """Layer by layer, on the inputs today's order gave each attention layer, so that no CPU's
     rounding adds up across layers: q and k where they enter FP8 attention are today's, reordered."""
-    from sdquant.families.flux import _evens_then_odds, _tables_in_halves_order
+    from sdquant.families.flux.graphs import _evens_then_odds, _tables_in_halves_order
     from sdquant.runtime.attention import Fp8Attention
 
     today, conversion = _converted("scenes_flux", level4["scenes_flux"])
@@ -375,7 +378,7 @@ def test_flux_rotary_halves_leave_a_fake_quantized_transformer_as_it_is(level4):
 def test_sdxl_level4_quantizes_self_attention_only(level4):
     fake = _restored("scenes_sdxl", level4["scenes_sdxl"])
     enabled = {name: [getattr(attn, f"{kind}_quantizer").is_enabled for kind in ("q_bmm", "k_bmm", "v_bmm", "softmax")]
-               for name, attn in attention_layers(fake)}
+               for name, attn in attention_layers(fake, NAMES)}
     assert {name for name, flags in enabled.items() if all(flags)} == {n for n in enabled if n.endswith(".attn1")}
     assert not any(any(flags) for name, flags in enabled.items() if name.endswith(".attn2"))
 
@@ -396,7 +399,7 @@ def test_fp16_attention_keeps_a_level4_checkpoints_attention_in_16_bits(level4):
     backbone = _restored("scenes_sdxl", level4["scenes_sdxl"])
     conversion = torch_backend.convert_quantized(backbone, SDXL, "level 4", "fp8", attention="fp16")
     assert conversion.attention == 0
-    layers = [attn for _, attn in attention_layers(backbone)]
+    layers = [attn for _, attn in attention_layers(backbone, NAMES)]
     assert not any(hasattr(attn, "fp8_attention") for attn in layers)
     # Its projections still run as one FP8 GEMM per group.
     assert all(isinstance(getattr(attn, "to_kv" if attn.is_cross_attention else "to_qkv"), Fp8Linear)

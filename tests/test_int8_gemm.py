@@ -11,11 +11,11 @@ from modelopt.torch.quantization.nn import QuantModule, TensorQuantizer
 
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.sd import UNetGraph
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.runtime.kernels.int8 import Int8Conv2d, Int8Linear, int8_scales
 from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.workflow.infer_trt import run_infer
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from conftest import FAST_QUANTIZE, compose_config, restored_backbones
 from test_torch_backend import _image, _psnr

@@ -15,7 +15,7 @@ import torch
 
 from sdquant.runtime import torch_backend
 from sdquant.runtime.kernels.int8 import Int8Linear
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from test_int8_gemm import _calls, _restored, int8_l3  # noqa: F401 (int8_l3: the checkpoint fixture)
 from test_torch_backend import _image, _psnr

@@ -17,7 +17,7 @@ from sdquant.quantize import checkpoint
 from sdquant import lora
 from sdquant.config import LoraAdapter
 from sdquant.families.encoders import ClipGraph
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.cli import exits_cleanly
 from sdquant.errors import EXIT_USER_ERROR, UserError
 from sdquant.load import ensure_tiny_model, load_pipeline, resolve_device

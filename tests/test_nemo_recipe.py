@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sdquant.quantize.calibrate import max_abs, quantize_backbones
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.errors import UserError
 from sdquant.load import load_prompts
 from sdquant.runs.model import settle_checkpoint

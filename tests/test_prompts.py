@@ -12,7 +12,7 @@ from PIL import Image
 
 from sdquant.load import pipeline_parts
 from sdquant.families.pipeline import SamplingSettings, TextToImage, dropped_words, prompt_windows, say_truncated
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.runtime.stages import StageTimer
 from sdquant.workflow.evaluate import run_evaluate
 from sdquant.workflow.export_trt import run_export

@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.quantize.recipe import is_enabled
 
 EXCLUDED = ("time_embedding", "time_emb_proj", "add_embedding", "conv_in", "conv_out", "conv_shortcut")

@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from sdquant.families.wan.family import scene_sizes
 from sdquant.quality.training import VaeLoss
 
 from conftest import compose_config
@@ -35,7 +35,7 @@ def test_the_vae_step_replayed_as_cuda_graphs_gives_the_eager_loss_and_gradients
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)
-    sizes = scene_sizes(compose_config("train_scene_wan", []).architecture)
+    sizes = OmegaConf.to_object(compose_config("train_scene_wan", [])).architecture.sizes(64)
     eager_vae = AutoencoderKLWan(**dict(sizes.vae)).cuda().train()
     eager = VaeLoss(eager_vae, 1e-7)
     replayed_vae = copy.deepcopy(eager_vae)

@@ -254,7 +254,7 @@ def test_fused_projections_compute_what_the_unfused_transformer_does(model_cache
     # processor skips the q/k RMS norms (1.2% off here) and fails on the image-only attn2 of the
     # tiny model's first block (SD3.5-medium's).
     from sdquant.families import family_of
-    from sdquant.families.sd3 import TRANSFORMER
+    from sdquant.families.sd3.graphs import TRANSFORMER
 
     transformer = _pipe().transformer.eval()
     assert any(getattr(block, "attn2", None) is not None for block in transformer.transformer_blocks)

@@ -8,11 +8,12 @@ import torch
 from PIL import Image
 
 from sdquant.config import ModelConfig, shipped_model_folder
-from sdquant.families.deep_cache import FullPass, ShallowPass
+from sdquant.families.sd.deep_cache import FullPass, ShallowPass
 from sdquant.errors import UserError
-from sdquant.families.sd import UNetGraph
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.load import load_pipeline
-from sdquant.families.flux import BLOCK_STACKS, TINY as TINY_FLUX
+from sdquant.families.flux.family import BLOCK_STACKS
+from sdquant.families.flux.sizes import TINY as TINY_FLUX
 from sdquant.workflow.infer_trt import run_infer
 
 from conftest import compose_config, infer_stages

@@ -12,13 +12,13 @@ from modelopt.torch.quantization.nn import QuantModule
 
 from sdquant.runtime import torch_backend
 from sdquant.errors import UserError
-from sdquant.families.sd import UNetGraph
+from sdquant.families.sd.graphs import UNetGraph
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d, Fp8Linear
 from sdquant.quantize.quantizers import quantized_inputs
 from sdquant.quantize.shared_ranges import projection_groups
 from sdquant.workflow.infer_trt import run_infer
 from sdquant.workflow.quantize import run_quantize
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 
 from conftest import compose_config, restored_backbones
 
@@ -63,7 +63,7 @@ def _converted_layer(real, layer: str):
     parent = real.get_submodule(parent_name)
     if hasattr(parent, name):
         return getattr(parent, name)
-    names, fused_name = next(group for group in projection_groups(parent) if name in group[0])
+    names, fused_name = next(group for group in projection_groups(parent, SDXL.attention_projections) if name in group[0])
     fused = getattr(parent, fused_name)
     rows = slice(names.index(name) * fused.out_features // len(names), (names.index(name) + 1) * fused.out_features // len(names))
     return Fp8Linear(fused.weight_fp8[rows], fused.weight_scale, fused.input_inverse_scale,

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+
 from safetensors.torch import load_file
 
 from sdquant.quality import scenes
-from sdquant.config import ModelConfig
+from sdquant.config import ModelConfig, settled_config
 from sdquant.errors import EXIT_USER_ERROR
 from sdquant.families.flux import FLUX
 from sdquant.load import load_pipeline
@@ -191,15 +192,16 @@ def test_each_wan_expert_is_trained_and_sampled_on_its_own_side_of_the_boundary(
     """Training draws each expert's noise levels where WanPipeline's sampler hands it its steps:
     the high-noise expert from the boundary (t >= 875) up, near the pure noise a video starts from
     too; the low-noise expert below, near the boundary too."""
-    from sdquant.config import DenoiserTraining, WanSceneArchitecture
+    from sdquant.config import DenoiserTraining
     from sdquant.families.wan import WAN
+    from sdquant.families.wan.scene import WanSceneArchitecture
     from sdquant.quality import clips
     from sdquant.quality.training import SCENE_KINDS, make_dataset, scene_t5_tokenizer
 
     cpu = torch.device("cpu")
     tokenizer = scene_t5_tokenizer(clips.caption_vocabulary())
     arch = WanSceneArchitecture(heads=2, layers=1, ffn=64, text_layers=1, vae_base=8)
-    pipe = WAN.build_pipeline(WAN.scene_sizes(arch, 64), {"t5": tokenizer})
+    pipe = WAN.build_pipeline(arch.sizes(64), {"t5": tokenizer})
     data = make_dataset(SCENE_KINDS["video"], 8, 0, 0.5, {"t5": tokenizer}, cpu)
     seen = {name: [] for name in ("transformer", "transformer_2")}
     for name in seen:
@@ -241,16 +243,16 @@ def test_the_one_cycle_schedule_runs_through_any_number_of_steps_and_keeps_the_r
 @pytest.mark.parametrize("frame_levels, refused", [(-1, True), (0, False), (2, False), (3, True)])
 def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, refused):
     from conftest import compose_config
-    from sdquant.config import settled_config, validate_train_scene
     from sdquant.errors import UserError
+    from sdquant.families import scene_family
     from sdquant.families.wan import WAN
     cfg = settled_config(compose_config("train_scene_wan", [f"architecture.vae_frame_levels={frame_levels}"]))
     if refused:
         with pytest.raises(UserError, match="architecture.vae_frame_levels"):
-            validate_train_scene(cfg)
+            scene_family(cfg)
     else:
-        validate_train_scene(cfg)
-        vae = dict(WAN.scene_sizes(cfg.architecture, 64).vae)
+        assert scene_family(cfg) is WAN
+        vae = dict(cfg.architecture.sizes(64).vae)
         assert vae["temperal_downsample"] == [False] * (2 - frame_levels) + [True] * frame_levels
         # WanPipeline reads the frame scale from the config: a wrong one drew 5 of 9 frames.
         assert vae["scale_factor_temporal"] == 2 ** frame_levels
@@ -259,13 +261,24 @@ def test_the_wan_vaes_frame_levels_are_refused_past_its_levels(frame_levels, ref
 def test_shared_steps_below_zero_are_refused_and_an_image_config_has_none():
     from conftest import compose_config
     from hydra.errors import ConfigCompositionException
-    from sdquant.config import settled_config, validate_train_scene
     from sdquant.errors import UserError
+    from sdquant.families import scene_family
     with pytest.raises(UserError, match="denoiser.shared_steps=-1"):
-        validate_train_scene(settled_config(compose_config("train_scene_wan", ["denoiser.shared_steps=-1"])))
+        scene_family(settled_config(compose_config("train_scene_wan", ["denoiser.shared_steps=-1"])))
     # One backbone has no expert to share: the key is the Wan schema's alone.
     with pytest.raises(ConfigCompositionException, match="shared_steps"):
         compose_config("train_scene_flux", ["denoiser.shared_steps=1"])
+
+
+def test_a_config_trains_its_own_familys_architecture_and_names_the_config_of_another():
+    from conftest import compose_config
+    from sdquant.errors import UserError
+    from sdquant.families import scene_family
+    with pytest.raises(UserError, match="family=flux: this config trains a sdxl scene model, whose architecture it "
+                                        "holds: use --config-name train_scene_flux"):
+        scene_family(settled_config(compose_config("train_scene_model", ["family=flux"])))
+    with pytest.raises(UserError, match=r"a family with a scene model \(sdxl, flux, wan\)"):
+        scene_family(settled_config(compose_config("train_scene_flux", ["family=sd3"])))
 
 
 def test_a_vae_step_in_cuda_graphs_is_refused_on_the_cpu_before_anything_is_written(tmp_path):

@@ -14,11 +14,11 @@ import torch
 
 import standin_tensorrt
 from sdquant.export import engines
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.families.pipeline import SamplingSettings
-from sdquant.families.sdxl import SDXLTextToImage
+from sdquant.families.sd.flow import SDXLTextToImage
 from sdquant.families import family_of
 from sdquant.runtime.stages import StageTimer
 from sdquant.runtime.trt_stages import check_within_profiles, trt_stages

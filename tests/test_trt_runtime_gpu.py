@@ -23,7 +23,7 @@ import torch
 import standin_tensorrt
 from conftest import sdxl_profile_shapes
 from sdquant.export import engines as trt_engines
-from sdquant.families.sdxl import SDXL
+from sdquant.families.sd import SDXL
 from sdquant.config import InferBlock, TrtBlock
 from sdquant.errors import UserError
 from sdquant.runtime.stages import StageTimer
@@ -194,7 +194,7 @@ def test_static_text_encoder_takes_the_empty_negative_prompt_batch(stand_in):
     import types
 
     from sdquant.families.pipeline import SamplingSettings
-    from sdquant.families.sdxl import SDXLTextToImage
+    from sdquant.families.sd.flow import SDXLTextToImage
 
     settings = SamplingSettings(prompts=["a", "b"], negative_prompt="", steps=1, guidance_scale=5.0, height=64,
                                 width=64, seed=0)

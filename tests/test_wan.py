@@ -296,7 +296,7 @@ def test_a_whole_call_beside_a_split_one_keeps_diffusers_processors_on_torchs_ke
     """wan_full_size.py --split compares a whole call with the split one: the whole call gives
     diffusers' own processors FlashAttention-3's backend only where context parallelism will not
     split them afterwards (it refuses that backend), as infer_trt.py's split calls have them."""
-    from sdquant.families.wan.family import TINY, expert
+    from sdquant.families.wan.sizes import TINY, expert
     from sdquant.runtime.attention import DIFFUSERS_FLASH3, FLASH3, attention_modules, use_attention_kernel
 
     for split_later, backend in ((False, DIFFUSERS_FLASH3), (True, None)):

@@ -144,8 +144,11 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     the modules are named one by one, the same ones in Flux."""
     from diffusers.hooks import TaylorSeerCacheConfig
 
-    from sdquant.families import flux
-    from sdquant.families.wan import WAN, family
+    from sdquant.families.flux.family import BLOCK_STACKS, FLUX
+    from sdquant.families.flux.sizes import TINY as TINY_FLUX
+    from sdquant.families.wan import WAN
+    from sdquant.families.wan.family import BLOCK_STACKS as WAN_BLOCK_STACKS
+    from sdquant.families.wan.sizes import expert as wan_expert
     from sdquant.runtime.cache_hooks import HookCache
 
     def hooked(module) -> set[str]:
@@ -158,14 +161,14 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
         module.disable_cache()
         return names
 
-    expert = family.expert(WAN.sizes["tiny"])
+    expert = wan_expert(WAN.sizes["tiny"])
     assert not under(TaylorSeerCacheConfig(cache_interval=2), expert)
-    ours = HookCache("taylorseer", 2, 0.0, family.BLOCK_STACKS)
+    ours = HookCache("taylorseer", 2, 0.0, WAN_BLOCK_STACKS)
     assert under(ours.config(expert), expert) == {f"blocks.{index}.attn{which}" for index in range(5)
                                                    for which in (1, 2)}
-    transformer = flux.FLUX.build_pipeline(flux.TINY).transformer
+    transformer = FLUX.build_pipeline(TINY_FLUX).transformer
     defaults = under(TaylorSeerCacheConfig(cache_interval=2), transformer)
-    assert len(defaults) == 4 and under(HookCache("taylorseer", 2, 0.0, flux.BLOCK_STACKS).config(transformer),
+    assert len(defaults) == 4 and under(HookCache("taylorseer", 2, 0.0, BLOCK_STACKS).config(transformer),
                                         transformer) == defaults
 
 

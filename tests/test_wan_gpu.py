@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from sdquant.config import QuantFormat, QuantizeBlock
-from sdquant.families.wan.family import FULL, TEMPORAL_SCALE, UMT5_TOKENS, WAN
-from sdquant.families.wan.flow import latent_frames, latent_tokens
+from sdquant.families.wan import WAN
+from sdquant.families.wan.flow import TEMPORAL_SCALE, UMT5_TOKENS, latent_frames, latent_tokens
+from sdquant.families.wan.sizes import FULL
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
 from sdquant.runtime import torch_backend
@@ -138,7 +139,7 @@ def _calibrated(block: torch.nn.Module) -> torch.nn.Module:
     inputs = _block_inputs(CALIBRATION_LATENT, seed=0)
     with torch.no_grad():
         mtq.quantize(expert, config, lambda calibrated: calibrated.blocks[BLOCK_INDEX](**inputs))
-    tie_fp8_ranges(expert)
+    tie_fp8_ranges(expert, WAN.attention_projections)
     return expert
 
 
@@ -150,7 +151,7 @@ def level4_block():
 
     torch.manual_seed(0)
     with torch.device(CUDA):
-        # As WanTransformer3DModel builds its blocks (sdquant.families.wan.family.expert).
+        # As WanTransformer3DModel builds its blocks (sdquant.families.wan.sizes.expert).
         block = WanTransformerBlock(FULL.heads * FULL.head_dim, FULL.ffn, FULL.heads, qk_norm="rms_norm_across_heads",
                                     cross_attn_norm=True, eps=1e-6)
     fake = _calibrated(block.to(torch.bfloat16).eval())

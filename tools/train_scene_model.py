@@ -12,8 +12,9 @@ import hydra
 
 from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
+from sdquant.families import scene_schemas
 
-register_schemas()
+register_schemas(scene_schemas())
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_scene_model")

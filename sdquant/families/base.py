@@ -1,4 +1,4 @@
-"""What every model family describes, in one small base; one subclass per family in its own module."""
+"""What every model family describes, in one small base; one subclass per family in its own package."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from ..errors import UserError
 from ..graphs.geometry import SampleGeometry
 from ..graphs.networks import Network
+from ..quantize.shared_ranges import AttentionProjections
 
 if TYPE_CHECKING:
     from ..quantize.recipe import LevelTable
@@ -37,6 +38,12 @@ class Sample:
 
 # Every random-weight model is built from this seed, so the same sizes give the same weights.
 SEED = 1234
+
+# diffusers' attention modules' projections that read one input, and the name it gives their fused
+# layer: a self-attention's q, k and v, a cross-attention's k and v, a joint attention's text stream's.
+QKV = (("to_q", "to_k", "to_v"), "to_qkv")
+KV = (("to_k", "to_v"), "to_kv")
+ADDED_QKV = (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
 
 
 class ModelFamily:
@@ -71,6 +78,13 @@ class ModelFamily:
     # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
     # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
     channels_last = True
+    # What its attention layers call the projections that read one input or one attention output
+    # (diffusers' names): the layers that share an FP8 range and run as one kernel.
+    attention_projections = AttentionProjections(QKV, KV, ADDED_QKV, output="to_out.0", added_output="to_add_out")
+    # Its scene model's training schema (a config.SceneTrainingApp: its tools/train_scene_model.py
+    # config_name, its encoders' tokenizers, its architecture's sizes and checks); None: the family
+    # has no scene model.
+    scene_app: type | None = None
 
     @property
     def backbone_attributes(self) -> tuple[str, ...]:
@@ -350,19 +364,6 @@ class ModelFamily:
         prompt."""
         raise NotImplementedError
 
-    def build_tiny(self, folder) -> None:
-        """Builds the family's tiny random-weight pipeline into `folder` (save_pretrained)."""
-        self.build_pipeline(self.sizes["tiny"]).save_pretrained(folder)
-
-    def full_size_on_gpu(self, size: str = "full", device: str = "cuda"):
-        """The real model's architecture (or `size`'s, for a benchmark's dry run) with random weights
-        in the family's GPU dtype, built directly on the GPU (seconds, not the minutes a CPU build and
-        copy take); its scheduler's tables on the CPU, as pipelines expect."""
-        pipe = built_in(self.gpu_dtype, torch.device(device), lambda: self.build_pipeline(self.sizes[size]))
-        pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     # --- its scene model -----------------------------------------------------------------------
 
     def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
@@ -412,6 +413,16 @@ def built_in(dtype: torch.dtype, device: torch.device, build):
             return build()
     finally:
         torch.set_default_dtype(default)
+
+
+def full_size_on_gpu(family: ModelFamily, size: str = "full", device: str = "cuda"):
+    """`family`'s real model's architecture (or `size`'s, for a benchmark's dry run) with random
+    weights in the family's GPU dtype, built directly on the GPU (seconds, not the minutes a CPU build
+    and copy take); its scheduler's tables on the CPU, as pipelines expect."""
+    pipe = built_in(family.gpu_dtype, torch.device(device), lambda: family.build_pipeline(family.sizes[size]))
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def vae_scale_factor(vae_config) -> int:

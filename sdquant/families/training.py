@@ -1,5 +1,6 @@
-"""What the families' scene training shares: its phases, mixed precision on GPUs and which captions
-of a batch stay (the rest are dropped, so that guidance works at sampling time)."""
+"""What the families' scene training shares: its phases, mixed precision on GPUs, which captions of a
+batch stay (the rest are dropped, so that guidance works at sampling time) and the check of widths
+that group norms divide."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from ..errors import UserError
 
 
 @dataclass
@@ -30,3 +33,12 @@ def autocast(device: torch.device):
 def kept(block, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """Per sample of a batch, whether its caption stays (the rest are dropped for guidance)."""
     return torch.rand(block.batch_size, device=device, generator=generator) >= block.empty_caption_rate
+
+
+def check_group_widths(arch, *keys: str) -> None:
+    """Refuses, naming the key, widths of a scene architecture that its norm_groups do not divide."""
+    for key in keys:
+        widths = getattr(arch, key)
+        if not widths or any(width < arch.norm_groups or width % arch.norm_groups for width in widths):
+            raise UserError(f"architecture.{key}={list(widths)}: every width must be a positive multiple of "
+                            f"architecture.norm_groups={arch.norm_groups}")

@@ -34,8 +34,7 @@ from .scoring import adherence, adherence_summary, video_adherence
 from ..artifacts import atomic_folder
 from ..cli import stage
 from ..errors import UserError
-from ..config import plain
-from ..families import family_of
+from ..families import scene_family
 from ..families.training import autocast
 from ..progress import Progress
 from ..report import library_versions
@@ -382,21 +381,21 @@ SCENE_TOKENIZERS = {"clip": scene_tokenizer, "t5": scene_t5_tokenizer}
 def train_scene_model(app, device: torch.device) -> tuple[Path, dict]:
     """Trains the scene pipeline of app.family at app.architecture's sizes and saves it (fp16,
     safetensors) to app.out_dir; returns the folder and the training record, which is also
-    written into it. `app`: the settled training settings (config.TrainSceneApp)."""
+    written into it. `app`: the settled training settings (its family's config.SceneTrainingApp)."""
+    family = scene_family(app)
     out = Path(app.out_dir).expanduser()
     if out.exists() and not app.force:
         raise UserError(f"out_dir={out} exists: choose another folder or set force=true to replace it")
     if app.vae.cuda_graph and app.vae_from is None and device.type != "cuda":
         raise UserError(f"vae.cuda_graph=true replays CUDA graphs, and this run trains on {device}: "
                         "set vae.cuda_graph=false, or device=cuda on a machine with a GPU")
-    family = family_of(app.family)
     kind = SCENE_KINDS[family.output]
     started = time.perf_counter()
     torch.manual_seed(app.seed)
     generator = torch.Generator(device).manual_seed(app.seed)
     vocabulary = kind.module.caption_vocabulary()
-    tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in family.scene_tokenizers}
-    pipe = family.build_pipeline(family.scene_sizes(app.architecture, scenes.IMAGE_SIZE), tokenizers).to(device)
+    tokenizers = {name: SCENE_TOKENIZERS[name](vocabulary) for name in app.tokenizers}
+    pipe = family.build_pipeline(app.architecture.sizes(scenes.IMAGE_SIZE), tokenizers).to(device)
     data = make_dataset(kind, app.dataset_size, app.seed, app.two_object_share, tokenizers, device)
     log = LossLog()
     seconds = {}
@@ -435,8 +434,8 @@ def train_scene_model(app, device: torch.device) -> tuple[Path, dict]:
     # Its weights were fp16 before the upcast, so they are stored in fp16 without loss.
     pipe.vae.to(torch.float16)
     record = {
-        "config": json.loads(json.dumps(dataclasses.asdict(app), default=plain)),
-        "family": plain(app.family),
+        "config": json.loads(json.dumps(dataclasses.asdict(app), default=str)),
+        "family": app.family,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "final_loss": {"vae": log.final("vae"), **{phase.name: log.final(phase.name) for phase in phases}},

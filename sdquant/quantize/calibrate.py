@@ -538,7 +538,7 @@ def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, s
         # The statistics are already recorded, so ModelOpt's calibration pass needs no forward.
         mtq.calibrate(module, algorithm, forward_loop=lambda _backbone: None)
         # The FP8 layers that the torch backend runs as one kernel share one range (sdquant.quantize.shared_ranges).
-        tie_fp8_ranges(module)
+        tie_fp8_ranges(module, family.attention_projections)
         module.to(home)
     means = sum(stats.reduction == "sum" for stats in statistics)
     served = {attribute: sorted({step for stats in recorder.all_statistics() for step in stats.values})

@@ -28,7 +28,7 @@ BACKBONE_SUFFIX = ".mto"
 def model_identity(model, with_loras: bool = True) -> dict:
     """What names a model's weights, for fingerprints of everything made from them; without the
     LoRA adapters for what they never touch (the VAE)."""
-    identity = {"family": plain(model.family), "source": model.source, "variant": model.variant}
+    identity = {"family": model.family, "source": model.source, "variant": model.variant}
     adapters = lora.identities(model.loras) if with_loras else []
     # Absent rather than empty without adapters, so the fingerprints made before LoRA support
     # still name the same artifacts.

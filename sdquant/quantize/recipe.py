@@ -130,15 +130,16 @@ def calibration_algorithm(fmt: QuantFormat, quant_level: float, alpha: float):
     return {"method": "max"}
 
 
-def recipe_identity(table: LevelTable, block) -> dict:
+def recipe_identity(table: LevelTable, block, projections) -> dict:
     """What decides which layers a calibration by quantize block `block` quantizes, and how, as plain
     data for its checkpoint's fingerprint. The whole level table, not only the rows this level
     reads, so that no edit of a row can leave an old checkpoint looking current; ModelOpt's
     quant_cfg, the algorithm and the layers Percentile Quant covers, as this code derives them from
     the table and the block, so that a change to the derivation is a new checkpoint too; and, for
-    FP8, the layers whose ranges are tied after calibration (INT8 ranges are never tied)."""
+    FP8, the layers whose ranges are tied after calibration (INT8 ranges are never tied), by the
+    family's names for them (`projections`, sdquant.quantize.shared_ranges.AttentionProjections)."""
     fmt, level = QuantFormat(block.format), float(block.quant_level)
     identity = {"level_table": dataclasses.asdict(table), "quant_cfg": quant_cfg_entries(table, fmt, level),
                 "algorithm": calibration_algorithm(fmt, level, block.alpha),
                 "percentile_layers": percentile_layers(block)}
-    return {**identity, "tied_ranges": tied_groups()} if fmt == QuantFormat.fp8 else identity
+    return {**identity, "tied_ranges": tied_groups(projections)} if fmt == QuantFormat.fp8 else identity

@@ -76,9 +76,9 @@ def settle_checkpoint(model: Model, key: str, value: str) -> Checkpoint:
     path = Path(value).expanduser()
     record = checkpoint.read_record(path, key, family.backbone_attributes)
     made_for = record.get("settings", {}).get("model", {}).get("family")
-    if made_for is not None and made_for != family_name(model.config):
+    if made_for is not None and made_for != model.config.family:
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
-                        f"model={model.name} ({family_name(model.config)}): choose its own model")
+                        f"model={model.name} ({model.config.family}): choose its own model")
     checkpoint.check_backbone_files(path, key, family.backbone_attributes)
     idle = [attribute for attribute, steps in record.get("calibration", {}).get("steps_served", {}).items() if not steps]
     if idle:
@@ -118,10 +118,3 @@ def check_graph_made_for(path: Path, named: str, model: Model, geometry) -> None
         raise UserError(f"{named} is fixed at {frames} frames of {height}x{width} (its sizes are the export's), "
                         f"and this run draws {geometry.describe()}: draw at its geometry, or export at this one "
                         "(export_trt.py infer.num_frames, infer.height, infer.width)")
-
-
-def family_name(config: ModelConfig) -> str:
-    """model.family as its YAML spells it."""
-    from ..config import plain
-
-    return plain(config.family)

@@ -141,4 +141,4 @@ def calibration_of(app: QuantizeApp, model: Model) -> checkpoint.Calibration:
     return checkpoint.Calibration(
         quantize=block, model=checkpoint.model_identity(app.model), model_name=app.model.name,
         prompts_file=app.prompts_file or app.model.calib_prompts, seed=app.seed,
-        recipe=recipe_identity(family.level_table, app.quantize))
+        recipe=recipe_identity(family.level_table, app.quantize, family.attention_projections))

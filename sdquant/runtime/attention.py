@@ -31,7 +31,7 @@ from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
 from .kernels.fp8_attention import flash3_attention_rounded, fp8_attention
-from ..quantize.shared_ranges import attention_layers, output_groups, projection_groups
+from ..quantize.shared_ranges import AttentionProjections, attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
 # An attention layer's mark that it runs FlashAttention-3 (use_attention_kernel).
@@ -260,12 +260,12 @@ def _fuse(attn, group: tuple[tuple[str, ...], str]) -> bool:
     return True
 
 
-def _output_reader(backbone, name: str, attn) -> Fp8Linear:
+def _output_reader(backbone, name: str, attn, names: AttentionProjections) -> Fp8Linear:
     """The FP8 layer whose input range the attention output is rounded with: to_out (which a joint
     attention's to_add_out must share, as quantize.py ties them), or for an attention without one (a
     Flux single block's) its block's proj_out."""
     if isinstance(getattr(attn, "to_out", None), torch.nn.ModuleList):
-        readers = [attn.get_submodule(layer) for group in output_groups(attn) for layer in group] or [attn.to_out[0]]
+        readers = [attn.get_submodule(layer) for group in output_groups(attn, names) for layer in group] or [attn.to_out[0]]
     else:
         readers = [backbone.get_submodule(name.rpartition(".")[0]).proj_out]
     first = readers[0]
@@ -276,22 +276,24 @@ def _output_reader(backbone, name: str, attn) -> Fp8Linear:
     return first
 
 
-def convert_attention(backbone: torch.nn.Module, ranges: dict[str, dict[str, torch.Tensor]], processor_for) -> int:
+def convert_attention(backbone: torch.nn.Module, ranges: dict[str, dict[str, torch.Tensor]], processor_for,
+                      names: AttentionProjections) -> int:
     """Gives each attention layer of `backbone` (whose Linear layers are already Fp8Linear) its
     fused projections and, where `ranges` names it ({layer: q, k, v amax}), FP8 attention, run by
     the processor `processor_for(layer)` gives (its family's; None: the layer stays as it is);
-    returns how many run FP8 attention."""
+    `names`: what the family's attention layers call their projections. Returns how many run FP8
+    attention."""
     fp8_layers = 0
-    for name, attn in attention_layers(backbone):
+    for name, attn in attention_layers(backbone, names):
         processor = processor_for(attn)
         if processor is None:
             if name in ranges:
                 raise UserError(f"{name}: FP8 attention runs diffusers' default attention processors only, and this "
                                 f"layer runs {type(attn.processor).__name__}: set torch_backend.attention=fp16")
             continue
-        fused = [_fuse(attn, group) for group in projection_groups(attn)]
+        fused = [_fuse(attn, group) for group in projection_groups(attn, names)]
         if name in ranges:
-            attn.add_module(FP8_ATTENTION, Fp8Attention(ranges[name], _output_reader(backbone, name, attn)))
+            attn.add_module(FP8_ATTENTION, Fp8Attention(ranges[name], _output_reader(backbone, name, attn, names)))
             fp8_layers += 1
         if any(fused) or name in ranges:
             attn.set_processor(processor)

@@ -14,9 +14,9 @@ and image, 59 MB an image's 28 steps). FP8 Flux ran 2.317 s an image against 2.3
 each step (flux_modulations_h100.json). Every value is the one the step would compute, but for
 the GEMM's summation order over more rows.
 
-Each family that takes the form (Flux, SD3) gives the stage's graph, which hands the embedding
-its inputs as the transformer's forward does, and its pipeline asks for the rows before its loop
-(TextToImage.step_modulations).
+Each family that takes the form (Flux, SD3) says which of its transformer's modules are AdaLN norms,
+gives the stage's graph, which hands the embedding its inputs as the transformer's forward does, and
+its pipeline asks for the rows before its loop (TextToImage.step_modulations).
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ import torch
 ROWS_INPUT = "pooled_projections"
 # The stage that computes them (the family's generation_stages) and its output.
 MODULATIONS = "modulations"
-
-
-def _adaln_classes() -> tuple[type, ...]:
-    """diffusers' AdaLN norms that map the embedding they are given as linear(silu(emb))."""
-    from diffusers.models.normalization import (AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle,
-                                                SD35AdaLayerNormZeroX)
-
-    return AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous, SD35AdaLayerNormZeroX
 
 
 class ModulationColumns(torch.nn.Module):
@@ -75,14 +67,15 @@ class StepModulations(torch.nn.Module):
         return torch.cat([layer(embedding.to(layer.weight.dtype)) for layer in self.layers], dim=-1)
 
 
-def precompute_modulations(transformer) -> bool:
-    """Moves every AdaLN linear map of `transformer` into a StepModulations in place of its
-    time_text_embed, in place, so that its calls take each step's modulations precomputed. For a
-    transformer whose every AdaLN reads the embedding of time_text_embed and nothing else does
-    (Flux, SD3). All or nothing: False, with nothing changed, where a map is not a plain Linear (a
-    LoRA's unfused layer, fake quantization) or an AdaLN embeds its own inputs, and where the
-    modulations are precomputed already."""
-    adalns = [module for module in transformer.modules() if isinstance(module, _adaln_classes())]
+def precompute_modulations(transformer, adaln_norms: tuple[type, ...]) -> bool:
+    """Moves every AdaLN linear map of `transformer` (the modules of the family's `adaln_norms`
+    classes, each mapping the embedding it is given as linear(silu(emb))) into a StepModulations in
+    place of its time_text_embed, in place, so that its calls take each step's modulations
+    precomputed. For a transformer whose every AdaLN reads the embedding of time_text_embed and
+    nothing else does (Flux, SD3). All or nothing: False, with nothing changed, where a map is not a
+    plain Linear (a LoRA's unfused layer, fake quantization) or an AdaLN embeds its own inputs, and
+    where the modulations are precomputed already."""
+    adalns = [module for module in transformer.modules() if isinstance(module, adaln_norms)]
     if isinstance(getattr(transformer, "time_text_embed", None), StepModulations) or not adalns:
         return False
     if not all(type(adaln.linear) is torch.nn.Linear and type(adaln.silu) is torch.nn.SiLU
@@ -97,7 +90,7 @@ def precompute_modulations(transformer) -> bool:
     return True
 
 
-def use_step_modulations(transformer) -> None:
+def use_step_modulations(transformer, adaln_norms: tuple[type, ...]) -> None:
     """precompute_modulations, saying so where it cannot apply; not under a cache hook. A hook
     decides on the host before each block, so the compiler compiles the blocks one by one, and takes
     each ModulationColumns' integers as constants of its code: every block compiled its own, and
@@ -108,7 +101,7 @@ def use_step_modulations(transformer) -> None:
     1.622x with integers in two others (flux_modulations_buffer_h100.json)."""
     if getattr(transformer, "is_cache_enabled", False):
         return
-    if not precompute_modulations(transformer):
+    if not precompute_modulations(transformer, adaln_norms):
         print("note: the transformer computes its AdaLN modulations at every step (precompute_modulations): one of "
               "them is not a plain Linear layer (a LoRA's, fake quantization), or they are precomputed already")
 

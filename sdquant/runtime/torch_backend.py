@@ -198,7 +198,8 @@ def convert_quantized(backbone: torch.nn.Module, family, named: str, quantized: 
         else:
             # Norms and attention blocks, back to diffusers' class: attention's ranges are read above.
             layer.export()
-    fp8_attention = convert_attention(backbone, attention_ranges, family.fp8_attention_processor) if quantized == "fp8" else 0
+    fp8_attention = (convert_attention(backbone, attention_ranges, family.fp8_attention_processor,
+                                       family.attention_projections) if quantized == "fp8" else 0)
     return Conversion(len(amax), fp8_attention)
 
 

@@ -1,133 +1,23 @@
 """Wan2.2 text-to-video as model families: Wan2.2-T2V-A14B (two experts split at a noise boundary,
 `wan`) and Wan2.2-TI2V-5B (one transformer whose timestep is expanded per token, a VAE of 48
-channels that scales 16x, `wan_ti2v`), with their graphs, levels, data flow and architectures."""
+channels that scales 16x, `wan_ti2v`): what the stages ask of them, over the package's graphs, data
+flow, levels, architectures and scene model."""
 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 
 import torch
 
 from ...errors import UserError
 from ...graphs.geometry import SampleGeometry
-from ...quantize.recipe import LayerGroup, LevelTable
-from .. import components
-from ..base import SEED, Backbone, HookCaching, ModelFamily, Sample
-from .flow import (TEMPORAL_SCALE, WanTextToVideo, expert_at, latent_frames, latent_tokens, temporal_scale,
-                   text_tokens)
+from ..base import Backbone, HookCaching, ModelFamily, Sample
+from .flow import (TEMPORAL_SCALE, UMT5_TOKENS, WanTextToVideo, expert_at, latent_frames, latent_tokens,
+                   temporal_scale, text_tokens)
 from .graphs import UMT5, VIDEO_VAE, ExpertGraph, Umt5Graph, VideoDecoderGraph, WanTorchAttnProcessor, expert_network
-
-# WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
-UMT5_TOKENS = 512
-# The experts' levels: every layer of their blocks is a Linear (the patch embedding, a Conv3d, stays
-# in 16 bits), so there is no level 1: 2 the feed-forward layers; 2.5 + the q/k/v projections of the
-# self- and cross-attention; 3 + the rest (attention outputs); 4 = 3 + FP8 self-attention (attn1, over
-# the video's 75,600 tokens at 720p: 1.44x bf16 attention in cuDNN's FP8 kernel on an H100); the
-# cross-attention over UMT5's 512 tokens stays 16-bit. High precision, as ModelOpt's Wan filter
-# keeps them: the patch, text and time embedders (condition_embedder), the output projection, and
-# the first and last three of the A14B's 40 blocks (a 30-block TI2V-5B keeps its first three, as
-# ModelOpt's literal block numbers do); the norms (which ModelOpt leaves to its default config).
-HIGH_PRECISION = ("patch_embedding*", "condition_embedder*", "proj_out*", "*norm*",
-                  *(f"blocks.{index}.*" for index in (0, 1, 2, 37, 38, 39)))
-LEVELS = LevelTable(
-    levels=(2.0, 2.5, 3.0, 4.0),
-    groups=(LayerGroup(2.0, "*.ffn.net.*", "nn.Linear"), LayerGroup(2.5, "*.attn[12].to_[qkv].", "nn.Linear"),
-            LayerGroup(3.0, "*", "nn.Linear")),
-    high_precision=HIGH_PRECISION,
-    qkv_level=2.5,
-    attention_scope="*.attn1.",
-)
-
-
-@dataclass(frozen=True)
-class WanSizes:
-    """A Wan architecture: UMT5, each expert, the Wan VAE, and the scheduler's flow shift."""
-
-    text_width: int
-    text_layers: int
-    text_heads: int
-    text_head_width: int
-    text_ff: int
-    heads: int
-    head_dim: int
-    ffn: int
-    layers: int
-    latent_channels: int
-    freq_dim: int
-    rope_max_tokens: int
-    # AutoencoderKLWan's arguments (lists where it takes lists), as (name, value) pairs.
-    vae: tuple
-    flow_shift: float
-    # The tokenizer's length, which the UMT5 sequence takes (WanPipeline's 512 for the real models).
-    text_tokens: int = UMT5_TOKENS
-
-
-TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width=8, text_ff=64, heads=2, head_dim=16,
-                ffn=64, layers=5, latent_channels=16, freq_dim=32, rope_max_tokens=64, flow_shift=3.0, text_tokens=64,
-                vae=(("base_dim", 8), ("z_dim", 16), ("dim_mult", [1, 1, 1, 1]), ("num_res_blocks", 1),
-                     ("temperal_downsample", [False, True, True])))
-# Wan2.2-T2V-A14B: each expert 40 blocks of 40 heads of 128 (14.3 B parameters), UMT5-XXL, the Wan2.1 VAE
-# (AutoencoderKLWan's defaults), UniPC with diffusers' flow shift of 3.
-FULL = WanSizes(text_width=4096, text_layers=24, text_heads=64, text_head_width=64, text_ff=10240, heads=40,
-                head_dim=128, ffn=13824, layers=40, latent_channels=16, freq_dim=256, rope_max_tokens=1024,
-                flow_shift=3.0, vae=())
-# The Wan2.2 VAE's 48 latent channels as random weights take them (a trained VAE's folder states its
-# own per-channel mean and std).
-UNIT_STATISTICS_48 = (("latents_mean", [0.0] * 48), ("latents_std", [1.0] * 48))
-# Wan2.2-TI2V-5B: 30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2 VAE (16x, residual,
-# 2x2 pixel patches), flow shift 5.
-TI2V_FULL = WanSizes(text_width=4096, text_layers=24, text_heads=64, text_head_width=64, text_ff=10240, heads=24,
-                     head_dim=128, ffn=14336, layers=30, latent_channels=48, freq_dim=256, rope_max_tokens=1024,
-                     flow_shift=5.0,
-                     vae=(("base_dim", 160), ("decoder_base_dim", 256), ("z_dim", 48), ("is_residual", True),
-                          ("in_channels", 12), ("out_channels", 12), ("patch_size", 2), ("scale_factor_spatial", 16),
-                          *UNIT_STATISTICS_48))
-TI2V_TINY = WanSizes(text_width=32, text_layers=2, text_heads=4, text_head_width=8, text_ff=64, heads=2, head_dim=16,
-                     ffn=64, layers=5, latent_channels=48, freq_dim=32, rope_max_tokens=64, flow_shift=5.0,
-                     text_tokens=64,
-                     vae=(("base_dim", 8), ("decoder_base_dim", 12), ("z_dim", 48), ("is_residual", True),
-                          ("in_channels", 12), ("out_channels", 12), ("patch_size", 2), ("scale_factor_spatial", 16),
-                          ("dim_mult", [1, 1, 1, 1]), ("num_res_blocks", 1),
-                          ("temperal_downsample", [False, True, True]), *UNIT_STATISTICS_48))
-
-
-def scene_sizes(arch) -> WanSizes:
-    """The Wan scene model's architecture (config's WanSceneArchitecture): UMT5 with heads of 32, a
-    Wan VAE of 16 channels whose levels after the first each halve the sides (the last
-    vae_frame_levels also the frames), unit latent statistics that training replaces with the
-    latents' own, and the A14B's flow shift."""
-    levels = len(arch.vae_dim_mult) - 1
-    frame_levels = arch.vae_frame_levels
-    return WanSizes(text_width=arch.text_width, text_layers=arch.text_layers, text_heads=arch.text_width // 32,
-                    text_head_width=32, text_ff=2 * arch.text_width, heads=arch.heads, head_dim=arch.head_dim,
-                    ffn=arch.ffn, layers=arch.layers, latent_channels=16, freq_dim=128, rope_max_tokens=64,
-                    flow_shift=3.0,
-                    vae=(("base_dim", arch.vae_base), ("z_dim", 16), ("dim_mult", list(arch.vae_dim_mult)),
-                         ("num_res_blocks", arch.vae_res_blocks), ("temperal_downsample", [False] * (levels - frame_levels) + [True] * frame_levels),
-                         # WanPipeline sizes its latent frames by this, not by the levels.
-                         ("scale_factor_spatial", 2 ** levels), ("scale_factor_temporal", 2 ** frame_levels),
-                         ("latents_mean", [0.0] * 16), ("latents_std", [1.0] * 16)))
-
-
-def umt5_encoder(tokenizer, sizes: WanSizes):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    return UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=sizes.text_width, d_kv=sizes.text_head_width, d_ff=sizes.text_ff,
-        num_layers=sizes.text_layers, num_heads=sizes.text_heads, feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False, use_cache=False))
-
-
-def expert(sizes: WanSizes):
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
-        in_channels=sizes.latent_channels, out_channels=sizes.latent_channels, text_dim=sizes.text_width,
-        freq_dim=sizes.freq_dim, ffn_dim=sizes.ffn, num_layers=sizes.layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=sizes.rope_max_tokens)
-
+from .recipe import LEVELS
+from .scene import TrainWanSceneApp, scene_loss, scene_phases
+from .sizes import FULL, TI2V_FULL, TI2V_TINY, TINY, build_pipeline
 
 EXPERTS = (Backbone("transformer", "transformer"), Backbone("transformer_2", "transformer_2"))
 # An expert's block list (WanTransformer3DModel.blocks), which diffusers' cache hooks step through.
@@ -385,21 +275,10 @@ class WanFamily(HookCaching, ModelFamily):
                               parts["vae_config"], device, tuple(backbone.graph for backbone in self.backbones),
                               boundary, pipeline_config.get("expand_timesteps", self.expand_timesteps), UMT5_TOKENS)
 
-    # --- its architectures ---------------------------------------------------------------------
+    # --- its architectures (sizes.py) ----------------------------------------------------------
 
-    def build_pipeline(self, sizes: WanSizes, tokenizers: dict | None = None):
-        """UMT5, the experts and the Wan VAE at `sizes`, with UniPC over flow sigmas."""
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-
-        torch.manual_seed(SEED)
-        tokenizer = (tokenizers or {}).get("t5") or components.char_t5_tokenizer(sizes.text_tokens)
-        experts = {backbone.attribute: expert(sizes) for backbone in self.backbones}
-        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                            num_train_timesteps=1000, flow_shift=sizes.flow_shift)
-        boundary = {"boundary_ratio": self.boundary_ratio} if len(self.backbones) > 1 else {}
-        return WanPipeline(tokenizer=tokenizer, text_encoder=umt5_encoder(tokenizer, sizes),
-                           vae=AutoencoderKLWan(**dict(sizes.vae)), scheduler=scheduler,
-                           expand_timesteps=self.expand_timesteps, **experts, **boundary)
+    def build_pipeline(self, sizes, tokenizers: dict | None = None):
+        return build_pipeline(sizes, self.backbone_attributes, self.boundary_ratio, self.expand_timesteps, tokenizers)
 
 
 class WanT2VFamily(WanFamily):
@@ -411,7 +290,7 @@ class WanT2VFamily(WanFamily):
     sizes = {"tiny": TINY, "full": FULL}
     boundary_ratio = 0.875
     default_frames, default_fps, default_size = 81, 16, (720, 1280)
-    scene_tokenizers = ("t5",)
+    scene_app = TrainWanSceneApp
 
     def fuse_projections(self, backbone) -> None:
         """Keeps q, k and v three GEMMs: at a video's 75,600 tokens the one GEMM three times as wide
@@ -419,79 +298,14 @@ class WanT2VFamily(WanFamily):
         benchmarks/results/gemm_shapes_h200.json; the TI2V-5B's 3072-wide one ran 2.3 ms against
         3 x 0.8, so it keeps diffusers' fusion)."""
 
-    # --- the scene model -----------------------------------------------------------------------
-
-    def scene_sizes(self, arch, image_size: int) -> WanSizes:
-        return scene_sizes(arch)
+    # --- the scene model (scene.py) -----------------------------------------------------------
 
     def scene_phases(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator) -> list:
-        """With denoiser.shared_steps, the first expert and UMT5 learn every noise level first (one
-        expert's cost a step, where the experts would each learn the captions' binding apart), then
-        both experts start from its weights and learn their own shares together."""
-        from ..training import ScenePhase
-
         together = super().scene_phases(pipe, latents, data, block, generator)
-        if not block.shared_steps:
-            return together
-        first, *others = self.backbone_modules(pipe).values()
+        return scene_phases(pipe, latents, data, block, generator, self.backbone_attributes, together)
 
-        def share() -> None:
-            for other in others:
-                other.load_state_dict(first.state_dict())
-
-        alone = ScenePhase(f"{self.backbone_attributes[0]} at every noise level", [pipe.text_encoder, first],
-                           self.scene_loss(pipe, latents, data, block, generator, everywhere=True),
-                           block.shared_steps, share)
-        return [alone, *together]
-
-    def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator,
-                   everywhere: bool = False):
-        """Each expert predicts the velocity (noise minus clip) of the straight path from the clip's
-        latent to noise, on its own share of the noise levels as the A14B's experts serve them: the
-        first from the pipeline's boundary up, the second below it (`everywhere`: the first alone,
-        on every level). Within each share the levels are drawn as the sampler steps through them:
-        uniform before the scheduler's flow shift, then shifted, so the pure noise a video starts
-        from and the levels either side of the boundary are trained as often as the sampler visits
-        them. Both experts see the same clips and captions each step (UMT5 runs once), each with its
-        own noise; UMT5's states go in as the pipeline feeds them (zero past each caption), a dropped
-        caption being the empty one, WanPipeline's negative prompt."""
-        import torch.nn.functional as F
-
-        from ..training import autocast, kept
-
-        device = latents.device
-        experts = list(self.backbone_modules(pipe).values())
-        config = pipe.scheduler.config
-        shift, train_steps = config.flow_shift, config.num_train_timesteps
-
-        def unshifted(sigma: float) -> float:
-            return sigma / (shift - (shift - 1) * sigma)
-
-        boundary = unshifted(pipe.config.boundary_ratio)
-        shares = [(0.0, 1.0)] if everywhere else [(boundary, 1.0), (0.0, boundary)]
-        encoder = Umt5Graph(pipe.text_encoder)
-        pad = pipe.tokenizer.pad_token_id
-
-        def expert_loss(expert, share: tuple[float, float], clean: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-            noise = torch.randn(clean.shape, device=device, generator=generator)
-            low, high = share
-            drawn = low + (high - low) * torch.rand(len(clean), device=device, generator=generator)
-            sigma = shift * drawn / (1 + (shift - 1) * drawn)
-            noisy = clean + sigma.view(-1, 1, 1, 1, 1) * (noise - clean)
-            with autocast(device):
-                velocity = expert(hidden_states=noisy, timestep=sigma * train_steps, encoder_hidden_states=text,
-                                  return_dict=False)[0]
-            return F.mse_loss(velocity.float(), noise - clean)
-
-        def loss_of(indices: torch.Tensor) -> torch.Tensor:
-            ids = torch.where(kept(block, generator, device)[:, None], data.token_ids["t5"][indices],
-                              data.empty_ids["t5"])
-            with autocast(device):
-                text = encoder(ids, (ids != pad).long())
-            return sum(expert_loss(expert, share, latents[indices], text)
-                       for expert, share in zip(experts, shares)) / len(shares)
-
-        return loss_of
+    def scene_loss(self, pipe, latents: torch.Tensor, data, block, generator: torch.Generator):
+        return scene_loss(pipe, latents, data, block, generator, self.backbone_attributes)
 
 
 class WanTI2VFamily(WanFamily):

@@ -13,6 +13,9 @@ from ...graphs.networks import FRAMES, HEIGHT, TEXT_TOKENS, WIDTH
 from .graphs import LATENT_TOKENS
 from ..pipeline import SamplingSettings, TextToImage, shortened, warn_if_not_finite
 
+# WanPipeline's UMT5 sequence (its max_sequence_length default in __call__).
+UMT5_TOKENS = 512
+
 
 def text_tokens(tokenizer, max_tokens: int) -> int:
     """UMT5's sequence: the tokenizer's own length up to WanPipeline's 512, so a model trained on

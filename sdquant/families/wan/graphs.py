@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from ..base import KV, QKV
 from ...graphs.networks import BATCH, TEXT_TOKENS, VIDEO_LATENT, Network, Role
 
 # A model that expands its timestep takes one per latent token of its 2x2 patches.
@@ -120,7 +121,6 @@ class WanTorchAttnProcessor:
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb=None) -> torch.Tensor:
-        from ...quantize.shared_ranges import KV, QKV
         from ...runtime.attention import attend, no_mask, project
 
         no_mask(attention_mask)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..graphs.networks import BATCH, Network
+from ...errors import UserError
+from ...graphs.networks import BATCH, Network
 
 # The backbone graph's two passes as stages and graphs (unet_xl_full, unet_xl_shallow), and the
 # cached feature between them, whose height and width are the latent's halved once per skipped
