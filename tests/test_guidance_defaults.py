@@ -9,8 +9,7 @@ import pytest
 from sdquant.config import settled_config
 from sdquant.errors import UserError
 from sdquant.families import family_of
-from sdquant.runs.model import Model
-from sdquant.runs.quantize import calibration_of
+from sdquant.runs.quantize import settle_quantize
 
 from conftest import compose_config
 
@@ -23,8 +22,7 @@ def _sampling_guidance(model: str, *overrides: str) -> dict:
 
 
 def _calibration(*overrides: str) -> dict:
-    app = settled_config(compose_config("sd_xl_quantize", list(overrides)))
-    return calibration_of(app, Model(app.model, family_of(app.model.family), {})).settings()
+    return settle_quantize(compose_config("sd_xl_quantize", ["device=cpu", *overrides])).calibration.calibration.settings()
 
 
 @pytest.mark.parametrize("model,first,second", [("sdxl_base", 5.0, None), ("flux_dev", 3.5, None),
@@ -40,14 +38,14 @@ def test_a_scale_given_wins_and_the_other_stays_the_models():
                                                                                        "guidance_scale_2": 1.0}
 
 
-def test_an_image_models_own_guidance_and_the_same_value_given_make_one_checkpoint():
+def test_an_image_models_own_guidance_and_the_same_value_given_make_one_checkpoint(model_cache):
     by_null = _calibration("model=tiny_sdxl")
     assert by_null["quantize"]["guidance_scale"] == 5.0 and by_null["quantize"]["guidance_scale_2"] is None
     assert by_null == _calibration("model=tiny_sdxl", "quantize.guidance_scale=5.0")
     assert _calibration("model=tiny_sdxl", "quantize.guidance_scale=3.0") != by_null
 
 
-def test_a_models_own_guidance_and_the_same_value_given_make_one_checkpoint():
+def test_a_models_own_guidance_and_the_same_value_given_make_one_checkpoint(model_cache):
     assert (_calibration("model=tiny_wan", "model.guidance_scale=4.0", "model.guidance_scale_2=3.0")
             == _calibration("model=tiny_wan", "quantize.guidance_scale=4.0", "quantize.guidance_scale_2=3.0"))
 

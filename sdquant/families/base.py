@@ -138,9 +138,6 @@ class ModelFamily:
 
     # --- quantization --------------------------------------------------------------------------
 
-    def quant_levels(self) -> tuple[float, ...]:
-        return self.level_table.levels
-
     def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
         """ModelOpt's quant_cfg for this format and level: everything off, what each level adds,
         then what stays in high precision last, so no level can turn it back on."""
@@ -166,14 +163,14 @@ class ModelFamily:
 
     # --- the sample's geometry and guidance -----------------------------------------------------
 
-    def settled_frames(self, asked: int | None, key: str, model) -> int:
+    def _settled_frames(self, asked: int | None, key: str, model) -> int:
         """The frames of a sample, from config `key` (null: the model's own); an image model draws
         one and refuses any other count."""
         if asked not in (None, 1):
             raise UserError(f"{key}={asked}: model={model.name} draws images: leave {key} unset (or 1)")
         return 1
 
-    def settled_fps(self, asked: int | None, key: str, model) -> int | None:
+    def _settled_fps(self, asked: int | None, key: str, model) -> int | None:
         """The frames per second a written video plays at; an image model has none."""
         if asked is not None:
             raise UserError(f"{key}={asked}: model={model.name} draws images, which have no frame rate: leave it unset")
@@ -190,12 +187,12 @@ class ModelFamily:
         from ..config import validate_image_size
 
         guidance = self.settle_guidance(model, prefix, guidance_scale, guidance_scale_2)
-        frames = self.settled_frames(num_frames, f"{prefix}num_frames", model)
-        frame_rate = self.settled_fps(fps, f"{prefix}fps", model)
+        frames = self._settled_frames(num_frames, f"{prefix}num_frames", model)
+        frame_rate = self._settled_fps(fps, f"{prefix}fps", model)
         asked = {"height": height, "width": width}
         if configs:
             scale = self.vae_scale(configs["vae_config"])
-            native = dict(zip(("height", "width"), self.native_size(model, configs, scale)))
+            native = dict(zip(("height", "width"), self._native_size(model, configs, scale)))
             multiple = self.size_multiple(scale, configs["backbone_config"])
         elif None in asked.values():
             raise UserError(f"{prefix}height and {prefix}width: model.source={model.source} is a single file, which "
@@ -212,8 +209,11 @@ class ModelFamily:
         """The guidance of the first and the second expert, each null one the model's own
         (model.guidance_scale, model.guidance_scale_2); a second scale refused for a family of one
         backbone. The second stays null where both are, which the pipelines read as the first's."""
-        self.check_guidance(guidance_scale_2, f"{prefix}guidance_scale_2")
-        self.check_guidance(model.guidance_scale_2, "model.guidance_scale_2")
+        for key, second in ((f"{prefix}guidance_scale_2", guidance_scale_2), ("model.guidance_scale_2",
+                                                                              model.guidance_scale_2)):
+            if second is not None and len(self.backbones) == 1:
+                raise UserError(f"{key}={second}: {self.name} models have one backbone; the second guidance scale "
+                                "is a two-expert model's (Wan2.2-T2V-A14B): leave it unset")
         return (model.guidance_scale if guidance_scale is None else guidance_scale,
                 model.guidance_scale_2 if guidance_scale_2 is None else guidance_scale_2)
 
@@ -228,12 +228,6 @@ class ModelFamily:
     def backbone_steps(self, parts: dict, steps: int) -> dict[str, int]:
         """The denoising steps of `steps` each backbone serves, by attribute: every one, by default."""
         return {attribute: steps for attribute in self.backbone_attributes}
-
-    def check_guidance(self, second_scale: float | None, key: str) -> None:
-        """Refuses a second expert's guidance scale for a family with one backbone."""
-        if second_scale is not None and len(self.backbones) == 1:
-            raise UserError(f"{key}={second_scale}: {self.name} models have one backbone; the second guidance scale is "
-                            "a two-expert model's (Wan2.2-T2V-A14B): leave it unset")
 
     # --- export and engines --------------------------------------------------------------------
 
@@ -341,15 +335,12 @@ class ModelFamily:
         """Image pixels per latent pixel along each side, from the VAE's config."""
         return vae_scale_factor(vae_config)
 
-    def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
-        """(height, width) the model draws when none is asked: diffusers' own default for it."""
-        side = self.native_image_size(configs, vae_scale)
+    def _native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
+        """(height, width) the model draws when none is asked, as diffusers' pipelines default to it:
+        the side it was trained at, the backbone's sample size in latent pixels times the VAE's scale
+        factor (1024 for SDXL, 512 for SD 1.5)."""
+        side = configs["backbone_config"]["sample_size"] * vae_scale
         return side, side
-
-    def native_image_size(self, configs: dict, vae_scale: int) -> int:
-        """The side the model was trained at, as diffusers' pipelines default to it: the backbone's
-        sample size in latent pixels times the VAE's scale factor (1024 for SDXL, 512 for SD 1.5)."""
-        return configs["backbone_config"]["sample_size"] * vae_scale
 
     def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
         """What image sides must be a multiple of: the VAE's scale, times a DiT's patch size (where

@@ -72,7 +72,7 @@ def settle_quantize(cfg) -> QuantizeScript:
     if "scheduler_config" in model.parts:
         validate_steps(block.n_steps, "quantize.n_steps", model.parts["scheduler_config"])
         check_steps_served(model, block.n_steps)
-    calibration = calibration_of(app, model)
+    calibration = calibration_of(app, model, sample)
     folder = checked_out_path(app.out_dir, "out_dir") / calibration.folder_name()
     # A null size stays null in the calibration (and so in the checkpoint's fingerprint), but the
     # pipeline is handed the size settled here: diffusers' own default is not always the model's
@@ -112,7 +112,7 @@ def check_steps_served(model: Model, steps: int) -> None:
 def check_level(model: Model, block: QuantizeBlock) -> None:
     """Refuses a quant_level the model's family has no recipe for."""
     level = float(block.quant_level)
-    levels = model.family.quant_levels()
+    levels = model.family.level_table.levels
     if level not in levels:
         raise UserError(f"quantize.quant_level={level:g} is not a level of {model.family.name} models: choose one of "
                         f"{', '.join(f'{each:g}' for each in levels)}"
@@ -125,19 +125,19 @@ def settled_guidance(model: Model, block: QuantizeBlock) -> dict:
     return dict(zip(("guidance_scale", "guidance_scale_2"), scales))
 
 
-def calibration_of(app: QuantizeApp, model: Model) -> checkpoint.Calibration:
+def calibration_of(app: QuantizeApp, model: Model, sample=None) -> checkpoint.Calibration:
     """What identifies the checkpoint `app` makes: the quantize block, the model's identity, the
     prompts, the seed and the recipe as data (the family's level table and what it makes of it,
     sdquant.quantize.recipe.recipe_identity). The guidance is the settled one (a null scale the
     model's), so a checkpoint of a model's own guidance is the same whether asked for by value or by
     null. A video model's geometry is the one its config settles to, since a null size or frame count
-    takes the model config's own, which the model's identity does not hold."""
+    takes the model config's own, which the model's identity does not hold. `sample`: the settled
+    one (ModelFamily.settle_sample), which a video model's needs."""
     family = model.family
     block = dataclasses.asdict(app.quantize) | settled_guidance(model, app.quantize)
     if family.output == "video":
-        native = dict(zip(("height", "width"), family.native_size(app.model, {}, 0)))
-        block.update({key: native[key] if block[key] is None else block[key] for key in native},
-                     num_frames=family.settled_frames(app.quantize.num_frames, "quantize.num_frames", app.model))
+        geometry = sample.geometry
+        block.update(height=geometry.height, width=geometry.width, num_frames=geometry.frames)
     return checkpoint.Calibration(
         quantize=block, model=checkpoint.model_identity(app.model), model_name=app.model.name,
         prompts_file=app.prompts_file or app.model.calib_prompts, seed=app.seed,

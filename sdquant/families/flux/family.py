@@ -142,10 +142,11 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
         return FluxTextToImage(stages, parts["tokenizers"], scheduler, types.SimpleNamespace(**parts["backbone_config"]),
                                vae_scale_factor(parts["vae_config"]), device)
 
-    def native_image_size(self, configs: dict, vae_scale: int) -> int:
-        """The VAE's sample size: 1024 for Flux.1, which diffusers' FluxPipeline hard-codes as its
-        default (128 latent pixels), and the small size a tiny or scene model was made at."""
-        return configs["vae_config"]["sample_size"]
+    def _native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
+        """The VAE's sample size a side: 1024 for Flux.1, which diffusers' FluxPipeline hard-codes as
+        its default (128 latent pixels), and the small size a tiny or scene model was made at."""
+        side = configs["vae_config"]["sample_size"]
+        return side, side
 
     def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
         return vae_scale * (backbone_config or {}).get("patch_size", 2)

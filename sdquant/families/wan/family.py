@@ -89,7 +89,7 @@ class WanFamily(HookCaching, ModelFamily):
 
     # --- the sample's geometry and guidance -----------------------------------------------------
 
-    def settled_frames(self, asked: int | None, key: str, model) -> int:
+    def _settled_frames(self, asked: int | None, key: str, model) -> int:
         """4k + 1 frames (the VAE keeps the first frame alone and packs 4 a latent frame after it), the
         model's own (model.num_frames, else the family's) where none is asked."""
         frames, key = _own(asked, key, model.num_frames, "model.num_frames", self.default_frames)
@@ -99,14 +99,14 @@ class WanFamily(HookCaching, ModelFamily):
                             f"choose {near} or {near + TEMPORAL_SCALE}")
         return frames
 
-    def settled_fps(self, asked: int | None, key: str, model) -> int:
+    def _settled_fps(self, asked: int | None, key: str, model) -> int:
         fps, named = _own(asked, key, model.fps, "model.fps", self.default_fps)
         if fps < 1:
             own = f" ({model.name}'s own: {model.fps or self.default_fps})" if named == key else ""
             raise UserError(f"{named}={fps}: give the frames per second the video plays at, 1 or more{own}")
         return fps
 
-    def native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
+    def _native_size(self, model, configs: dict, vae_scale: int) -> tuple[int, int]:
         """A Wan folder states no size: the model config's (model.height, model.width, refused where
         the experts' grid cannot make it), else the family's (MLPerf's 720x1280 for the A14B, the
         TI2V-5B's own 704x1280)."""
