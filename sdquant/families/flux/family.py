@@ -149,7 +149,9 @@ class FluxFamily(OwnT5Length, HookCaching, ModelFamily):
         return side, side
 
     def size_multiple(self, vae_scale: int, backbone_config: dict | None = None) -> int:
-        return vae_scale * (backbone_config or {}).get("patch_size", 2)
+        # The pipeline packs the latent's 2x2 pixels into one token (the transformer's own
+        # patch_size is 1).
+        return vae_scale * 2
 
 
     # --- its architectures (sizes.py) and scene model (scene.py) -------------------------------
