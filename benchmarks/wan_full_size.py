@@ -294,8 +294,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
         pipe, record = calibrated_pipeline(family, args, FP8_LEVELS[variant], device)
     else:
         pipe, record = whole_pipeline(family, args, device), {}
-    # The VAE in fp32, as infer_trt.py loads it for Wan (family.decoder_dtype).
-    pipe.vae.to(torch.float32)
+    # from_pipeline decodes in fp32, as infer_trt.py loads the Wan VAE (family.decoder_dtype).
     pipeline, converted = our_pipeline(pipe, variant, family, args, cache)
     record.update(converted, pipeline_resident_gib=resident_gib(device))
     frames, height, width = geometry(args, family)

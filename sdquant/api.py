@@ -20,7 +20,7 @@ from pathlib import Path
 from .assembly import Pipeline, assemble
 from .config import register_schemas, settled_config, validate_infer
 from .errors import UserError
-from .runs.infer import settle_pipeline
+from .runs.infer import check_split, settle_pipeline
 from .runs.model import settle_model
 from .runs.sample import defaults_of, settle_defaults
 
@@ -62,7 +62,9 @@ def load(model: str = "sdxl_base", overrides: Sequence[str] = (), **settings) ->
     validate_infer(app)
     settled = settle_model(app.model, drawing=True)
     defaults = settle_defaults(settled, app.sampling)
-    pipeline = assemble(settle_pipeline(app, settled, defaults.cache, defaults.geometry))
+    run = settle_pipeline(app, settled, defaults.cache, defaults.geometry)
+    check_split(run.split, app.torch_backend, app.cuda_graph, settled, defaults)
+    pipeline = assemble(run)
     pipeline.defaults = defaults_of(app.sampling)
     return pipeline
 
@@ -78,12 +80,21 @@ def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None,
 
     from .config import InferApp, ModelConfig
     from .families import family_of
-    from .load import DTYPES
+    from .config import freeze
+    from .load import DTYPES, decoder_dtype
+    from .runs.infer import check_kernels
     from .runs.model import Checkpoint, Model
 
     register_schemas()
-    kernels = (settings.get("torch_backend") or {}).get("quantized", "fake")
-    asked = {**settings, "torch_backend": {**(settings.get("torch_backend") or {}), "quantized": "fake"}}
+    torch_backend = settings.get("torch_backend") or {}
+    if not isinstance(torch_backend, dict):
+        raise UserError(f"torch_backend={torch_backend!r}: give a dict of torch_backend's keys")
+    kernels = torch_backend.get("quantized", "fake")
+    if kernels != "fake" and quantized is None:
+        raise UserError(f"torch_backend.quantized={kernels} runs backbones quantized in memory: give quantized="
+                        "(format, quant_level) as they were calibrated")
+    # Settled as an unquantized run, which infer_trt.py's checks take; the in-memory checkpoint after.
+    asked = {**settings, "torch_backend": {**torch_backend, "quantized": "fake"}}
     config = ModelConfig(name=f"{family} in memory", family=family, source="<in memory>")
     try:
         app = settled_config(OmegaConf.merge(OmegaConf.structured(InferApp(model=config, backend="torch")), asked))
@@ -92,15 +103,18 @@ def from_pipeline(pipe, family: str, quantized: tuple[str, float] | None = None,
     validate_infer(app)
     model = Model(app.model, family_of(family), family_of(family).parts_of(pipe))
     defaults = settle_defaults(model, app.sampling)
-    # The stages run in the dtype the pipeline was built in, on any device.
+    # The stages run in the dtype the pipeline was built in, on any device; the VAE decodes in its
+    # family's, as a loaded pipeline's does.
     built_in = next(model.family.backbone_modules(pipe)[model.family.backbone_attributes[0]].parameters()).dtype
+    pipe.vae.to(decoder_dtype(app.model, pipe.vae.config, built_in))
     run = dataclasses.replace(settle_pipeline(app, model, defaults.cache, defaults.geometry),
                               dtype=next(name for name, dtype in DTYPES.items() if dtype == built_in))
     if quantized is not None:
         fmt, level = quantized
-        run = dataclasses.replace(run, checkpoint=Checkpoint.in_memory(f"the {family} backbones quantized in memory",
-                                                                       fmt, level),
-                                  torch_backend=dataclasses.replace(run.torch_backend, quantized=kernels))
+        checkpoint = Checkpoint.in_memory(f"the {family} backbones quantized in memory", fmt, level)
+        kernels = freeze(dataclasses.replace(run.torch_backend, quantized=kernels))
+        check_kernels(checkpoint, kernels)
+        run = dataclasses.replace(run, checkpoint=checkpoint, torch_backend=kernels)
     pipeline = assemble(run, pipe=pipe)
     pipeline.defaults = defaults_of(app.sampling)
     return pipeline

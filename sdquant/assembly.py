@@ -7,7 +7,6 @@ API (sdquant.api) and the benchmarks' rows of ours build it here; closing it rel
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ class Drawn:
     float32, on the pipeline's device), the seconds from its start until they were ready, each
     stage's seconds per call, and the settings it ran."""
 
-    samples: torch.Tensor
+    samples: torch.Tensor | None
     seconds: float
     stage_seconds: dict[str, list[float]]
     settings: SamplingSettings
@@ -70,17 +69,27 @@ class Pipeline:
 
     def settle(self, prompts, **asked) -> SamplingSettings:
         """One call's settings from the caller's values (sdquant.runs.sample.CALL_DEFAULTS' names;
-        an absent one the model's own), checked against the model and what this pipeline runs."""
+        an absent or None one the pipeline's default, else the model's own), checked against the
+        model and what this pipeline runs."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        settings = settle_call(self.run_settings.model, prompts, **{**self.defaults, **asked})
+        given = {key: value for key, value in asked.items() if value is not None}
+        settings = settle_call(self.run_settings.model, prompts, **{**self.defaults, **given})
         self.check(settings)
         return settings
 
     def check(self, settings: SamplingSettings, key: str = "cache") -> None:
-        """Refuses a call this pipeline cannot run, before any work: a step cache its graphs were not
-        built for, a batch or size past the engines' profiles (or the ONNX graphs' fixed shapes)."""
+        """Refuses a call this pipeline cannot run, before any work: a step cache its stages cannot
+        take (a hook on a graph or under a captured CUDA graph; another than its graphs were built for;
+        any, where processes share each sample), guidance halves a cfg split cannot find, a batch or
+        size past the engines' profiles (or the ONNX graphs' fixed shapes)."""
+        from .runs.infer import check_cache_runs, check_split
+
+        if self.flow is None:
+            raise UserError("this pipeline was closed, which released what it held: load it again")
         run = self.run_settings
+        check_cache_runs(settings.cache, key, run.backend, run.cuda_graph)
+        check_split(run.split, run.torch_backend, run.cuda_graph, run.model, settings)
         if run.backend != "torch" and _cache_key(settings.cache) not in (None, self.cache_key):
             built = run.cache.describe() if run.cache is not None else "none"
             raise UserError(f"{key}: backend={run.backend} runs the step cache its graphs were built for ({built}) or "
@@ -111,9 +120,24 @@ class Pipeline:
         self.use_cache(settings.cache)
         timer = StageTimer(self.device)
         start = time.perf_counter()
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        if self.stream is None:
             samples = self.flow(settings, timer, progress=progress, latents=latents)
-            stage_seconds = timer.finish()
+            return self._drawn(samples, start, timer, settings)
+        # The stages run on a stream of the pipeline's own (TensorRT would synchronize extra on the
+        # legacy default stream), after what the caller queued (its latents) and before what it
+        # queues next on its samples.
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            samples = self.flow(settings, timer, progress=progress, latents=latents)
+        caller.wait_stream(self.stream)
+        samples.record_stream(caller)
+        return self._drawn(samples, start, timer, settings)
+
+    @staticmethod
+    def _drawn(samples: torch.Tensor, start: float, timer: StageTimer, settings: SamplingSettings) -> Drawn:
+        """The call's record, its seconds once the device has finished it (the timer waits for it)."""
+        stage_seconds = timer.finish()
         return Drawn(samples, time.perf_counter() - start, stage_seconds, settings)
 
     def use_cache(self, cache) -> None:
@@ -156,8 +180,8 @@ class Pipeline:
 
 
 def _cache_key(cache):
-    """What tells step caches apart for the stages they run on: their settings (None: no cache)."""
-    return None if cache is None else repr(cache)
+    """What tells step caches apart for the stages they run on (None: no cache)."""
+    return None if cache is None else cache.stages_key
 
 
 def assemble(run: PipelineRun, pipe=None, shared: Pipeline | None = None) -> Pipeline:
@@ -212,10 +236,18 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
     family, config = run.family, run.model.config
     if shared is not None:
         modules = restored_backbones(run.model, run.checkpoint) if run.checkpoint else dict(shared.modules)
-    else:
-        pipe = pipe if pipe is not None else load_pipeline(config, device, dtype)
+    elif pipe is not None:
         modules = family.backbone_modules(pipe)
-        if run.checkpoint is not None and run.checkpoint.folder is not None:
+    elif run.checkpoint is not None and (empty := empty_backbones(config)) is not None:
+        # The checkpoint holds every backbone weight: the backbones are built empty and take them.
+        pipe = load_pipeline(config, device, dtype, backbones=empty)
+        modules = family.backbone_modules(pipe)
+        restore(run.checkpoint, modules)
+        pipe.to(device)
+    else:
+        pipe = load_pipeline(config, device, dtype)
+        modules = family.backbone_modules(pipe)
+        if run.checkpoint is not None:
             restore(run.checkpoint, modules)
     conversions = {}
     if run.checkpoint is not None:
@@ -235,7 +267,10 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
     elif run.checkpoint is None:
         stages = dict(shared.stages)
     else:
-        stages = {name: each for name, each in shared.stages.items() if name not in family.backbone_graphs()}
+        # The reference's text encoders and decoder; not its backbones, nor stages made of them (its
+        # precomputed AdaLN modulations).
+        stages = {name: each for name, each in shared.stages.items()
+                  if name in family.graph_names() and name not in family.backbone_graphs()}
         stages.update(torch_backend.speed_up_backbones(family, modules, family.backbone_stages(modules, dtype), block,
                                                        run.cuda_graph, device, quantized))
     return stages, modules, torch_backend.fast_stages(family, built, block, run.cuda_graph, device), conversions

@@ -664,6 +664,9 @@ def validate_infer(app) -> None:
     validate_parallel(app.parallel, app.backend)
     if app.backend == "onnxruntime":
         validate_providers(app.onnx_providers)
+    if app.num_warmup_runs and not app.num_timed_runs:
+        raise UserError(f"num_warmup_runs={app.num_warmup_runs} warms up the timed runs, and num_timed_runs=0 asks for "
+                        "none: set num_timed_runs too, or num_warmup_runs=0")
     if app.num_timed_runs < 0 or app.num_warmup_runs < 0:
         raise UserError(f"num_warmup_runs={app.num_warmup_runs} num_timed_runs={app.num_timed_runs}: give 0 or more "
                         "(runs of the first prompt batch after the drawing, timed for the report; 0: the drawing's own)")

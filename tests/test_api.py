@@ -98,6 +98,65 @@ def test_a_bad_call_is_refused_in_one_line_before_any_work(model_cache, asked, m
             pipe("a lighthouse at dusk", **asked)
 
 
+@pytest.mark.parametrize("asked, message", [
+    ({"guidance_scale": "7"}, "guidance_scale='7' must be a number, 0 or more"),
+    ({"guidance_scale": float("nan")}, "guidance_scale=nan must be a number"),
+    ({"guidance_scale": True}, "guidance_scale=True must be a number"),
+    ({"height": 64.0}, "height=64.0 must be a whole number"),
+    ({"num_frames": "5"}, "num_frames='5' must be a whole number"),
+    ({"seed": 2**70}, "seed=.* must be a whole number from 0 to 2\\*\\*63 - 1"),
+])
+def test_a_call_value_of_the_wrong_type_is_refused_in_one_line(model_cache, asked, message):
+    with load("tiny_sdxl", ["device=cpu"], backend="torch") as pipe:
+        with pytest.raises(UserError, match=message):
+            pipe("a lighthouse at dusk", **asked)
+
+
+def test_a_call_takes_the_pipelines_defaults_where_it_gives_none(model_cache):
+    with load("tiny_wan", ["device=cpu", "sampling.num_frames=5", "sampling.steps=2"], backend="torch") as pipe:
+        settings = pipe.settle("a red fox", num_frames=None, seed=None)
+    assert (settings.frames, settings.steps, settings.seed) == (5, 2, 42)
+
+
+def test_a_prompt_past_the_text_encoders_is_refused_under_long_prompts_error(model_cache):
+    with load("tiny_sdxl", ["device=cpu"], backend="torch") as pipe:
+        with pytest.raises(UserError, match="long_prompts=error: prompt .* is longer than CLIP's 77 tokens"):
+            pipe("a lighthouse at dusk " * 40, long_prompts="error")
+
+
+def test_a_per_call_cache_its_stages_cannot_take_is_refused(model_cache):
+    """A cache hook decides on the host at each step: one captured CUDA graph cannot replay it, and
+    the pipeline was built to capture its backbone."""
+    with load("tiny_flux", ["device=cpu"], backend="torch", cuda_graph=True) as pipe:
+        with pytest.raises(UserError, match="cache.method=first_block decides on the host at each step"):
+            pipe("a red fox", steps=2, cache={"method": "first_block"})
+
+
+def test_switching_the_step_cache_per_call_draws_what_a_pipeline_built_for_it_draws(model_cache):
+    call = {"steps": 4, "seed": 3, "height": 64, "width": 64}
+    deep = {"method": "deepcache", "interval": 2}
+    with load("tiny_sdxl", ["device=cpu"], backend="torch") as pipe:
+        drawn = [pipe("a lighthouse at dusk", **call, cache=cache).samples for cache in (deep, None, deep, None)]
+    with load("tiny_sdxl", ["device=cpu"], backend="torch", sampling={"cache": deep}) as cached:
+        built = cached("a lighthouse at dusk", **call).samples
+    assert torch.equal(drawn[0], built) and torch.equal(drawn[2], built)
+    assert torch.equal(drawn[1], drawn[3]) and not torch.equal(drawn[0], drawn[1])
+
+
+def test_a_pipeline_already_in_memory_draws_what_the_loaded_one_draws(model_cache):
+    from sdquant.api import from_pipeline
+
+    from conftest import compose_config
+
+    config = compose_config("sd_xl_quantize", ["model=tiny_sdxl"]).model
+    pipe = loading.load_pipeline(config, torch.device("cpu"), torch.float32)
+    call = {"steps": 3, "seed": 5, "height": 64, "width": 64}
+    with from_pipeline(pipe, "sdxl") as ours, load("tiny_sdxl", ["device=cpu"], backend="torch") as loaded:
+        assert torch.equal(ours("a red fox", **call).samples, loaded("a red fox", **call).samples)
+    with pytest.raises(UserError, match="torch_backend.quantized=fp8 runs backbones quantized in memory"):
+        from_pipeline(pipe, "sdxl", torch_backend={"quantized": "fp8"})
+
+
 def test_a_wrong_key_or_type_in_the_settings_is_refused_in_one_line(model_cache):
     with pytest.raises(UserError, match="torch_backend"):
         load("tiny_sdxl", ["device=cpu"], torch_backend={"compiled": True})
@@ -115,7 +174,7 @@ def test_no_module_below_the_settle_step_takes_the_hydra_config():
     """Below each script's edge the config is settled plain dataclasses: no module imports OmegaConf
     or Hydra but the schemas and the API, and a parameter named `cfg` (the composed config) is
     taken only by the settle functions and the workflows' run_* entries."""
-    importing, taking = [], []
+    importing, taking, edges = [], [], []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE.parent).as_posix()
         tree = ast.parse(path.read_text())
@@ -129,8 +188,7 @@ def test_no_module_below_the_settle_step_takes_the_hydra_config():
                 edge = (name.startswith("sdquant/runs/") and node.name.startswith("settle")) or \
                        (name.startswith("sdquant/workflow/") and node.name.startswith("run_")) or \
                        node.name == "settled_config"
-                if not edge:
-                    taking.append(f"{name}:{node.name}")
-    assert "sdquant/runs/infer.py:settle_infer" not in taking, "the walk reads the settle functions"
+                (edges if edge else taking).append(f"{name}:{node.name}")
+    assert "sdquant/runs/infer.py:settle_infer" in edges, "the walk reads the settle functions"
     assert not importing, f"modules importing OmegaConf or Hydra below the edge: {importing}"
     assert not taking, f"functions taking the Hydra config below the edge: {taking}"

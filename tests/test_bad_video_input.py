@@ -18,8 +18,10 @@ from sdquant.workflow.quantize import run_quantize
 
 from conftest import compose_config, refused_in_one_line
 
-SCRIPTS = {"infer": ("sd_xl_trt_inference", run_infer, "out_path"), "quantize": ("sd_xl_quantize", run_quantize, "out_dir"),
-           "export": ("sd_xl_export", run_export, "infer.out_path"), "evaluate": ("sd_xl_evaluate", run_evaluate, "out_path")}
+SCRIPTS = {"infer": ("sd_xl_trt_inference", run_infer, "out_path"),
+           "quantize": ("sd_xl_quantize", run_quantize, "out_dir"),
+           "export": ("sd_xl_export", run_export, "infer.out_path"),
+           "evaluate": ("sd_xl_evaluate", run_evaluate, "out_path")}
 BASE = {"infer": ["backend=torch"], "quantize": ["quantize.format=fp8", "quantize.quant_level=3"], "export": [],
         "evaluate": ["+variants.self=null"]}
 

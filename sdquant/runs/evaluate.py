@@ -15,7 +15,7 @@ from ..config import EvaluateApp, MetricsBlock, ShardBlock, settled_config, vali
 from ..errors import UserError
 from ..export.onnx_graphs import check_graph_file
 from ..load import SINGLE_FILE_SUFFIXES
-from .infer import PipelineRun, StageFile, check_cache_runs, checked_out_path
+from .infer import PipelineRun, StageFile, check_cache_runs, check_kernels, checked_out_path
 from .model import Model, check_graph_made_for, settle_checkpoint, settle_model
 from .sample import Sampling, settle_cache, settle_sampling
 
@@ -92,7 +92,9 @@ def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, 
         raise UserError(f"variants.{name}={source}: a TensorRT engine runs on a CUDA GPU and none is visible here: "
                         "give its .onnx file (ONNX Runtime runs it here)")
     if kind == "checkpoint":
-        run = dataclasses.replace(reference, checkpoint=settle_checkpoint(model, f"variants.{name}", source))
+        checkpoint = settle_checkpoint(model, f"variants.{name}", source)
+        check_kernels(checkpoint, app.torch_backend)
+        run = dataclasses.replace(reference, checkpoint=checkpoint)
     elif kind in ("onnx", "engine"):
         graph = model.family.backbones[0].graph
         run = dataclasses.replace(reference, backend="onnxruntime" if kind == "onnx" else "trt",

@@ -15,6 +15,7 @@ from ..config import (CAPTURING_COMPILE_MODES, InferApp, ShardBlock, TorchBacken
 from ..errors import UserError
 from ..export import onnx_graphs
 from .model import Checkpoint, Model, check_graph_made_for, settle_checkpoint, settle_model
+from ..families.pipeline import SamplingSettings
 from .sample import Sampling, settle_sampling
 
 BACKENDS = ("trt", "onnxruntime", "torch")
@@ -84,7 +85,7 @@ def settle_infer(cfg) -> InferRun:
     sampling = settle_sampling(model, app.sampling)
     pipeline = settle_pipeline(app, model, sampling.first.cache, sampling.first.geometry)
     report.require_writer(model.family.output, model.name)
-    checked_split(app, model, sampling)
+    check_split(pipeline.split, app.torch_backend, app.cuda_graph, model, sampling.first)
     replicas = parallel.replicas_of(pipeline.split, parallel.current_world())
     parallel.shard(list(sampling.runs), parallel.share_of(replicas, app.shard),
                    "prompt batches (prompts / sampling.batch_size)")
@@ -114,15 +115,21 @@ def checked_run_checkpoint(app, model: Model) -> Checkpoint | None:
     if not value:
         return None
     checkpoint = settle_checkpoint(model, key, value)
-    kernels = app.torch_backend
-    if kernels.quantized != "fake":
-        from ..quantize.recipe import ATTENTION_LEVEL
-        from ..runtime.torch_backend import check_format, no_attention_ranges
-
-        check_format(checkpoint.named, checkpoint.format, kernels.quantized)
-        if kernels.attention == "fp8" and float(checkpoint.quant_level) < ATTENTION_LEVEL:
-            raise no_attention_ranges(checkpoint.named, checkpoint.quant_level)
+    check_kernels(checkpoint, app.torch_backend)
     return checkpoint
+
+
+def check_kernels(checkpoint: Checkpoint, kernels) -> None:
+    """Refuses, before loading it, a checkpoint the kernels asked for (torch_backend.quantized,
+    .attention) cannot run: another format's, or FP8 attention from below level 4."""
+    if kernels.quantized == "fake":
+        return
+    from ..quantize.recipe import ATTENTION_LEVEL
+    from ..runtime.torch_backend import check_format, no_attention_ranges
+
+    check_format(checkpoint.named, checkpoint.format, kernels.quantized)
+    if kernels.attention == "fp8" and float(checkpoint.quant_level) < ATTENTION_LEVEL:
+        raise no_attention_ranges(checkpoint.named, checkpoint.quant_level)
 
 
 def check_cache_runs(cache, key: str, backend: str, cuda_graph: bool) -> None:
@@ -170,7 +177,8 @@ def stage_files(app, model: Model, cache, geometry) -> dict[str, StageFile]:
     for network in family.networks(cache):
         if network.name not in files:
             backbone = files[backbones[0]]
-            files[network.name] = StageFile(backbone.key, backbone.path.with_name(f"{network.name}{backbone.path.suffix}"))
+            passes = backbone.path.with_name(f"{network.name}{backbone.path.suffix}")
+            files[network.name] = StageFile(backbone.key, passes)
     if app.backend == "onnxruntime":
         found = {name: onnx_file(file, family.network(name)) for name, file in files.items()}
         for name in family.backbone_graphs():
@@ -211,26 +219,25 @@ def onnx_file(file: StageFile, network) -> StageFile:
     return StageFile(file.key, found, file.path)
 
 
-def checked_split(app, model: Model, sampling: Sampling) -> None:
-    """parallel.* as this run can take it: the process count, the guidance halves in each backbone
+def check_split(split: parallel.SampleSplit, torch_block, cuda_graph: bool, model: Model,
+                settings: SamplingSettings) -> None:
+    """parallel.* as a call can take it: the process count, the guidance halves in each backbone
     call's batch, the model's heads and tokens; no step caching or CUDA graphs (a cache hook decides
     on each process's own share, so the processes of a group could part ways; a captured graph
     would hold the group's collectives), which compile modes that capture graphs use too."""
-    split = parallel.SampleSplit(app.parallel.cfg, app.parallel.ulysses)
     if split.size == 1:
         return
-    torch_block = app.torch_backend
     captures = torch_block.compile and torch_block.compile_mode in CAPTURING_COMPILE_MODES
-    if sampling.first.cache is not None or app.cuda_graph or captures:
+    if settings.cache is not None or cuda_graph or captures:
         raise UserError(f"{split.named()} runs without step caching and CUDA graphs: set sampling.cache.method=none "
                         "and cuda_graph=false, and with torch_backend.compile=true a torch_backend.compile_mode that "
                         "captures none (default or max-autotune-no-cudagraphs)")
-    family, run = model.family, sampling.first
-    batches = family.text_to_image({}, model.parts, None, torch.device("cpu")).stage_batches(run)
-    halves = all(batches[backbone.graph] == 2 * len(run.image_prompts) for backbone in family.backbones)
+    family = model.family
+    batches = family.text_to_image({}, model.parts, None, torch.device("cpu")).stage_batches(settings)
+    halves = all(batches[backbone.graph] == 2 * len(settings.image_prompts) for backbone in family.backbones)
     parallel.check_split(split, parallel.current_world(), halves,
                          model.parts["backbone_config"].get("num_attention_heads"),
-                         family.sequence_tokens(model.parts, run.geometry), model.name)
+                         family.sequence_tokens(model.parts, settings.geometry), model.name)
 
 
 def run_record(app, sampling: Sampling, files: dict[str, StageFile]) -> dict:

@@ -58,7 +58,8 @@ class Checkpoint:
 
     @property
     def named(self) -> str:
-        return f"{self.key}={self.value}"
+        """The config key and value that named it, for messages (an in-memory one's name alone)."""
+        return self.key if self.folder is None else f"{self.key}={self.value}"
 
     @property
     def format(self) -> str:
@@ -80,7 +81,8 @@ def settle_checkpoint(model: Model, key: str, value: str) -> Checkpoint:
         raise UserError(f"{key}={path} was made from a {made_for} model, not from "
                         f"model={model.name} ({model.config.family}): choose its own model")
     checkpoint.check_backbone_files(path, key, family.backbone_attributes)
-    idle = [attribute for attribute, steps in record.get("calibration", {}).get("steps_served", {}).items() if not steps]
+    served = record.get("calibration", {}).get("steps_served", {})
+    idle = [attribute for attribute, steps in served.items() if not steps]
     if idle:
         raise UserError(f"{key}={path}: its {' and '.join(idle)} served none of the calibration's steps and has no "
                         "ranges: quantize again with more quantize.n_steps")

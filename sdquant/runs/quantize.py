@@ -80,9 +80,10 @@ def settle_quantize(cfg) -> QuantizeScript:
     guidance = settled_guidance(model, block)
     settled_block = freeze(dataclasses.replace(block, **guidance, **({} if sample is None else {
         "height": sample.geometry.height, "width": sample.geometry.width, "num_frames": sample.geometry.frames})))
-    run = QuantizeRun(model, calibration, folder, settled_block, None if sample is None else sample.geometry,
-                      tuple(load_prompts(calibration.prompts_file, block.calib_size)), dataclasses.asdict(app), app.force, app.device, app.dtype,
-                      app.cuda_graph, app.cpu_offload, app.run_quantization)
+    prompts = tuple(load_prompts(calibration.prompts_file, block.calib_size))
+    run = QuantizeRun(model, calibration, folder, settled_block, None if sample is None else sample.geometry, prompts,
+                      dataclasses.asdict(app), app.force, app.device, app.dtype, app.cuda_graph, app.cpu_offload,
+                      app.run_quantization)
     return QuantizeScript(run, _export_of(app, model, folder))
 
 

@@ -5,6 +5,7 @@ API's calls and a server's requests alike."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,20 +44,32 @@ def settle_call(model: Model, prompts: list[str], prefix: str = "", **asked) -> 
         validate_steps(values["steps"], f"{prefix}steps", model.parts["scheduler_config"])
     cache = settle_cache(model, cache_block(values["cache"], f"{prefix}cache"), f"{prefix}cache")
     geometry = sample.geometry
-    return SamplingSettings(prompts=list(prompts), negative_prompt=values["negative_prompt"], steps=values["steps"],
+    settings = SamplingSettings(prompts=list(prompts), negative_prompt=values["negative_prompt"], steps=values["steps"],
                             guidance_scale=sample.guidance_scale, height=geometry.height, width=geometry.width,
                             seed=values["seed"], images_per_prompt=values["num_images_per_prompt"],
                             long_prompts=values["long_prompts"], cache=cache, frames=geometry.frames, fps=sample.fps,
                             guidance_scale_2=sample.guidance_scale_2)
+    if settings.long_prompts == "error":
+        family.text_to_image({}, model.parts, None, torch.device("cpu")).refuse_cut_prompts([settings])
+    return settings
 
 
 def _check_values(values: dict, prefix: str) -> None:
-    """The values alone, before the model is asked: counts positive, names known."""
+    """The values alone, before the model is asked: their types, counts positive, scales finite,
+    names known (a None is the model's own, checked by its family)."""
     for key in ("steps", "num_images_per_prompt"):
-        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
+        if not _whole(values[key]) or values[key] < 1:
             raise UserError(f"{prefix}{key}={values[key]!r} must be a whole number, at least 1")
-    if isinstance(values["seed"], bool) or not isinstance(values["seed"], int):
-        raise UserError(f"{prefix}seed={values['seed']!r} must be a whole number")
+    for key in ("height", "width", "num_frames", "fps"):
+        if values[key] is not None and not _whole(values[key]):
+            raise UserError(f"{prefix}{key}={values[key]!r} must be a whole number")
+    if not _whole(values["seed"]) or not 0 <= values["seed"] < 2**63:
+        raise UserError(f"{prefix}seed={values['seed']!r} must be a whole number from 0 to 2**63 - 1")
+    for key in ("guidance_scale", "guidance_scale_2"):
+        scale = values[key]
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale < 0):
+            raise UserError(f"{prefix}{key}={scale!r} must be a number, 0 or more")
     if values["long_prompts"] not in LONG_PROMPTS:
         raise UserError(f"{prefix}long_prompts={values['long_prompts']!r} is unknown: choose "
                         f"{' or '.join(LONG_PROMPTS)}")
@@ -76,6 +89,10 @@ def cache_block(asked, key: str) -> CacheBlock:
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise UserError(f"{key}.{name}={value!r} must be {'a number' if kind is float else kind.__name__}")
     return CacheBlock(**asked)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def settle_cache(model: Model, block: CacheBlock, key: str):
@@ -123,14 +140,12 @@ def settle_sampling(model: Model, block: SamplingBlock) -> Sampling:
     """sampling.* as the pipeline calls take it: each prompt batch's call settled (settle_call), the
     scheduler (a null one the family's), prompts past the text encoders refused where
     long_prompts=error; says the size where it is the model's own."""
-    batches = prompt_batches(block, model.config)
-    first = settle_call(model, batches[0], "sampling.", **defaults_of(block))
     per_batch = block.batch_size * block.num_images_per_prompt
-    runs = tuple(dataclasses.replace(first, prompts=prompts, seed=block.seed + index * per_batch)
-                 for index, prompts in enumerate(batches))
+    values = defaults_of(block)
+    runs = tuple(settle_call(model, prompts, "sampling.", **{**values, "seed": block.seed + index * per_batch})
+                 for index, prompts in enumerate(prompt_batches(block, model.config)))
+    first = runs[0]
     scheduler = block.scheduler or model.family.default_scheduler
-    if block.long_prompts == "error":
-        model.family.text_to_image({}, model.parts, None, torch.device("cpu")).refuse_cut_prompts(runs)
     say_size(first.geometry, (block.height, block.width))
     record = {**dataclasses.asdict(block), "guidance_scale": first.guidance_scale,
               "guidance_scale_2": first.guidance_scale_2, "height": first.height, "width": first.width,

@@ -54,6 +54,11 @@ class HookCache:
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
+    @property
+    def stages_key(self) -> tuple:
+        """What its stages depend on: every setting, which the hook on the module holds."""
+        return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup)
+
     def config(self, transformer):
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 

@@ -69,13 +69,13 @@ def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, o
     images and scores (so that parts merge in the run's batch order)."""
     lpips, clip = metrics
     scores = scoring.SCORES[run.model.family.output]
-    # A graph variant (an ONNX file, an engine) loads in moments: it is checked against every batch,
-    # its fixed shapes or profiles, before any run.
-    graphs = {name: assemble(variant.pipeline, shared=reference) for name, variant in run.variants.items()
-              if variant.kind in ("onnx", "engine")}
-    for name, graph in graphs.items():
-        for _, settings in mine:
-            graph.check(settings, f"variants.{name}")
+    # A graph variant (an ONNX file, an engine) loads in moments: its fixed shapes or profiles are
+    # checked against every batch before any run, then it is let go until its turn.
+    for name, variant in run.variants.items():
+        if variant.kind in ("onnx", "engine"):
+            with assemble(variant.pipeline, shared=reference) as graph:
+                for _, settings in mine:
+                    graph.check(settings, f"variants.{name}")
     with stage("the unquantized reference runs"):
         references = _reference_runs(reference, [settings for _, settings in mine],
                                      scoring.reference_name(reference.dtype))
@@ -87,8 +87,7 @@ def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, o
             "variants": {}}
     for name, variant in run.variants.items():
         with stage(f"the runs of variant {name}"):
-            pipeline = graphs.get(name) or (reference if variant.kind == "unquantized" else
-                                            assemble(variant.pipeline, shared=reference))
+            pipeline = reference if variant.kind == "unquantized" else assemble(variant.pipeline, shared=reference)
             runs = _variant_runs(pipeline, name, variant.cache, references, [lpips, clip], scores)
             if pipeline is reference:
                 reference.use_cache(None)

@@ -4,6 +4,7 @@ drawing itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,8 @@ def _draw(pipeline: Pipeline, mine: list, total: int, writer: report.ImageWriter
             drawn = pipeline.run(settings)
             if writer is not None:
                 writer.submit(drawn.samples, index, settings)
-            return drawn
+            # The report keeps the call's times; its samples, once queued, go.
+            return dataclasses.replace(drawn, samples=None)
 
     first = draw(*mine[0])
     first_end = time.perf_counter()

@@ -67,6 +67,11 @@ class DeepCache:
     def full_step(self, step: int) -> bool:
         return step % self.interval == 0
 
+    @property
+    def stages_key(self) -> tuple:
+        """What its passes' stages depend on: the branch (the interval is the data flow's to read)."""
+        return ("deepcache", self.branch)
+
     def record(self) -> dict:
         """What the export records of its passes' graphs (and their fingerprints hold): the branch
         their engines' profiles size the cached feature by."""
