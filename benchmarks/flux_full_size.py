@@ -1,6 +1,6 @@
 """infer_trt.py's torch backend on the full-size Flux.1-dev architecture (random bf16 weights,
 1024x1024, 28 steps, guidance 3.5, one image) against diffusers' own compiled FluxPipeline, each
-variant in its own process (so peak memory is its own): the peers (torch_backend_full_size.PEERS:
+variant in its own process (so peak memory is its own): the peers (harness.peers.PEERS:
 the peer, peer_cudagraphs in mode="reduce-overhead", peer_autotune, and the peer with torchao's
 dynamic FP8 per row or per tensor, torchao_row and torchao_tensor, where torchao is installed: the
 `peers` extra), our compiled bf16 backend, our backend with FP8 GEMMs from this project's FP8
@@ -53,18 +53,21 @@ from sdquant.families.flux import family as flux
 from sdquant.families.base import full_size_on_gpu
 from sdquant.families.flux import FLUX
 from sdquant.load import quiet_libraries
-from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
-from torch_backend_full_size import (PEERS, add_compile_arguments, add_process_arguments, compile_peer,
-                                     cudagraph_skips, kernel_profile, nonfinite_values, one_process_each,
-                                     record_variant, time_calls, timed, use_compile_arguments, variant_name)
+from harness.caches import cache_block, hook_cache
+from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, time_calls, timed
+from harness.peers import (PEERS, add_attention_argument, add_compile_arguments, compile_peer, cudagraph_skips,
+                           peer_attention, use_compile_arguments, variant_name)
+from sdquant.runtime.attention import chosen_kernel
+from harness.processes import add_process_arguments, one_process_each, record_variant
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE, STEPS, GUIDANCE = 1024, 28, 3.5
 CUDA = torch.device("cuda")
 
 
-def peer(pipe, runs: int, variant: str = "peer", tuned: bool = False) -> dict:
+def peer(pipe, runs: int, variant: str = "peer", tuned: bool = False, attention_kernel: str = "auto") -> dict:
     pipe.transformer.fuse_qkv_projections()
+    kernel = peer_attention([pipe.transformer], attention_kernel, CUDA)
     setup = compile_peer(pipe, "transformer", variant, tuned)
 
     def call():
@@ -72,7 +75,7 @@ def peer(pipe, runs: int, variant: str = "peer", tuned: bool = False) -> dict:
                     output_type="pt", generator=torch.Generator("cuda").manual_seed(42)).images
 
     torch.cuda.reset_peak_memory_stats()
-    return {**time_calls(call, runs), **setup, "cudagraph_skips": cudagraph_skips(),
+    return {**time_calls(call, runs), **setup, "cudagraph_skips": cudagraph_skips(), "attention_kernel": kernel,
             "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
@@ -103,38 +106,23 @@ def build_variant(family, variant: str) -> tuple[object, dict]:
     return pipe, setup
 
 
-def cache_block(setting: str) -> dict | None:
-    """'taylorseer:<interval>[:<warm-up passes>]', 'taylorseer_blocks:<interval>[:<warm-up passes>]'
-    (3 unless given) or 'first_block:<threshold>' as a sampling.cache block; '' as none."""
-    if not setting:
-        return None
-    method, value, *warmup = setting.split(":")
-    if method in TAYLORSEER_METHODS:
-        return {"method": method, "interval": int(value), **({"warmup": int(warmup[0])} if warmup else {})}
-    return {"method": method, "threshold": float(value)}
-
-
-def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
-    """cache_block's setting as a cache hook on a transformer of these block lists (Flux's by
-    default), for a peer that hooks diffusers' own pipeline."""
-    block = cache_block(setting)
-    return None if block is None else HookCache(block["method"], block.get("interval", 1),
-                                                block.get("threshold", 0.0), stacks, block.get("warmup", 3))
-
-
-def our_pipeline(pipe, family: str, variant: str, cache: dict | None = None, tuned: bool = False):
+def our_pipeline(pipe, family: str, variant: str, cache: dict | None = None, tuned: bool = False,
+                 attention_kernel: str = "auto"):
     """`pipe` built into our pipeline as infer_trt.py builds it (sdquant.api.from_pipeline): compiled,
     with CUDA graphs unless a cache hook runs; an FP8 variant's transformer on FP8 kernels."""
     level = FP8_LEVELS.get(variant)
     return from_pipeline(pipe, family, None if level is None else ("fp8", level),
-                         torch_backend={"compile": True, "tune_kernels": tuned, **({"quantized": "fp8"} if level else {})},
+                         torch_backend={"compile": True, "tune_kernels": tuned, "attention_kernel": attention_kernel,
+                                        **({"quantized": "fp8"} if level else {})},
                          cuda_graph=cache is None, sampling={"scheduler": "flow_euler", **({"cache": cache} if cache else {})})
 
 
-def ours(pipe, variant: str, runs: int, cache: dict | None = None, profile: bool = False, tuned: bool = False) -> dict:
-    pipeline = our_pipeline(pipe, "flux", variant, cache, tuned)
+def ours(pipe, variant: str, runs: int, cache: dict | None = None, profile: bool = False, tuned: bool = False,
+         attention_kernel: str = "auto") -> dict:
+    pipeline = our_pipeline(pipe, "flux", variant, cache, tuned, attention_kernel)
     settings = pipeline.settle([PROMPT], steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, seed=42)
-    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline)}
+    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline),
+            "attention_kernel": chosen_kernel(attention_kernel, CUDA)}
 
 
 def conversion_row(pipeline) -> dict:
@@ -150,12 +138,15 @@ def time_one_image(pipeline, settings, runs: int, profile: bool = False) -> dict
     torch.cuda.reset_peak_memory_stats()
     first = timed(lambda: pipeline.run(settings, progress=False), 1)[0]
     pipeline.run(settings, progress=False)  # graph replays start with the third call
+    graphs = graphs_compiled()
     seconds = timed(lambda: pipeline.run(settings, progress=False), runs)
+    graphs = graphs_compiled() - graphs
     drawn = pipeline.run(settings, progress=False)
     stage = report.latency_report([(min(seconds), drawn.stage_seconds)], 1, settings.steps, ["transformer"])
     return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
             "transformer_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
-            "text_ms": stage["ms"]["text_encoders"], "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "text_ms": stage["ms"]["text_encoders"], "graphs_compiled_while_timed": graphs,
+            "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "nonfinite_values": nonfinite_values(drawn.samples),
             **({"call_profile": kernel_profile(lambda: pipeline.run(settings, progress=False), top=20)}
                if profile else {})}
@@ -166,9 +157,10 @@ def run_variant(variant: str, args, cache: dict | None) -> tuple[str, dict]:
     start = time.perf_counter()
     pipe, setup = build_variant(FLUX, variant)
     if variant in PEERS:
-        row = peer(pipe, args.runs, variant, tuned=args.tune_kernels)
+        row = peer(pipe, args.runs, variant, tuned=args.tune_kernels, attention_kernel=args.attention_kernel)
     else:
-        row = ours(pipe, variant, args.runs, cache, args.profile, tuned=args.tune_kernels)
+        row = ours(pipe, variant, args.runs, cache, args.profile, tuned=args.tune_kernels,
+                   attention_kernel=args.attention_kernel)
         if cache is not None:
             row["cache"] = hook_cache(args.cache).describe()
             variant = f"{variant}_{args.cache.replace(':', '_')}"
@@ -176,7 +168,8 @@ def run_variant(variant: str, args, cache: dict | None) -> tuple[str, dict]:
     ours_variant = variant not in PEERS
     variant = (variant_name(variant, args, ours=ours_variant)
                + "_diffusers_rotary" * (args.diffusers_rotary and ours_variant)
-               + "_per_step_modulations" * (args.per_step_modulations and ours_variant))
+               + "_per_step_modulations" * (args.per_step_modulations and ours_variant)
+               + f"_{args.attention_kernel}" * (args.attention_kernel != "auto"))
     print(f"{variant}: best end to end {row['best_s']:.3f} s, first call {row['first_call_s']:.1f} s, "
           f"inference peak {row['inference_peak_gib']:.1f} GiB (set-up {row['setup_peak_gib']:.1f}), transformer "
           f"{row.get('transformer_ms_per_step', float('nan')):.1f} ms per step, non-finite values "
@@ -193,6 +186,7 @@ def main() -> None:
                                                     "taylorseer_blocks:<interval> or first_block:<threshold>")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     add_compile_arguments(parser)
+    add_attention_argument(parser)
     add_process_arguments(parser)
     parser.add_argument("--diffusers-rotary", action="store_true",
                         help="our variants keep q and k in diffusers' order (no use_rotary_halves); names each "

@@ -51,7 +51,7 @@ from sdquant import report
 from sdquant.runtime.compiled_forms import tanh_gelu
 from sdquant.runtime.kernels.fp8 import to_fp8
 from group_norm_kernels import ms_per_call
-from torch_backend_full_size import kernel_profile
+from harness.measure import kernel_profile
 
 HEADS, HEAD_DIM, MLP = 24, 128, 12288
 EPS = 1e-6

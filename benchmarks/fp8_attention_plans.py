@@ -25,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sdquant import report
 from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
-from sdquant.runtime.kernels.fp8_attention import CudnnGraph, _handle, _softmax_scales
+from sdquant.runtime.kernels.fp8_attention import (FLASH3_MODULES, CudnnGraph, _handle, _softmax_scales, flash3_function,
+                                                   flash3_module)
 
 from group_norm_kernels import ms_per_call
 
@@ -91,15 +92,15 @@ def fp8_rows(shape, layout: str, repeats: int, flops: float) -> list[dict]:
 
 
 def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
-    """FlashAttention-3 (flash_attn_interface, built from source for Hopper: benchmarks/build_flash3.sh)
-    in the tokens-major layout it reads: its bf16 forward, with its output's largest difference from
+    """FlashAttention-3 (the module installed: fa3-fwd's from PyPI, or the source build of
+    benchmarks/build_flash3.sh) in the tokens-major layout it reads: its bf16 forward, with its output's largest difference from
     torch's cuDNN attention, and its FP8 forward on the same FP8 q, k and v as cuDNN's with their
     per-tensor scales, with its bf16 output's largest difference from cuDNN's FP8 output
     (dequantized) over the values' range. A row saying why where it is not installed."""
-    try:
-        from flash_attn_interface import flash_attn_func
-    except ImportError as error:
-        return [{"kernel": "flash-attention 3", "missing": f"{error}"}]
+    module = flash3_module()
+    if module is None:
+        return [{"kernel": "flash-attention 3", "missing": f"none of {', '.join(FLASH3_MODULES)} is installed"}]
+    flash_attn_func = flash3_function()
     bf16 = inputs(shape, "tokens-major", seed=0)
     batch, heads, _, head_dim = shape
     tokens_major = {name: x.transpose(1, 2) for name, x in bf16.items()}
@@ -119,7 +120,7 @@ def flash3_rows(shape, repeats: int, flops: float) -> list[dict]:
         ms = ms_per_call(call, repeats)
         out = call().float().transpose(1, 2)
         name, reference = references[kernel]
-        rows.append({"layout": "tokens-major", "kernel": kernel, "ms": ms, "tflops": flops / ms / 1e9,
+        rows.append({"layout": "tokens-major", "kernel": kernel, "module": module, "ms": ms, "tflops": flops / ms / 1e9,
                      f"largest_difference_from_{name}": float((out - reference).abs().max()),
                      "values_amax": float(bf16["v"].abs().amax())})
         print(json.dumps(rows[-1]), flush=True)

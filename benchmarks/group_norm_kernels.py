@@ -28,7 +28,8 @@ from sdquant.families.sd import SDXL
 from sdquant.load import quiet_libraries
 from sdquant.runtime.compiled_forms import pin_channels_last_outputs, use_compiled_forms
 
-from torch_backend_full_size import kernel_profile, quantized_unet
+from harness.measure import kernel_profile
+from torch_backend_full_size import quantize_unet
 
 LAYOUTS = ("as_is", "pinned", "pinned_statistics")
 
@@ -94,7 +95,7 @@ def main() -> None:
         parser.error(f"--layouts {args.layouts}: give some of {', '.join(LAYOUTS)}, in that order")
     quiet_libraries()
     pipe = full_size_on_gpu(SDXL)
-    quantized_unet(pipe, "fp8")
+    quantize_unet(pipe, "fp8")
     unet = pipe.unet.to(memory_format=torch.channels_last)
     inputs = unet_inputs(args.samples)
     args.out.parent.mkdir(parents=True, exist_ok=True)

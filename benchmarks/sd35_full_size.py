@@ -34,17 +34,21 @@ from sdquant.families.sd3 import SD3
 from sdquant.load import quiet_libraries
 from flux_full_size import (FP8_LEVELS, GUIDANCE, PROMPT, SIZE, STEPS, build_variant, conversion_row, our_pipeline,
                             time_one_image)
-from torch_backend_full_size import (add_compile_arguments, add_process_arguments, one_process_each, peer_compile,
-                                     record_variant, time_calls, use_compile_arguments, variant_name)
+from harness.measure import time_calls
+from harness.peers import (add_attention_argument, add_compile_arguments, peer_attention, peer_compile,
+                           use_compile_arguments, variant_name)
+from sdquant.runtime.attention import chosen_kernel
+from harness.processes import add_process_arguments, one_process_each, record_variant
 
 CUDA = torch.device("cuda")
 VARIANTS = ("peer", "compiled", *FP8_LEVELS)
 
 
-def peer(pipe, runs: int, mode: str, tuned: bool) -> dict:
+def peer(pipe, runs: int, mode: str, tuned: bool, attention_kernel: str) -> dict:
     pipe.transformer.to(memory_format=torch.channels_last)
     pipe.vae.to(memory_format=torch.channels_last)
     pipe.transformer.fuse_qkv_projections()
+    kernel = peer_attention([pipe.transformer], attention_kernel, CUDA)
     pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, **peer_compile(tuned, mode))
     pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned, mode))
 
@@ -54,20 +58,22 @@ def peer(pipe, runs: int, mode: str, tuned: bool) -> dict:
                     **SD3.pipeline_call_kwargs(pipe)).images
 
     torch.cuda.reset_peak_memory_stats()
-    return {**time_calls(call, runs), "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {**time_calls(call, runs), "inference_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "attention_kernel": kernel}
 
 
-def ours(pipe, variant: str, runs: int, profile: bool, tuned: bool) -> dict:
-    pipeline = our_pipeline(pipe, "sd3", variant, tuned=tuned)
+def ours(pipe, variant: str, runs: int, profile: bool, tuned: bool, attention_kernel: str) -> dict:
+    pipeline = our_pipeline(pipe, "sd3", variant, tuned=tuned, attention_kernel=attention_kernel)
     settings = pipeline.settle([PROMPT], steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, seed=42)
-    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline)}
+    return {**time_one_image(pipeline, settings, runs, profile), **conversion_row(pipeline),
+            "attention_kernel": chosen_kernel(attention_kernel, CUDA)}
 
 
 def run_variant(variant: str, args) -> dict:
     start = time.perf_counter()
     pipe, setup = build_variant(SD3, variant)
-    row = peer(pipe, args.runs, args.peer_mode, args.tune_kernels) if variant == "peer" else \
-        ours(pipe, variant, args.runs, args.profile, args.tune_kernels)
+    row = peer(pipe, args.runs, args.peer_mode, args.tune_kernels, args.attention_kernel) if variant == "peer" else \
+        ours(pipe, variant, args.runs, args.profile, args.tune_kernels, args.attention_kernel)
     row.update(setup, wall_s=time.perf_counter() - start, tune_kernels=args.tune_kernels)
     if variant == "peer":
         row["compile_mode"] = args.peer_mode
@@ -85,6 +91,7 @@ def main() -> None:
     parser.add_argument("--peer-mode", default="default", help="the peer's torch.compile mode")
     parser.add_argument("--profile", action="store_true", help="our variants: GPU time per kernel over one call")
     add_compile_arguments(parser)
+    add_attention_argument(parser)
     add_process_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -101,7 +108,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "versions": report.library_versions(), "resolution": SIZE,
         "steps": STEPS, "guidance": GUIDANCE, "batch": 1, "variants": {}}
     use_compile_arguments(args)
-    name = variant_name(variants[0], args, ours=variants[0] != "peer")
+    name = variant_name(variants[0], args, ours=variants[0] != "peer") + \
+        f"_{args.attention_kernel}" * (args.attention_kernel != "auto")
     record_variant(results, args.out, variants[0], lambda: (name, run_variant(variants[0], args)))
     print(f"wrote {args.out}")
 

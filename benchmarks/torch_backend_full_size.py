@@ -48,19 +48,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from sdquant import report
 from sdquant.api import from_pipeline
-from sdquant.runtime import torch_backend
 from sdquant.config import QuantFormat, QuantizeBlock, TorchBackendBlock
 from sdquant.families.base import full_size_on_gpu
 from sdquant.families.sd import SDXL
@@ -68,6 +62,9 @@ from sdquant.load import quiet_libraries
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
 from sdquant.runtime.kernels.fp8_layers import Fp8Conv2d
+from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, time_calls, timed
+from harness.peers import PEERS, add_compile_arguments, compile_peer, cudagraph_skips, use_compile_arguments, variant_name
+from harness.processes import add_process_arguments, one_process_each, record_variant
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SIZE = 1024
@@ -76,185 +73,6 @@ NEMO_H100_MS = {"framework fp16": [3056.01, 4832.24, 8433.71], "TensorRT fp16": 
                 "TensorRT INT8": [1406.68, 2403.29, 4252.6]}
 # One UNet call at batch 2 and 1024x1024: 13.5 TFLOP.
 UNET_TFLOP_BATCH2 = 13.5
-
-
-def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tune-kernels", action="store_true",
-                        help="compile with coordinate descent tuning, the peer included (our "
-                             "torch_backend.tune_kernels=true); names each variant <variant>_tuned")
-    parser.add_argument("--exact-gelu", action="store_true",
-                        help="our variants keep torch's tanh GELU (no sigmoid form, "
-                             "sdquant.runtime.compiled_forms); names each variant <variant>_exact_gelu")
-
-
-def use_compile_arguments(args) -> None:
-    """--exact-gelu: our variants keep torch's tanh GELU (speed_up looks the form up here)."""
-    if args.exact_gelu:
-        torch_backend.use_sigmoid_gelu = lambda module: None
-
-
-def peer_compile(tuned: bool, mode: str = "default") -> dict:
-    """torch.compile's keywords for the peer: its mode, and with --tune-kernels the tuning ours
-    gets (the setting diffusers' own torch.compile guide gives)."""
-    return torch_backend.compile_settings(TorchBackendBlock(compile_mode=mode, tune_kernels=tuned))
-
-
-def variant_name(variant: str, args, ours: bool) -> str:
-    return variant + "_tuned" * args.tune_kernels + "_exact_gelu" * (args.exact_gelu and ours)
-
-
-def add_process_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variant-timeout", type=float, default=0,
-                        help="with several variants, seconds after which a variant's process is stopped and its "
-                             "row says so (0: none)")
-
-
-def one_process_each(args, variants: list[str]) -> bool:
-    """With several variants, runs this script again for each, in a process of its own and with the
-    same arguments (the last --variants wins), and says that it did; a variant's process that is
-    stopped (--variant-timeout) or dies before writing its row gets the reason as its row. Exits 1
-    after the last variant if any failed."""
-    if len(variants) < 2:
-        return False
-    failed = []
-    for variant in variants:
-        code = run_alone([sys.executable, sys.argv[0], *sys.argv[1:], "--variants", variant], args.variant_timeout)
-        error = (f"stopped after {args.variant_timeout:g} s (its log says the step it was in)" if code is None
-                 else f"its process was killed by signal {-code}" if code < 0 else None)
-        if error:
-            results = json.loads(args.out.read_text()) if args.out.is_file() else {"variants": {}}
-            results["variants"][variant] = {"error": error}
-            write_results(results, args.out)
-        if code:
-            print(f"{variant}: failed ({error or f'exit code {code}'})", flush=True)
-            failed.append(variant)
-    if failed:
-        sys.exit(1)
-    return True
-
-
-def run_alone(command: list[str], timeout: float) -> int | None:
-    """`command`'s exit code, run in a process group of its own; None where it ran past `timeout`
-    seconds (0: no limit) and was stopped, with its children (the compiler's workers)."""
-    process = subprocess.Popen(command, start_new_session=True)
-    try:
-        return process.wait(timeout=timeout or None)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def write_results(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-
-
-def record_variant(results: dict, out: Path, variant: str, run) -> None:
-    """`run()` (the variant's name and row) as the variant's row in `out`; where it raises, the
-    error as its row (one line for a module that does not import, else the traceback on stderr),
-    and the process exits 1."""
-    try:
-        name, row = run()
-    except Exception as error:  # written down, then the process fails
-        if isinstance(error, ImportError):
-            print(f"{variant}: {error.name or 'a module'} does not import: {error}", flush=True)
-        else:
-            traceback.print_exc()
-        results["variants"][variant] = {"error": f"{type(error).__name__}: {error}"}
-        write_results(results, out)
-        sys.exit(1)
-    results["variants"][name] = row
-    write_results(results, out)
-
-
-def timed(fn, runs: int) -> list[float]:
-    """`fn()`'s seconds over `runs` calls, each synchronized where a GPU runs it (a CPU dry run
-    needs no wait)."""
-    wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    seconds = []
-    for _ in range(runs):
-        wait()
-        start = time.perf_counter()
-        fn()
-        wait()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def nonfinite_values(output: torch.Tensor) -> int:
-    """How many of a variant's output values (images or latents) are NaN or infinite: an 8-bit path
-    that overflows shows here, not in its time."""
-    return int(output.numel() - torch.isfinite(output).sum())
-
-
-def time_calls(call, runs: int) -> dict:
-    """`call()`'s first call (where it compiles), its times over `runs` calls after it, and the
-    non-finite values of its last output."""
-    last = [None]
-
-    def keep():
-        last[0] = call()
-
-    first = timed(keep, 1)[0]
-    seconds = timed(keep, runs)
-    return {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
-            "nonfinite_values": nonfinite_values(last[0])}
-
-
-# diffusers' pipeline as a user would speed it up: torch.compile's mode, and the granularity of
-# torchao's dynamic FP8 on the backbone's Linear layers (None: 16 bits).
-PEERS = {"peer": ("default", None), "peer_cudagraphs": ("reduce-overhead", None),
-         "peer_autotune": ("max-autotune-no-cudagraphs", None), "torchao_row": ("default", "PerRow"),
-         "torchao_tensor": ("default", "PerTensor")}
-
-
-def torchao_fp8(backbone, granularity: str) -> dict:
-    """Turns `backbone`'s Linear layers into torchao's dynamic FP8 at `granularity` (PerRow or
-    PerTensor) as torchao_probe.torchao_config sets it up (the compiler's settings left alone, the
-    activation scale floored); returns what it did and what torchao's import said (its version,
-    which of its C++ extensions loaded: its FP8 Linear layers call torch._scaled_mm and need none
-    of them)."""
-    from torchao_probe import import_torchao, torchao_config
-
-    _, status = import_torchao()
-    from torchao.quantization import quantize_
-
-    print(f"torchao {status['version']}, C++ extensions loaded: {status['cpp_extensions_loaded'] or 'none'}; "
-          f"quantize_ with {granularity}", flush=True)
-    start = time.perf_counter()
-    config = torchao_config(granularity)
-    quantize_(backbone, config)
-    linear = [module for module in backbone.modules() if isinstance(module, torch.nn.Linear)]
-    return {**status, "granularity": granularity, "activation_value_lb": config.activation_value_lb,
-            "set_inductor_config": config.set_inductor_config, "quantize_s": time.perf_counter() - start,
-            "fp8_linear_layers": sum(type(module.weight) is not torch.nn.Parameter for module in linear),
-            "linear_layers": len(linear)}
-
-
-def compile_peer(pipe, backbone: str, variant: str, tuned: bool) -> dict:
-    """Compiles `pipe`'s backbone (after torchao's FP8 for a torchao variant) and its VAE decoder as
-    `variant` of PEERS does, after the family's own recipe; returns what the row records of it."""
-    mode, granularity = PEERS[variant]
-    module = getattr(pipe, backbone)
-    record = {"compile_mode": mode, "dtype": str(module.dtype).removeprefix("torch.")}
-    if granularity:
-        record["torchao"] = torchao_fp8(module, granularity)
-    if mode == "reduce-overhead":
-        torch._logging.set_logs(perf_hints=True)  # says why a graph runs without its CUDA graph, if one does
-    setattr(pipe, backbone, torch.compile(module, fullgraph=True, **peer_compile(tuned, mode)))
-    pipe.vae.decode = torch.compile(pipe.vae.decode, fullgraph=True, **peer_compile(tuned, mode))
-    print(f"{variant}: first call (compiles, mode {mode})", flush=True)
-    return record
-
-
-def cudagraph_skips() -> int:
-    """How often inductor ran a graph without the CUDA graph its mode asked for (reduce-overhead)."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["cudagraph_skips"]
 
 
 def peer_pipeline(pipe, variant: str, tuned: bool) -> tuple[object, dict]:
@@ -316,12 +134,14 @@ def measure_ours(pipeline, batch: int, steps_list: list[int], runs: int) -> tupl
         settings = pipeline.settle([PROMPT] * batch, steps=steps, guidance_scale=5.0, height=SIZE, width=SIZE, seed=42)
         first = timed(lambda: pipeline.run(settings, progress=False), 1)[0]
         pipeline.run(settings, progress=False)  # replays start with the 3rd call
+        graphs = graphs_compiled()
         seconds = timed(lambda: pipeline.run(settings, progress=False), runs)
+        graphs = graphs_compiled() - graphs
         drawn = pipeline.run(settings, progress=False)
         stage = report.latency_report([(min(seconds), drawn.stage_seconds)], batch, steps, ["unet_xl"])
         result[f"{steps}_steps"] = {"first_call_s": first, "end_to_end_s": seconds, "best_s": min(seconds),
                                     "unet_ms_per_step": stage["ms"]["backbone_per_step"], "vae_ms": stage["ms"]["vae"],
-                                    "text_ms": stage["ms"]["text_encoders"],
+                                    "text_ms": stage["ms"]["text_encoders"], "graphs_compiled_while_timed": graphs,
                                     "nonfinite_values": nonfinite_values(drawn.samples)}
     return result, (drawn.samples * 255).round().to(torch.uint8).cpu()
 
@@ -345,23 +165,6 @@ def save_images(images: torch.Tensor, path: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(images, path)
     return {"file": path.name, "sha256": hashlib.sha256(images.numpy().tobytes()).hexdigest()}
-
-
-def kernel_profile(call, top: int = 12) -> list[dict]:
-    """GPU time per kernel over one `call()` (after warm-up), the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        call()
-        torch.cuda.synchronize()
-    rows = sorted(((e.key, e.device_time_total / 1000, e.count) for e in trace.key_averages()
-                   if e.device_time_total > 0), key=lambda row: -row[1])
-    total = sum(ms for _, ms, _ in rows)
-    return [{"kernel": name[:120], "ms": ms, "calls": count} for name, ms, count in rows[:top]] + \
-        [{"kernel": "total", "ms": total, "calls": sum(c for _, _, c in rows)}]
 
 
 def stage_profiles(pipeline, batch: int) -> dict[str, list[dict]]:

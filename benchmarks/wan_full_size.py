@@ -77,11 +77,13 @@ from sdquant.families.wan.sizes import expert
 from sdquant.load import quiet_libraries
 from sdquant.quantize.calibrate import quantize_backbones
 from sdquant.runtime import torch_backend
-from sdquant.runtime.attention import DIFFUSERS_FLASH3, chosen_kernel, use_attention_kernel
+from sdquant.runtime.attention import chosen_kernel, use_attention_kernel
 from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
-from flux_full_size import cache_block, hook_cache
-from torch_backend_full_size import kernel_profile, nonfinite_values, one_process_each, record_variant, timed
+from harness.caches import cache_block, hook_cache
+from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, timed
+from harness.peers import peer_attention
+from harness.processes import one_process_each, record_variant
 
 PROMPT = "a red fox running through fresh snow in a pine forest at dawn, cinematic"
 FAMILIES = {"wan": WAN, "wan_ti2v": WAN_TI2V}
@@ -220,9 +222,10 @@ def time_call(call, calls: int) -> dict:
         last[0] = call()
 
     first = timed(keep, 1)[0]
+    graphs = graphs_compiled()
     seconds = timed(keep, calls)
     return {"first_call_s": first, "call_s": seconds, "best_call_s": min(seconds), "call_peak_gib": peak_gib(),
-            "nonfinite_values": nonfinite_values(last[0])}
+            "graphs_compiled_while_timed": graphs_compiled() - graphs, "nonfinite_values": nonfinite_values(last[0])}
 
 
 def peer_row(family, args, device: torch.device) -> dict:
@@ -230,7 +233,7 @@ def peer_row(family, args, device: torch.device) -> dict:
     one after the other as WanPipeline calls them."""
     module = one_expert(family, args, device)
     resident = weights_gib({"expert": module})["expert"]
-    kernel = peer_attention([module], args, device)
+    kernel = peer_attention([module], args.attention_kernel, device)
     compiled = torch.compile(module, fullgraph=True)
     halves = batch_parts(expert_inputs(family, module, args, 2, device, torch.bfloat16), 2)
 
@@ -244,17 +247,6 @@ def peer_row(family, args, device: torch.device) -> dict:
     return {**row, "step_s": row["best_call_s"], "one_expert_weights_gib": resident,
             "attention_kernel": kernel,
             "compile": "torch.compile(transformer, fullgraph=True), default mode; two calls of one video a step"}
-
-
-def peer_attention(modules: list, args, device: torch.device) -> str:
-    """The peer's attention kernel on diffusers' transformers: its FlashAttention-3 backend for
-    --attention-kernel flash3, else diffusers' default (torch's SDPA)."""
-    if args.attention_kernel != "flash3":
-        return "torch"
-    chosen_kernel("flash3", device)
-    for module in modules:
-        module.set_attention_backend(DIFFUSERS_FLASH3)
-    return "flash3"
 
 
 def ours_row(variant: str, family, args, device: torch.device) -> dict:
@@ -317,11 +309,9 @@ def warm_then_timed(warm_up, video) -> dict:
     specializes on the hook's step counter, every step), then one timed `video()`: its seconds,
     peak, non-finite values and the graphs dynamo compiled during it (0 where the warm-up covered
     it all)."""
-    from torch._dynamo.utils import counters
-
     with torch.no_grad():
         warm_s = timed(warm_up, 1)[0]
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = graphs_compiled()
         peak_gib(reset=True)
         start = time.perf_counter()
         output = video()
@@ -329,7 +319,7 @@ def warm_then_timed(warm_up, video) -> dict:
         seconds = time.perf_counter() - start
     return {"warm_up_video_s": warm_s, "video_s": seconds, "videos_per_s": 1 / seconds,
             "video_peak_gib": peak_gib(), "nonfinite_values": nonfinite_values(output),
-            "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs}
+            "graphs_compiled_while_timed": graphs_compiled() - graphs}
 
 
 def peer_video_row(family, args, device: torch.device) -> dict:
@@ -359,7 +349,7 @@ def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.devi
     """Each of `pipe`'s experts (transformer_2 is None for the TI2V-5B) compiled as peer_row compiles
     one, under `cache`'s diffusers hook where given; what the row records of it."""
     experts = [name for name in ("transformer", "transformer_2") if getattr(pipe, name) is not None]
-    kernel = peer_attention([getattr(pipe, name) for name in experts], args, device)
+    kernel = peer_attention([getattr(pipe, name) for name in experts], args.attention_kernel, device)
     for name in experts:
         module = getattr(pipe, name)
         if cache is not None:

@@ -4,12 +4,10 @@ projections that read one input as one FP8 GEMM, and, where the checkpoint calib
 going into the next FP8 GEMM as it is.
 
 torch_backend.attention_kernel picks the kernels: torch's (its scaled_dot_product_attention in 16
-bits, cuDNN's FP8 attention) or FlashAttention-3's, faster on Hopper at a video's length: at the
-A14B's 75,600 tokens (batch 2, 40 heads, head_dim 128, H200) its bf16 forward took 358 ms against
-torch's cuDNN kernel's 416, its FP8 one 255 ms against cuDNN's 285
-(benchmarks/results/fp8_attention_plans_fa3_h200.json). It has no package on PyPI
-(benchmarks/build_flash3.sh builds one), so auto takes it where it is installed and the GPU is a
-Hopper.
+bits, cuDNN's FP8 attention) or FlashAttention-3's, faster on Hopper at a video's length
+(benchmarks/results/fp8_attention_plans_fa3_h200.json). FlashAttention-3 is an optional install
+(fa3-fwd, in the fp8-attention extra, or a source build), so auto takes it where it is installed
+and the GPU is a Hopper.
 
 Each family gives the processor that runs its attention so (ModelFamily.fp8_attention_processor):
 diffusers' own processor for that attention step for step (the same reshapes, q/k norms, rotary
@@ -21,7 +19,6 @@ or the block's proj_out where the attention has none).
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +27,16 @@ from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
-from .kernels.fp8_attention import flash3_attention_rounded, fp8_attention
+from .kernels.fp8_attention import FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module, fp8_attention
 from ..quantize.shared_ranges import AttentionProjections, attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
 # An attention layer's mark that it runs FlashAttention-3 (use_attention_kernel).
 FLASH3 = "sdquant_flash3"
-# FlashAttention-3's module, and diffusers' name for it as an attention backend.
-FLASH3_MODULE = "flash_attn_interface"
+# diffusers' name for FlashAttention-3 as an attention backend.
 DIFFUSERS_FLASH3 = "_flash_3"
-# Its 16-bit attention's one precision: the wheel benchmarks/build_flash3.sh makes has no fp16
-# kernels, so fp16 attention (SDXL's) keeps torch's.
+# Its 16-bit attention's one precision: neither fa3-fwd's wheel nor the one benchmarks/build_flash3.sh
+# makes has fp16 kernels, so fp16 attention (SDXL's) keeps torch's.
 FLASH3_16_BIT = torch.bfloat16
 
 
@@ -52,9 +48,9 @@ def flash3_missing(device: torch.device) -> str | None:
     if major != 9:
         return (f"FlashAttention-3's kernels are Hopper's (sm90) and {torch.cuda.get_device_name(device)} is "
                 f"sm{major}{minor}")
-    if importlib.util.find_spec(FLASH3_MODULE) is None:
-        return (f"{FLASH3_MODULE} is not installed (PyPI has no FlashAttention-3 wheel: build one with "
-                "benchmarks/build_flash3.sh)")
+    if flash3_module() is None:
+        return (f"FlashAttention-3 is not installed (no module {' or '.join(FLASH3_MODULES)}): "
+                "pip install fa3-fwd, which the fp8-attention extra brings, or build it with benchmarks/build_flash3.sh")
     return None
 
 
@@ -95,6 +91,7 @@ def use_attention_kernel(backbone: torch.nn.Module, kernel: str, split_later: bo
     keep torch's kernel already."""
     if kernel != "flash3":
         return
+    provide_diffusers_flash3()
     diffusers_layers = not split_later and getattr(backbone, "dtype", None) == FLASH3_16_BIT
     for attn in attention_modules(backbone):
         setattr(attn, FLASH3, True)
@@ -102,6 +99,17 @@ def use_attention_kernel(backbone: torch.nn.Module, kernel: str, split_later: bo
         if (diffusers_layers and hasattr(processor, "_attention_backend")
                 and getattr(processor, "_parallel_config", None) is None):
             processor._attention_backend = DIFFUSERS_FLASH3
+
+
+def provide_diffusers_flash3() -> None:
+    """diffusers' FlashAttention-3 backend calls the function it imported from the source build's
+    module when diffusers was imported, and holds None where only fa3-fwd is installed: it is
+    handed fa3-fwd's, which takes the same arguments. (Without either, as in the CPU tests, the
+    layers run their twins.)"""
+    from diffusers.models import attention_dispatch
+
+    if attention_dispatch.flash_attn_3_func is None and flash3_module() is not None:
+        attention_dispatch.flash_attn_3_func = flash3_function()
 
 
 def flash3_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

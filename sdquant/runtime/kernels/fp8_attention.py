@@ -25,6 +25,9 @@ kernel.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 from ...quantize.recipe import SOFTMAX_AMAX
@@ -216,12 +219,27 @@ def _graph(handle, q, k, v, out, softmax_scale: float) -> CudnnGraph:
     return _GRAPHS[key]
 
 
+# FlashAttention-3's Python modules, the first installed taken: the source build's
+# (benchmarks/build_flash3.sh), then fa3-fwd's from PyPI (the fp8-attention extra), a build of the
+# same forward kernels under another module name whose flash_attn_func takes the same arguments.
+FLASH3_MODULES = ("flash_attn_interface", "fa3_fwd_interface")
+
+
+def flash3_module() -> str | None:
+    """The FlashAttention-3 module installed (FLASH3_MODULES' first found); None without one."""
+    return next((name for name in FLASH3_MODULES if importlib.util.find_spec(name) is not None), None)
+
+
+def flash3_function():
+    """FlashAttention-3's flash_attn_func, from the module installed."""
+    return importlib.import_module(flash3_module()).flash_attn_func
+
+
 @flash3_fp8_attention.register_kernel("cuda")
 def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
     # FlashAttention-3 reads (batch, tokens, heads, head_dim) views and takes descales per (batch,
     # head): the per-tensor ones, repeated.
-    from flash_attn_interface import flash_attn_func
-
+    flash_attn_func = flash3_function()
     batch, heads = q.shape[:2]
     descales = {f"{name}_descale": scale.reshape(1, 1).expand(batch, heads).contiguous()
                 for name, scale in (("q", q_scale), ("k", k_scale), ("v", v_scale))}

@@ -1,0 +1,125 @@
+"""The headline rows of each family: the peer (what a user runs instead), ours in 16 bits, ours in
+FP8, and ours in FP8 with its step cache, each one process of a benchmark script, and where each
+row's quality figure comes from.
+
+Every row pins its attention kernel, so that a ratio compares like with like: the peer takes the
+best its library offers that pip installs (diffusers' default, torch's SDPA, where no
+FlashAttention-3 is installed), ours the same, and where ours runs faster on a kernel the peer
+cannot use (FlashAttention-3 in FP8), that row stands beside the one on the peer's kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Quality:
+    """Where a row's quality figure is: a summary of benchmarks/quality_over_calibrations.py (the
+    mean over calibrations with its range), the setting's key in it, and the figure judged."""
+
+    summary: str
+    setting: str | None  # None: the unquantized reference
+    judged: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str  # the row's name in the headline results
+    label: str  # what the README's table calls it
+    side: str  # "peer" or "ours"
+    args: tuple[str, ...]  # the benchmark script's arguments for this row alone
+    variant: str  # the name the script gives the row in its results
+    attention: str  # the attention kernel the row runs: torch (SDPA, cuDNN's FP8) or flash3
+    needs: str = ""  # what a user installs beyond `pip install -e .` to reach it
+    quality: Quality | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    family: str
+    title: str  # the table's caption: model, geometry, steps, batch
+    script: str  # the benchmark script under benchmarks/
+    common: tuple[str, ...]  # arguments every row takes
+    unit: str  # what `seconds` times
+    rate: str  # what a call makes, for a rate column ("images"); "" where a rate says nothing (a step)
+    per_call: int  # how many of them one timed call makes
+    seconds_key: tuple[str, ...]  # the path to the timed seconds in a row of the script's results
+    rows: tuple[Row, ...]
+
+    def row(self, key: str) -> Row:
+        return next(row for row in self.rows if row.key == key)
+
+
+SDXL_QUALITY = "benchmarks/results/quality_means_scenes_sdxl_cpu_summary.json"
+FLUX_QUALITY = "benchmarks/results/quality_means_scenes_flux_cpu_fp8_summary.json"
+WAN_QUALITY = "benchmarks/results/quality_means_scenes_wan_cpu_fp8_summary.json"
+FP8_ATTENTION = "the fp8-attention extra (cuDNN's FP8 attention)"
+FLASH3 = "the fp8-attention extra on a Hopper GPU (FlashAttention-3's forward, fa3-fwd)"
+
+SCENARIOS = {
+    "sdxl": Scenario(
+        family="sdxl", title="SDXL, 1024x1024, 20 steps, 8 images a call", script="torch_backend_full_size.py",
+        common=("--batch", "8", "--steps", "20", "--runs", "3"), unit="s a call", rate="images", per_call=8,
+        seconds_key=("20_steps", "best_s"),
+        rows=(
+            Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer"), "peer", "torch",
+                quality=Quality(SDXL_QUALITY, None, "two objects")),
+            Row("ours_16bit", "ours, fp16 compiled + CUDA graphs", "ours", ("--variants", "compiled"), "compiled",
+                "torch", quality=Quality(SDXL_QUALITY, None, "two objects")),
+            Row("ours_fp8", "ours, FP8 level 3", "ours", ("--variants", "fp8"), "fp8", "torch",
+                quality=Quality(SDXL_QUALITY, "fp8_l3", "two objects")),
+            Row("ours_fp8_cache", "ours, FP8 level 3 + DeepCache every 2 steps", "ours",
+                ("--variants", "fp8", "--cache-interval", "2"), "fp8_deepcache_i2_b0", "torch",
+                quality=Quality(SDXL_QUALITY, "fp8_l3_deepcache2", "two objects")),
+        )),
+    "flux": Scenario(
+        family="flux", title="Flux.1-dev, 1024x1024, 28 steps, one image", script="flux_full_size.py",
+        common=("--runs", "3"), unit="s an image", rate="images", per_call=1, seconds_key=("best_s",),
+        rows=(
+            Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
+                "peer_torch", "torch", quality=Quality(FLUX_QUALITY, None, "two objects")),
+            Row("ours_16bit", "ours, bf16 compiled + CUDA graphs", "ours",
+                ("--variants", "compiled", "--attention-kernel", "torch"), "compiled_torch", "torch",
+                quality=Quality(FLUX_QUALITY, None, "two objects")),
+            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+                "fp8_l4_torch", "torch", FP8_ATTENTION, Quality(FLUX_QUALITY, "fp8_l4", "two objects")),
+            Row("ours_fp8_cache", "ours, FP8 level 4 + TaylorSeer over blocks every 2 steps", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "torch", "--cache", "taylorseer_blocks:2"),
+                "fp8_l4_taylorseer_blocks_2_torch", "torch", FP8_ATTENTION,
+                Quality(FLUX_QUALITY, "fp8_l4_taylorseer_blocks2", "two objects")),
+        )),
+    "sd35": Scenario(
+        family="sd35", title="SD3.5 Large, 1024x1024, 28 steps, one image (no scene model: unscored)",
+        script="sd35_full_size.py", common=("--runs", "3"), unit="s an image", rate="images", per_call=1,
+        seconds_key=("best_s",),
+        rows=(
+            Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
+                "peer_torch", "torch"),
+            Row("ours_16bit", "ours, bf16 compiled + CUDA graphs", "ours",
+                ("--variants", "compiled", "--attention-kernel", "torch"), "compiled_torch", "torch"),
+            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+                "fp8_l4_torch", "torch", FP8_ATTENTION),
+        )),
+    "wan": Scenario(
+        family="wan", title="Wan2.2-T2V-A14B, one denoising step (both guidance halves), 720x1280, 81 frames",
+        script="wan_full_size.py", common=("--calls", "2"), unit="s a step", rate="", per_call=1,
+        seconds_key=("step_s",),
+        rows=(
+            Row("peer", "diffusers' compiled transformer", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
+                "peer_torch", "torch", quality=Quality(WAN_QUALITY, None, "all prompts")),
+            Row("ours_16bit", "ours, bf16 compiled", "ours", ("--variants", "compiled", "--attention-kernel", "torch"),
+                "compiled_torch", "torch", quality=Quality(WAN_QUALITY, None, "all prompts")),
+            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+                "fp8_l4_torch", "torch", FP8_ATTENTION, Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
+            Row("ours_fp8_flash3", "ours, FP8 level 4 on FlashAttention-3", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3,
+                Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
+        )),
+}
+
+
+def scenario(family: str) -> Scenario:
+    if family not in SCENARIOS:
+        raise SystemExit(f"--family {family}: choose one of {', '.join(SCENARIOS)}")
+    return SCENARIOS[family]
