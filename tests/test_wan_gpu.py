@@ -33,7 +33,7 @@ from sdquant.families.wan.sizes import FULL
 from sdquant.quantize.recipe import calibration_algorithm
 from sdquant.quantize.shared_ranges import tie_fp8_ranges
 from sdquant.runtime import torch_backend
-from sdquant.runtime.attention import FLASH3, FP8_ATTENTION, Fp8Attention
+from sdquant.runtime.attention import FLASH3, FP8_ATTENTION, Fp8Attention, provide_diffusers_flash3
 from sdquant.runtime.kernels import fp8_attention as kernels
 from sdquant.runtime.kernels.fp8 import fp8_scales
 from sdquant.runtime.kernels.fp8_layers import Fp8Linear
@@ -198,6 +198,9 @@ def test_the_fp8_block_computes_what_its_fake_quantization_does_at_the_video_sha
     fake, fp8, _ = level4_block
     if flash3:
         skip_without_flash3()
+        # What use_attention_kernel does before it marks the layers: diffusers' backend gets the
+        # FlashAttention-3 installed.
+        provide_diffusers_flash3()
     # Both attentions (FP8 self-attention, bf16 cross-attention) on FlashAttention-3's kernels, or
     # on cuDNN's and torch's.
     for attn in (fp8.attn1, fp8.attn2):
