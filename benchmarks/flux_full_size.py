@@ -6,7 +6,7 @@ dynamic FP8 per row or per tensor, torchao_row and torchao_tensor, where torchao
 `peers` extra), our compiled bf16 backend, our backend with FP8 GEMMs from this project's FP8
 level-3 calibration (fp8), and the same at level 4 with every attention as cuDNN's FP8 attention
 (fp8_l4; needs nvidia-cudnn-frontend). End to end, transformer per step, peak GPU memory, compile
-time, non-finite values of the last image. Needs a CUDA GPU (an H100 for the figures in RESULTS.md).
+time, non-finite values of the last image. Needs a CUDA GPU; each results file names its device.
 
     python benchmarks/flux_full_size.py --variants peer,peer_cudagraphs,torchao_row,torchao_tensor,fp8 \\
         --variant-timeout 540 --out benchmarks/results/flux_peers_h100.json

@@ -3,7 +3,7 @@
 cuDNN's heuristics A and B rank and in two layouts, beside torch's bf16 attention (flash and cuDNN
 backends): milliseconds a call, TFLOP/s, and each plan's largest difference from the default plan's
 output. At that shape attention is 76% of an FP8 level-4 expert step and the default FP8 plan runs
-about 1.4x the 16-bit kernel (RESULTS.md); this says whether another plan or layout runs faster,
+about 1.4x the 16-bit kernel (docs/speed.md); this says whether another plan or layout runs faster,
 and, where FlashAttention-3 is installed (benchmarks/build_flash3.sh builds it), whether its bf16
 and FP8 forwards do, with their outputs' differences from torch's and cuDNN's.
 

@@ -9,7 +9,7 @@
 # the images of the one-GPU run: the report gives each file's pixel difference, and asserts nothing.
 #   bash benchmarks/multi_gpu_full_size.sh OUT.json [GPUS] [--deepcache]   (GPUS: all visible)
 # --deepcache (or DEEPCACHE=1) runs the three again with DeepCache every 2 steps. Run it after
-# benchmarks/gpu_install.sh; on 2 GPUs it took 10 minutes (three compiles of the full UNet).
+# tools/maintainer/gpu_install.sh; on 2 GPUs it takes about 10 minutes (three compiles of the full UNet).
 # Test mode, small, for a CPU: SIZE=tiny DEVICE=cpu GPUS=2 PROMPTS=16 runs the same steps on the
 # tiny model at 64x64, 2 steps, without compile or CUDA graphs (torchrun over gloo, the shard jobs
 # as CPU processes side by side). WORK=<folder> keeps the models, images and logs there.

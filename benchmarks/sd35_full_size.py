@@ -4,7 +4,7 @@ StableDiffusion3Pipeline, each variant in its own process (so peak memory is its
 compiled bf16 backend, our backend with FP8 GEMMs from this project's FP8 level-3 calibration (fp8),
 and the same at level 4 with every attention as cuDNN's FP8 attention (fp8_l4; needs
 nvidia-cudnn-frontend). End to end, transformer per step, peak GPU memory, compile time. Needs a
-CUDA GPU (an H100 for the figures in RESULTS.md).
+CUDA GPU; each results file names its device.
 
     python benchmarks/sd35_full_size.py --variants peer,compiled,fp8 --out benchmarks/results/sd35_h100.json
     python benchmarks/sd35_full_size.py --variants fp8_l4 --out benchmarks/results/sd35_h100.json

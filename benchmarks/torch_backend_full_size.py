@@ -1,8 +1,8 @@
 """infer_trt.py's torch backend against diffusers' own compiled SDXL pipeline, on the full-size SDXL
 architecture (random fp16 weights), 1024x1024, each variant in a process of its own: eager, compiled
 fp16, compiled with FP8 GEMMs, compiled with INT8 GEMMs, and the peers, each timed end to end, with
-the UNet per step, peak GPU memory and the compile time. Needs a CUDA GPU (an H100 for the figures
-in RESULTS.md).
+the UNet per step, peak GPU memory and the compile time. Needs a CUDA GPU; each results file names
+its device.
 
     python benchmarks/torch_backend_full_size.py --variants peer,eager,compiled,fp8 --batch 1 \\
         --out benchmarks/results/torch_backend_h100_b1.json

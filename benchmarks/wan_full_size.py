@@ -2,7 +2,7 @@
 geometry, ours against diffusers' own compiled transformer, a whole video through infer_trt.py's
 torch backend, the VAE decode, and one video over several GPUs. Each variant runs in a process of
 its own (peak memory and compiled code its own); rows go to --out with the device's name. Needs
-CUDA GPUs (H100s for the figures in RESULTS.md); --tiny runs the same code on the tiny
+CUDA GPUs; --tiny runs the same code on the tiny
 architectures, on the CPU where no GPU is, as a dry run.
 
 Expert calls (Wan2.2-T2V-A14B at MLPerf's 720x1280, 81 frames: 75,600 tokens a call; --model

@@ -5,7 +5,7 @@ to the torch backend's FP8 kernels (its GEMMs on torch._scaled_mm, its self-atte
 against the same block in ModelOpt's fake quantization. Skipped without a CUDA GPU; needs a Hopper
 or newer GPU of 80 GB (the twins and the video's activations take tens of GB) and
 nvidia-cudnn-frontend. On a fresh machine the first fake-quantized call builds ModelOpt's CUDA
-extension (52.8 s in benchmarks/RESULTS.md).
+extension (about a minute).
 
 Run on the GPU machine:
     pip install --no-deps .whl/nvidia_cudnn_frontend-*.whl

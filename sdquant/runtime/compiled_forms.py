@@ -1,51 +1,42 @@
 """Forms of diffusers' layers that torch.compile turns into faster GPU kernels, computing the same
 numbers up to fp32 rounding. The torch backend gives the GroupNorm, attention and layout forms to
 the VAE it compiles and to an 8-bit backbone (torch_backend.speed_up says why not to a 16-bit one),
-and the GELU form to every backbone it compiles.
+and the GELU form to every backbone it compiles. docs/speed.md gives what each form takes off a
+call, with its result file.
 
 GroupNorm on channels-last activations: the compiler reduces each group over its pixels and its
 channels together, and in channels-last memory a group's few channels sit between other groups'
-at every pixel, so those loads gather a few bytes from each 32-byte sector: one such kernel of the
-SDXL VAE took 30 ms at 8 images where its bytes need about 1.3 (H100, RESULTS.md). Here the mean
-and variance are reduced per channel first, over pixels, which reads whole pixels side by side as
+at every pixel, so those loads gather a few bytes from each 32-byte sector. Here the mean and
+variance are reduced per channel first, over pixels, which reads whole pixels side by side as
 batch norm's statistics do, and the channels of a group are then combined exactly: the group's
 variance is the mean of its channels' variances plus the variance of their means.
 
 Attention with heads wider than the fused kernels take (the VAE's one head of 512): torch then
-runs its memory-efficient kernel for Ampere, 37 ms for SDXL's VAE at 8 images on an H100; diffusers'
-sliced processor of explicit GEMMs and a softmax compiles to tensor-core GEMMs around one fused
-softmax kernel instead, a sample at a time, so that its scores (16384 x 16384 at 1024x1024) never
-exist for the whole batch at once: unsliced they raised the peak memory of 8 images by 2 GiB.
+runs its memory-efficient kernel for Ampere; diffusers' sliced processor of explicit GEMMs and a
+softmax compiles to tensor-core GEMMs around one fused softmax kernel instead, a sample at a time,
+so that its scores (16384 x 16384 at 1024x1024) never exist for the whole batch at once.
 
 Channels-last block outputs in a UNet: the compiler lays out a buffer it makes as the first
 reader asks, and where none asks (a `torch.cat` of a skip connection, a residual sum) it picks
 channels-first, whatever memory format the code asked for (its `clone` ignores it). The
-convolutions after it read channels-last, so a GroupNorm+SiLU kernel then read channels-first and
-wrote channels-last, a byte or two per 32-byte sector: three such kernels of SDXL's last up block
-took 19 ms of a 185 ms FP8 UNet call at 16 samples (H100,
-benchmarks/results/group_norm_kernels_h100.json). Pinning each block's output to channels-last, as
-a layout the compiler must give that buffer when it first makes it, sets the cat's layout too:
-SDXL's FP8 UNet call then launched 33 more kernels (1942), in 11 ms less GPU time.
+convolutions after it read channels-last, so a GroupNorm+SiLU kernel would read channels-first and
+write channels-last, a byte or two per 32-byte sector (benchmarks/results/group_norm_kernels_h100.json).
+Pinning each block's output to channels-last, as a layout the compiler must give that buffer when
+it first makes it, sets the cat's layout too.
 
-GELU's tanh approximation (the feed-forward layers of Flux and SD3): the compiler computes
-tanh with libdevice's accurate tanh, and with an FP8 input cast fused in, those kernels spend more
-time computing than moving bytes: Flux's feed-forward GELU+cast kernel took longer at FP8 (86 us a
-call) than the bf16 GELU that reads as much and writes twice as much (75 us). 0.5 (1 + tanh(z)) is
-sigmoid(2z), and the compiler's sigmoid is one exponential and one division: the same function up
-to fp32 rounding (nearer the exact value for large negative inputs, where 1 + tanh(z) cancels).
-Over a Flux.1-dev call at FP8 level 4 its GELU kernels then took 153 ms instead of 185, and the call
-2.359 s instead of 2.375; bf16 calls ran alike (3.741 and 3.731 s; SD3.5-large: FP8 2.601 s instead of
-2.625; H100, benchmarks/results/flux_gelu_h100.json, sd35_gelu_h100.json).
+GELU's tanh approximation (the feed-forward layers of Flux and SD3): the compiler computes tanh
+with libdevice's accurate tanh, and with an FP8 input cast fused in, those kernels spend more time
+computing than moving bytes. 0.5 (1 + tanh(z)) is sigmoid(2z), and the compiler's sigmoid is one
+exponential and one division: the same function up to fp32 rounding (nearer the exact value for
+large negative inputs, where 1 + tanh(z) cancels).
 
 Rows up to 2048 wide reduced in registers: inductor keeps a whole row in registers (a persistent
 reduction) only up to 1024 elements and reduces wider rows in a loop, which reads each row twice
-(statistics, then the normalized values). SDXL's 1280-wide LayerNorms, each fused with its residual
-add and the next GEMM's FP8 cast, then ran at 1.7 TB/s against 2.8 for the persistent 640-wide ones:
-86 us against 59 persistent at 16384 x 1280 (H100, torch 2.11; benchmarks/RESULTS.md, seventh
-pass), and 180 such calls a UNet step.
-`use_persistent_rows` gives inductor's heuristic that wider bound, through its own hook for such
-choices (V.set_choices_handler, for the compiling thread). Inductor's FX graph cache does not key
-on the hook: a graph cached by a process without it keeps its looped kernels.
+(statistics, then the normalized values), as SDXL's 1280-wide LayerNorms (each fused with its
+residual add and the next GEMM's FP8 cast) would be. `use_persistent_rows` gives inductor's
+heuristic that wider bound, through its own hook for such choices (V.set_choices_handler, for the
+compiling thread). Inductor's FX graph cache does not key on the hook: a graph cached by a process
+without it keeps its looped kernels.
 
 Reordered output features: a family whose attention reads q's and k's features in an order that
 compiles badly (Flux's rotary embedding rotates neighbouring pairs) can reorder the rows of the q

@@ -150,9 +150,8 @@ def _note_int8_on_hopper(backbone: torch.nn.Module, named: str) -> None:
     device = next(backbone.parameters()).device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= HOPPER:
         print(f"note: {named} runs on INT8 kernels, made for GPUs without FP8; on "
-              f"{torch.cuda.get_device_name(device)} an FP8 checkpoint (quantize.format=fp8) runs faster: "
-              "SDXL at 8 images on an H100 took 5.39 s in INT8 against 4.97 s in fp16, and 3.34 s in FP8 against "
-              "4.85 s in fp16 in another run")
+              f"{torch.cuda.get_device_name(device)} they run slower than fp16, and an FP8 checkpoint "
+              "(quantize.format=fp8) runs faster (docs/speed.md)")
 
 
 @dataclass

@@ -8,7 +8,7 @@ bytes in FP8. In the FP8 SDXL UNet at 16 samples those pointwise kernels took 13
 164 ms call (H100, benchmarks/results/sdxl_gn_form_h100_b8.json). The op's kernel
 (sdquant.runtime.kernels.fp8_geglu_triton) gates its fp32 sums and writes FP8 only: 32.0 ms a UNet
 call where the GEMMs and gating kernels had taken about 39.7 in the pipeline, with 140 fewer
-launches (benchmarks/RESULTS.md, seventh and eighth passes). The ungated tanh-GELU layers of Flux, SD3.5 and
+launches (benchmarks/results/sdxl_gelu_h100_b8.json; docs/speed.md). The ungated tanh-GELU layers of Flux, SD3.5 and
 Wan2.2 stay as they are: against cuBLAS's GEMM and the compiled GELU the same kernel, ungated,
 gained at most 1.17x there (Flux) and lost at SD3.5's text tokens (0.86x) and at Wan2.2's 75,600
 tokens (0.92x; benchmarks/results/fp8_projection_all_shapes_h200.json).

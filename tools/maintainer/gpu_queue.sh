@@ -3,9 +3,9 @@
 # the tree outside it (the device tool lays the tree anew on each call and ends what a call leaves
 # running, unless it started its own session), so that a queue longer than one call's ten minutes
 # goes on while later calls look at it.
-#   bash benchmarks/gpu_queue.sh start "<command>" ...    (carry .whl; copies the tree, installs once)
-#   bash benchmarks/gpu_queue.sh status                   (the tail of each log so far)
-#   bash benchmarks/gpu_queue.sh collect <file> ...       (waits for the queue, puts files and logs in $OUT)
+#   bash tools/maintainer/gpu_queue.sh start "<command>" ...    (carry .whl; copies the tree, installs once)
+#   bash tools/maintainer/gpu_queue.sh status                   (the tail of each log so far)
+#   bash tools/maintainer/gpu_queue.sh collect <file> ...       (waits for the queue, puts files and logs in $OUT)
 # Each command runs in the copy's root, with /tmp/queue/results for its files and its log in
 # /tmp/queue/<n>.log; one that fails does not stop the next.
 set -euo pipefail
@@ -19,7 +19,7 @@ install)
     # a code change runs the changed code, not the first call's.
     if [ ! -f /tmp/w/.installed ]; then
         rm -rf /tmp/w && mkdir -p /tmp/w && cp -r . /tmp/w
-        (cd /tmp/w && bash benchmarks/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
+        (cd /tmp/w && bash tools/maintainer/gpu_install.sh > /tmp/install.log 2>&1) || { tail -5 /tmp/install.log; exit 1; }
         touch /tmp/w/.installed
     elif [ "$(pwd -P)" != /tmp/w ]; then
         cp -r . /tmp/w

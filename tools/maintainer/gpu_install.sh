@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Installs sdquant on a machine that has its own torch and no network (the GPU machines): pip
 # resolves sdquant's dependencies against what is installed, offline, from the wheels that
-# benchmarks/fetch_wheels.py put in .whl/, then this checks that pip kept the machine's torch and
-# added no broken requirement. Every GPU benchmark starts with it. With `tiny`, it then runs the
+# tools/maintainer/fetch_wheels.py put in .whl/, then this checks that pip kept the machine's torch
+# and added no broken requirement. Every GPU benchmark starts with it. With `tiny`, it then runs the
 # tiny workflow there: quantize.py, then infer_trt.py backend=torch with the quantized UNet (its
 # first call on a GPU builds ModelOpt's CUDA extension). With `extensions`, it builds ModelOpt's
 # CUDA extensions (fake quantization in INT8 and FP8) before any test needs them: a test stopped by
 # a timeout while its first call builds one leaves torch's build lock behind, and every later
 # build on that machine then waits on the lock for ever.
-#   bash benchmarks/gpu_install.sh [tiny|extensions]          (carry .whl)
+#   bash tools/maintainer/gpu_install.sh [tiny|extensions]          (carry .whl)
 # Logs, the image's package list and the results go to $OUT (./gpu_install_out when unset).
 # PYTHON (default python3) and DEVICE (default cuda) let it be tried elsewhere.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-gpu_install_out}")
 mkdir -p "$out"
 python=${PYTHON:-python3}

@@ -1,15 +1,15 @@
 """Downloads into .whl/ the wheels a machine lacks to install sdquant offline, with pip resolving
-the dependencies there (benchmarks/gpu_install.sh: `pip install --no-index --find-links .whl -e .`).
+the dependencies there (tools/maintainer/gpu_install.sh: `pip install --no-index --find-links .whl -e .`).
 
 The machine is described by the packages it already has (default: the GPU image's,
-benchmarks/gpu_image_packages.txt). pip itself decides what is missing: the resolution runs
+tools/maintainer/gpu_image_packages.txt). pip itself decides what is missing: the resolution runs
 against a throwaway environment that holds a stand-in (name and version, no code) of each of those
 packages, for the machine's Python and platform, with constraints.txt's tested versions for
 everything the machine does not have.
 
-    python benchmarks/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
-    python benchmarks/fetch_wheels.py --extras peers      # and an optional extra's wheels (torchao)
-    python benchmarks/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
+    python tools/maintainer/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
+    python tools/maintainer/fetch_wheels.py --extras peers      # and an optional extra's wheels (torchao)
+    python tools/maintainer/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
 
 With --extras, the optional dependencies of those extras in pyproject.toml are resolved with the
 rest; install them there with `pip install --no-index --find-links .whl -e ".[peers]"`. (`peers`
@@ -38,7 +38,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # Published as a source archive only: built into a (pure Python) wheel here.
 SOURCE_ONLY = ("antlr4-python3-runtime",)
@@ -179,7 +179,7 @@ def require_recent_pip() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12")
-    parser.add_argument("--image", type=Path, default=REPO / "benchmarks" / "gpu_image_packages.txt",
+    parser.add_argument("--image", type=Path, default=REPO / "tools" / "maintainer" / "gpu_image_packages.txt",
                         help="packages the machine has, one per line, NAME or NAME==VERSION")
     parser.add_argument("--extras", default="", help="comma-separated optional extras of pyproject.toml to fetch too")
     args = parser.parse_args()

@@ -2,10 +2,10 @@
 # Trains the built-in scene models on the GPU machine, side by side in the background (one GPU each
 # in turn), from a copy of the tree outside it (the device tool lays the tree anew on each call),
 # one log each in /tmp.
-#   bash benchmarks/train_scene_model_gpu.sh start "<config-name>:<out_dir> [override ...]" ...   (carry .whl)
+#   bash tools/maintainer/train_scene_model_gpu.sh start "<config-name>:<out_dir> [override ...]" ...   (carry .whl)
 # The copy and the install happen once per machine, so a short run can measure the speed first and
 # a second `start` launch the real one.
-# Then `bash benchmarks/train_scene_model_gpu.sh collect <out_dir> ...` waits for each folder and
+# Then `bash tools/maintainer/train_scene_model_gpu.sh collect <out_dir> ...` waits for each folder and
 # puts it into $OUT: its largest weights file alone, the rest as one tar, and its log (the device
 # returns 8 files of 16 MiB).
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/wan_full_size.py's runs for issue 51 on one host of 4 GPUs, in the background from a
+# Runs benchmarks/wan_full_size.py's rows on one host of 4 GPUs, in the background from a
 # copy of the tree (the device tool lays the tree anew on each call), so that they outlast a call's
 # ten minutes while later calls look at them. One GPU a lane first: ours and the peer in bf16 with
 # their kernel profiles; FP8 level 4 with every block quantized (the ceiling) and the TI2V-5B's
@@ -8,9 +8,9 @@
 # host. Results in /tmp/wan/results (file names end in TAG, the device: h200 unless given), logs in /tmp/wan.
 # Every lane runs the default attention kernels: FlashAttention-3 where its wheel (benchmarks/build_flash3.sh)
 # is installed, else torch's (the rows' attention_kernel says which).
-#   bash benchmarks/wan_lanes.sh start      (from the tree, once sdquant's wheels are installed)
-#   bash benchmarks/wan_lanes.sh status     (each log's tail)
-#   bash benchmarks/wan_lanes.sh collect    (results and logs into $OUT)
+#   bash tools/maintainer/wan_lanes.sh start      (from the tree, once sdquant's wheels are installed)
+#   bash tools/maintainer/wan_lanes.sh status     (each log's tail)
+#   bash tools/maintainer/wan_lanes.sh collect    (results and logs into $OUT)
 set -uo pipefail
 root=/tmp/wan
 results=$root/results
