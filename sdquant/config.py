@@ -516,7 +516,7 @@ class SceneTrainingApp(Settled):
     vae: VaeTraining = field(default_factory=VaeTraining)
     denoiser: DenoiserTraining = field(default_factory=DenoiserTraining)
     # Held-out prompts of each kind (one object, two objects) scored at the end (0 skips it),
-    # sampled as the README's figures are.
+    # sampled as docs/scene-models.md's figures are.
     eval_prompts: int = 64
     eval_steps: int = 20
     guidance_scale: float = 5.0

@@ -78,7 +78,7 @@ def test_the_package_has_no_import_circle():
 
 
 # The package's floors, from the ground up: a module imports only modules on its own floor or below
-# (README: "Where the code is"). The graph vocabulary stands below everything that describes,
+# (docs/architecture.md: "Where the code is"). The graph vocabulary stands below everything that describes,
 # exports or runs a graph; the families stand on the stages they describe themselves with.
 LAYERS = (
     # The package's face holds only its version and a warnings filter.

@@ -54,8 +54,8 @@ class Scenario:
 SDXL_QUALITY = "benchmarks/results/quality_means_scenes_sdxl_cpu_summary.json"
 FLUX_QUALITY = "benchmarks/results/quality_means_scenes_flux_cpu_fp8_summary.json"
 WAN_QUALITY = "benchmarks/results/quality_means_scenes_wan_cpu_fp8_summary.json"
-FP8_ATTENTION = "the fp8-attention extra (cuDNN's FP8 attention)"
-FLASH3 = "the fp8-attention extra on a Hopper GPU (FlashAttention-3's forward, fa3-fwd)"
+FP8_ATTENTION = "fp8-attention extra"
+FLASH3 = "fp8-attention extra, a Hopper GPU"
 
 SCENARIOS = {
     "sdxl": Scenario(

@@ -33,8 +33,7 @@ def table(scenario: Scenario, headline: dict, source: str) -> str:
     rows = headline["rows"]
     peer = rows.get("peer", {}).get("seconds")
     rate = f" | {scenario.rate}/s" if scenario.rate else ""
-    lines = [f"{scenario.title}:", "",
-             f"| | {scenario.unit}{rate} | against the peer | attention | needs | quality: "
+    lines = [f"| {scenario.title} | {scenario.unit}{rate} | against the peer | attention | needs | quality: "
              f"{quality_judged(scenario)} |",
              "| --- | --- | --- | --- | --- | --- |" + (" --- |" if scenario.rate else "")]
     for row in scenario.rows:
@@ -52,16 +51,19 @@ def table(scenario: Scenario, headline: dict, source: str) -> str:
 
 def quality_judged(scenario: Scenario) -> str:
     judged = {row.quality.judged for row in scenario.rows if row.quality}
-    return (f"{', '.join(sorted(judged))} right on the scene model, mean over 3 calibrations (range)" if judged
+    return (f"scene model, {', '.join(sorted(judged))} right, mean of 3 calibrations (range)" if judged
             else "no scene model")
 
 
 def run_line(headline: dict, source: str) -> str:
     """What names the run: its GPU and driver, its code, its file, and how warm it was."""
     compiled = [entry.get("graphs_compiled_while_timed") for entry in headline["rows"].values() if "seconds" in entry]
-    warm = ("graphs compiled while timed: " + ", ".join("?" if n is None else str(n) for n in compiled))
+    warm = ("graphs compiled while timed: not recorded" if all(n is None for n in compiled) else
+            "graphs compiled while timed: " + ", ".join("?" if n is None else str(n) for n in compiled))
     if headline.get("code"):
-        code = f"code {headline['code']}" + (f" (commit {headline['commit'][:12]})" if headline.get("commit") else "")
+        # A commit with changes on top, or a GPU machine's stale copy of the history, names nothing.
+        clean = headline.get("commit") and not headline["commit"].endswith("+changes")
+        code = f"code {headline['code']}" + (f" (commit {headline['commit'][:12]})" if clean else "")
     else:
         code = f"code not recorded (measured before the harness, adopted from {headline['adopted_from']})"
     driver = f", driver {headline['driver']}" if headline.get("driver") else ""

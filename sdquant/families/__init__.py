@@ -4,7 +4,7 @@ recipe levels, its text-to-image data flow, its architectures and its scene mode
 scripts ask `family_of(model.family)` and never test a family's name.
 
 Adding a family is one package here with a `ModelFamily` subclass, its names in `_registry` below,
-and a model config in conf/model/ (README: "Adding a model family").
+and a model config in conf/model/ (docs/architecture.md: "Adding a model family").
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _calibrate_and_save(settled: QuantizeRun, fingerprint: str, start: float) ->
                                  for attribute, scale in scales.items())
                 notes.append(f"min-mean summed each step's ranges over {result.batches} runs and divided by {divided}, "
                              f"as NeMo does: its ranges are {said} the runs' mean (quantize.mean_divisor=runs takes "
-                             "the mean; README: Percentile Quant)")
+                             "the mean; docs/reference.md: Percentile Quant)")
             print_summary("quantize", written, time.perf_counter() - start, notes=notes)
     finally:
         # Waits for rank 0's save, so no process moves on before the checkpoint exists.
