@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds a wheel of FlashAttention-3 (flash_attn_3: flash_attn_interface.flash_attn_func) with only
-# what the Wan experts' FP8 self-attention needs on Hopper: the forward pass at head_dim 128 in bf16
-# and FP8 e4m3, without backward, paged or split KV, varlen, softcap, local or sm80 kernels, so that
-# it builds in minutes rather than hours. PyPI has no FA3 for torch 2.11 (its flash-attn-3 is an
-# empty, yanked 0.0.0), and the GPU machines reach no network: build where nvcc 13 and PyPI are, or
-# on the GPU machine from a carried source tree and its own torch.
+# The fallback where fa3-fwd (PyPI, in the fp8-attention extra) does not install: builds a wheel of
+# FlashAttention-3 (flash_attn_3: flash_attn_interface.flash_attn_func) with only what the Wan
+# experts' FP8 self-attention needs on Hopper: the forward pass at head_dim 128 in bf16 and FP8
+# e4m3, without backward, paged or split KV, varlen, softcap, local or sm80 kernels, so that it
+# builds in minutes rather than hours. Build where nvcc 13 is, or on the GPU machine from a carried
+# source tree and its own torch. The tree is flash-attention at FLASH_ATTENTION_COMMIT, the commit
+# whose wheel fa3-fwd's speed and outputs were checked against (fp8_attention_plans.py); another
+# is refused unless ANY_COMMIT=1.
 #   bash benchmarks/build_flash3.sh SRC OUT
 # SRC: a flash-attention source tree with hopper/ and csrc/cutlass/include (CUTLASS at the commit
 # flash-attention pins), e.g. from git archive of both repositories. OUT: where the wheel goes.
@@ -18,6 +20,15 @@ python=${PYTHON:-python3}
 for need in "$src/hopper/setup.py" "$src/csrc/cutlass/include/cute"; do
     [ -e "$need" ] || { echo "build_flash3: $need is missing: give a flash-attention tree with CUTLASS's include" >&2; exit 1; }
 done
+FLASH_ATTENTION_COMMIT=0251105a
+if [ -z "${ANY_COMMIT:-}" ] && [ -d "$src/.git" ]; then
+    head=$(git -C "$src" rev-parse HEAD)
+    case "$head" in
+        "$FLASH_ATTENTION_COMMIT"*) ;;
+        *) echo "build_flash3: $src is at $head, not flash-attention $FLASH_ATTENTION_COMMIT: check it out, or set ANY_COMMIT=1" >&2
+           exit 1 ;;
+    esac
+fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} NVCC_THREADS=1 FLASH_ATTENTION_FORCE_BUILD=TRUE
 for feature in BACKWARD SPLIT PAGEDKV APPENDKV LOCAL SOFTCAP PACKGQA FP16 VARLEN CLUSTER HDIM64 HDIM96 HDIM192 \
