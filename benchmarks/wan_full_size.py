@@ -81,7 +81,7 @@ from sdquant.runtime.attention import chosen_kernel, use_attention_kernel
 from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
 from harness.caches import cache_block, hook_cache
-from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, timed
+from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, time_calls, timed
 from harness.peers import peer_attention
 from harness.processes import one_process_each, record_variant
 
@@ -216,16 +216,10 @@ def time_call(call, calls: int) -> dict:
     """The first call (where it compiles), then `calls` more, each synchronized, and the peak of
     those."""
     peak_gib(reset=True)
-    last = [None]
-
-    def keep():
-        last[0] = call()
-
-    first = timed(keep, 1)[0]
-    graphs = graphs_compiled()
-    seconds = timed(keep, calls)
-    return {"first_call_s": first, "call_s": seconds, "best_call_s": min(seconds), "call_peak_gib": peak_gib(),
-            "graphs_compiled_while_timed": graphs_compiled() - graphs, "nonfinite_values": nonfinite_values(last[0])}
+    row = time_calls(call, calls)
+    return {"first_call_s": row["first_call_s"], "call_s": row["end_to_end_s"], "best_call_s": row["best_s"],
+            "call_peak_gib": peak_gib(), "graphs_compiled_while_timed": row["graphs_compiled_while_timed"],
+            "nonfinite_values": row["nonfinite_values"]}
 
 
 def peer_row(family, args, device: torch.device) -> dict:
