@@ -12,6 +12,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from .provenance import provenance
+
 
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant-timeout", type=float, default=0,
@@ -58,8 +60,13 @@ def run_alone(command: list[str], timeout: float) -> int | None:
 
 
 def write_results(results: dict, out: Path) -> None:
+    """Writes `results` with what names the code and the machine of its first row (provenance),
+    under a temporary name renamed when complete."""
+    results.setdefault("provenance", provenance())
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    temporary = out.with_name(out.name + ".tmp")
+    temporary.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(temporary, out)
 
 
 def record_variant(results: dict, out: Path, variant: str, run) -> None:
