@@ -374,9 +374,9 @@ class TorchBackendBlock(Settled):
     # without attention ranges).
     attention: str = "auto"
     # The backbones' attention kernels, 16-bit and FP8: torch's (scaled_dot_product_attention, and
-    # cuDNN's FP8 attention), flash3 (FlashAttention-3, Hopper only, built from source: 1.16x torch's
-    # bf16 kernel and 1.12x cuDNN's FP8 one at a video's 75,600 tokens on an H200), or auto (flash3
-    # where it is installed and the GPU is a Hopper).
+    # cuDNN's FP8 attention), flash3 (FlashAttention-3, Hopper only, from fa3-fwd or a source build:
+    # faster than both at a video's 75,600 tokens), or auto (flash3 where it is installed and the GPU
+    # is a Hopper).
     attention_kernel: str = "auto"
     # Images the VAE decodes at a time (0: the whole batch at once). The decoder's activations at
     # 1024x1024 dwarf the backbone's, so one at a time lowers the peak of an 8-image batch by

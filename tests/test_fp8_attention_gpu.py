@@ -80,8 +80,8 @@ def _compare(q, k, v, scales: dict, out_inverse: torch.Tensor, what: str, flash3
 
 
 def skip_without_flash3() -> None:
-    """FlashAttention-3 has no wheel on PyPI (benchmarks/build_flash3.sh builds one): its rows skip
-    where it is not installed."""
+    """FlashAttention-3 is optional (fa3-fwd, in the fp8-attention extra, or benchmarks/build_flash3.sh's
+    wheel): its rows skip where it is not installed."""
     from sdquant.runtime.attention import flash3_missing
 
     missing = flash3_missing(CUDA)
