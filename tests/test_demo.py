@@ -43,13 +43,13 @@ def test_demo_runs_quantize_export_build_infer_and_evaluate(model_cache, tmp_pat
     quality = json.loads((tmp_path / "quality/quality.json").read_text())
     assert set(quality["variants"]) == VARIANTS[model]
     # The trained model draws what 16 held-out prompts ask, 8 of one object and 8 of two (measured
-    # 88-100% with every attribute right on two CPUs for the image models; the floor is far below),
-    # and its INT8 level-3 backbone at NeMo's defaults, in torch and in ONNX Runtime, stays within
-    # PROMPTS_A_VARIANT_MAY_LOSE of it.
+    # 88-100% with every attribute right on two CPUs for the image models, 75% of the Wan clips with
+    # the motion right too; the floor is well below both), and its INT8 level-3 backbone at NeMo's
+    # defaults, in torch and in ONNX Runtime, stays within PROMPTS_A_VARIANT_MAY_LOSE of it.
     reference = quality["reference"]["name"]
     assert reference == "fp32", "a CPU runs the unquantized reference in fp32, and the report says so"
     right = {name: round(summary["mean"]["all"] * DEMO_PROMPTS) for name, summary in quality["adherence"].items()}
-    assert quality["adherence"][reference]["scored"] == DEMO_PROMPTS and right[reference] >= 0.7 * DEMO_PROMPTS
+    assert quality["adherence"][reference]["scored"] == DEMO_PROMPTS and right[reference] >= DEMO_PROMPTS / 2
     for name in VARIANTS[model]:
         assert right[name] >= right[reference] - PROMPTS_A_VARIANT_MAY_LOSE, \
             f"{name} drew {right[name]} of {DEMO_PROMPTS} prompts right, the unquantized model {right[reference]}"
