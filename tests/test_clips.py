@@ -1,7 +1,8 @@
 """The video scene data and its detector (sdquant.quality.clips), checked against the clip renderer:
 every attribute and the direction read back from clean and noisy renders, motion reversed reads as
-the opposite direction, the temporal figures react to flicker and to an object that changes, and
-prompts the model was never captioned with are scored as missed."""
+the opposite direction, a clip that stands still moves in no direction, the temporal figures react
+to flicker and to an object that changes, and prompts the model was never captioned with are scored
+as missed."""
 
 from __future__ import annotations
 
@@ -46,6 +47,29 @@ def test_a_clip_played_backwards_moves_the_other_way():
     assert not clips.score(backwards, clip.caption())["direction"]
     reversed_clip = clips.Clip("triangle", "green", "from bottom to top", "quickly", "black")
     assert clips.score(backwards, reversed_clip.caption())["all"]
+
+
+@pytest.mark.parametrize("objects", [1, 2])
+def test_a_motionless_clip_moves_in_no_direction(objects):
+    """The first frame held for the whole clip: every attribute of a frame right, yet no motion, so
+    a prompt that asks for motion in a direction is missed, for any direction it asks."""
+    clip = clips.sample(1, 11, objects=objects)[0]
+    still = np.repeat(clips.render([clip])[0][:1], clips.FRAMES, axis=0) / 255.0
+    scored = clips.score(still, clip.caption())
+    assert not scored["direction"] and not scored["all"]
+    assert scored["colour"] and scored["shape"] and scored["identity_kept"]
+    # The same objects asked to move any way their lanes (and, alone, any speed) allow.
+    asked = [other.caption() for other in clips.all_clips(objects) if _motion_left_out(other) == _motion_left_out(clip)]
+    assert len(asked) == (8 if objects == 1 else 4)
+    for prompt in asked:
+        assert not clips.score(still, prompt)["direction"], prompt
+
+
+def _motion_left_out(clip) -> str:
+    caption = clip.caption()
+    for words in [*clips.DIRECTIONS, *clips.SPEEDS]:
+        caption = caption.replace(words, "")
+    return caption
 
 
 def test_a_slow_clip_is_not_read_as_fast():
