@@ -116,6 +116,42 @@ SCENARIOS = {
                 ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3,
                 Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
         )),
+    "wan_video": Scenario(
+        family="wan_video", title="Wan2.2-T2V-A14B, one video at MLPerf's settings (720x1280, 81 frames, 20 steps)",
+        script="wan_full_size.py", common=("--whole",), unit="s a video", rate="videos", per_call=1,
+        seconds_key=("video_s",),
+        rows=(
+            Row("peer", "diffusers' WanPipeline, experts compiled", "peer",
+                ("--variants", "peer", "--attention-kernel", "torch"), "peer_video_torch", "torch",
+                quality=Quality(WAN_QUALITY, None, "all prompts")),
+            Row("peer_cache", "diffusers' WanPipeline + TaylorSeer over blocks every 2 steps", "peer",
+                ("--variants", "peer", "--attention-kernel", "torch", "--cache", "taylorseer_blocks:2:1"),
+                "peer_video_taylorseer_blocks_2_1_torch", "torch"),
+            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+                "fp8_l4_video_torch", "torch", FP8_ATTENTION, Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
+            Row("ours_fp8_cache", "ours, FP8 level 4 + TaylorSeer over blocks every 2 steps", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "torch", "--cache", "taylorseer_blocks:2:1"),
+                "fp8_l4_video_taylorseer_blocks_2_1_torch", "torch", FP8_ATTENTION,
+                Quality(WAN_QUALITY, "fp8_l4_taylorseer_blocks2_warmup1", "all prompts")),
+            Row("ours_fp8_cache_flash3", "ours, FP8 level 4 + TaylorSeer, on FlashAttention-3", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "flash3", "--cache", "taylorseer_blocks:2:1"),
+                "fp8_l4_video_taylorseer_blocks_2_1_flash3", "flash3", FLASH3,
+                Quality(WAN_QUALITY, "fp8_l4_taylorseer_blocks2_warmup1", "all prompts")),
+        )),
+    "wan_ti2v": Scenario(
+        family="wan_ti2v", title="Wan2.2-TI2V-5B, one denoising step, 704x1280, 121 frames (no scene model: unscored)",
+        script="wan_full_size.py", common=("--model", "wan_ti2v", "--calls", "2"), unit="s a step", rate="",
+        per_call=1, seconds_key=("step_s",),
+        rows=(
+            Row("peer", "diffusers' compiled transformer", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
+                "peer_torch", "torch"),
+            Row("ours_16bit", "ours, bf16 compiled", "ours", ("--variants", "compiled", "--attention-kernel", "torch"),
+                "compiled_torch", "torch"),
+            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+                "fp8_l4_torch", "torch", FP8_ATTENTION),
+            Row("ours_fp8_flash3", "ours, FP8 level 4 on FlashAttention-3", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3),
+        )),
 }
 
 
