@@ -100,15 +100,16 @@ def torchao_granularity(name: str):
     return {"PerRow": PerRow, "PerTensor": PerTensor}[name]()
 
 
-def torchao_config(granularity: str):
-    """torchao's dynamic FP8 at `granularity` (PerRow or PerTensor) as the benchmarks run it: the
-    compiler's settings left alone (torchao's set_inductor_config would turn on coordinate descent
-    tuning for the whole process), and the activation scale floored, so that an all-zero row (0/0)
-    does not come out NaN (torchao 0.18 has no floor: pytorch/ao issue 4713)."""
+def torchao_config(granularity: str, inductor_config: bool = True):
+    """torchao's dynamic FP8 at `granularity` (PerRow or PerTensor) as the benchmarks run it: with
+    the compiler settings torchao recommends (set_inductor_config, which turns on coordinate descent
+    tuning for the whole process: each peer runs in a process of its own) unless `inductor_config`
+    is false, and the activation scale floored, so that an all-zero row (0/0) does not come out NaN
+    (torchao 0.18 has no floor: pytorch/ao issue 4713)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig
 
     return Float8DynamicActivationFloat8WeightConfig(granularity=torchao_granularity(granularity),
-                                                     set_inductor_config=False, activation_value_lb=1e-12)
+                                                     set_inductor_config=inductor_config, activation_value_lb=1e-12)
 
 
 class Watchdog:
@@ -175,7 +176,7 @@ def run_variant(name: str, stack: torch.nn.Module, x: torch.Tensor, reference: t
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
 
         config = (Float8DynamicActivationFloat8WeightConfig(granularity=torchao_granularity(granularity))
-                  if torchao_defaults else torchao_config(granularity))
+                  if torchao_defaults else torchao_config(granularity, inductor_config=False))
         row.update(set_inductor_config=config.set_inductor_config, activation_value_lb=config.activation_value_lb)
         with dog.step(f"{name}: quantize_"):
             start = time.perf_counter()

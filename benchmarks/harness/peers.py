@@ -47,8 +47,8 @@ PEERS = {"peer": ("default", None), "peer_cudagraphs": ("reduce-overhead", None)
 
 def torchao_fp8(backbone, granularity: str) -> dict:
     """Turns `backbone`'s Linear layers into torchao's dynamic FP8 at `granularity` (PerRow or
-    PerTensor) as torchao_probe.torchao_config sets it up (the compiler's settings left alone, the
-    activation scale floored); returns what it did and what torchao's import said (its version,
+    PerTensor) as torchao_probe.torchao_config sets it up (torchao's recommended compiler settings,
+    the activation scale floored); returns what it did and what torchao's import said (its version,
     which of its C++ extensions loaded: its FP8 Linear layers call torch._scaled_mm and need none
     of them)."""
     from torchao_probe import import_torchao, torchao_config

@@ -56,6 +56,7 @@ FLUX_QUALITY = "benchmarks/results/quality_means_scenes_flux_cpu_fp8_summary.jso
 WAN_QUALITY = "benchmarks/results/quality_means_scenes_wan_cpu_fp8_summary.json"
 FP8_ATTENTION = "fp8-attention extra"
 FLASH3 = "fp8-attention extra, a Hopper GPU"
+TORCHAO = "peers extra (torchao)"
 
 SCENARIOS = {
     "sdxl": Scenario(
@@ -65,6 +66,8 @@ SCENARIOS = {
         rows=(
             Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer"), "peer", "torch",
                 quality=Quality(SDXL_QUALITY, None, "two objects")),
+            Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row, bf16)", "peer",
+                ("--variants", "torchao_row"), "torchao_row", "torch", TORCHAO),
             Row("ours_16bit", "ours, fp16 compiled + CUDA graphs", "ours", ("--variants", "compiled"), "compiled",
                 "torch", quality=Quality(SDXL_QUALITY, None, "two objects")),
             Row("ours_fp8", "ours, FP8 level 3", "ours", ("--variants", "fp8"), "fp8", "torch",
@@ -79,6 +82,8 @@ SCENARIOS = {
         rows=(
             Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
                 "peer_torch", "torch", quality=Quality(FLUX_QUALITY, None, "two objects")),
+            Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row)", "peer",
+                ("--variants", "torchao_row", "--attention-kernel", "torch"), "torchao_row_torch", "torch", TORCHAO),
             Row("ours_16bit", "ours, bf16 compiled + CUDA graphs", "ours",
                 ("--variants", "compiled", "--attention-kernel", "torch"), "compiled_torch", "torch",
                 quality=Quality(FLUX_QUALITY, None, "two objects")),
