@@ -143,7 +143,7 @@ class ImageWriter:
 
         self._wait(keep=1)
         self.nonfinite_values += int((~torch.isfinite(samples)).sum())
-        pixels = (samples * 255).round().to(torch.uint8).movedim(-3, -1).cpu().numpy()
+        pixels = to_pixels(samples)
         futures = []
         for offset, (prompt, seed, array) in enumerate(zip(settings.image_prompts, settings.seeds, pixels)):
             text = {"prompt": prompt, "negative_prompt": settings.negative_prompt, "seed": seed,
@@ -206,15 +206,28 @@ def require_writer(output: str, model_name: str) -> None:
                         f"here: pip install -e \".[{extra}]\" (or pip install {package})")
 
 
-def _write_mp4(frames, path: Path, text: dict) -> Path:
-    """(F, H, W, 3) uint8 frames as an H.264 MP4 at text["fps"], every entry of `text` in its metadata."""
-    import av
+def to_pixels(samples):
+    """Samples in [0, 1] (N x 3 x H x W, or N x F x 3 x H x W) as uint8 arrays, channels last, on the host."""
+    import torch
 
+    return (samples * 255).round().to(torch.uint8).movedim(-3, -1).cpu().numpy()
+
+
+def _write_mp4(frames, path: Path, text: dict) -> Path:
     from .artifacts import atomic_path
 
+    with atomic_path(path) as temp:
+        encode_mp4(frames, str(temp), text)
+    return path
+
+
+def encode_mp4(frames, target, text: dict) -> None:
+    """(F, H, W, 3) uint8 frames as an H.264 MP4 at text["fps"] into `target` (a path, or a binary
+    file object), every entry of `text` in its metadata."""
+    import av
+
     # use_metadata_tags: MP4 keeps keys of its own naming (prompt, seed, ...) only when told to.
-    with atomic_path(path) as temp, av.open(str(temp), mode="w", format="mp4",
-                                            options={"movflags": "use_metadata_tags"}) as container:
+    with av.open(target, mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
         for key, value in text.items():
             container.metadata[key] = str(value)
         stream = container.add_stream("libx264", rate=int(text["fps"]))
@@ -225,7 +238,6 @@ def _write_mp4(frames, path: Path, text: dict) -> Path:
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
-    return path
 
 
 def _write_poster(frames, path: Path, text: dict) -> Path:
@@ -233,17 +245,23 @@ def _write_poster(frames, path: Path, text: dict) -> Path:
 
 
 def _write_png(array, path: Path, text: dict) -> Path:
+    from .artifacts import atomic_path
+
+    with atomic_path(path) as temp:
+        encode_png(array, temp, text)
+    return path
+
+
+def encode_png(array, target, text: dict) -> None:
+    """An (H, W, 3) uint8 image as a PNG into `target` (a path, or a binary file object), every
+    entry of `text` in its metadata."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
-
-    from .artifacts import atomic_path
 
     info = PngInfo()
     for key, value in text.items():
         info.add_text(key, str(value))
-    with atomic_path(path) as temp:
-        Image.fromarray(array).save(temp, format="PNG", pnginfo=info)
-    return path
+    Image.fromarray(array).save(target, format="PNG", pnginfo=info)
 
 
 def latency_report(timings: list, images_per_run: int, steps: int, backbones: list[str]) -> dict:
