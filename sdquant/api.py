@@ -20,8 +20,7 @@ from pathlib import Path
 from .assembly import Pipeline, assemble
 from .config import register_schemas, settled_config, validate_infer
 from .errors import UserError
-from .runs.infer import check_split, settle_pipeline
-from .runs.model import settle_model
+from .runs.infer import settle_called_pipeline, settle_pipeline
 from .runs.sample import defaults_of, settle_defaults
 
 # The scripts' configs, beside the package in a checkout (pip install -e).
@@ -58,13 +57,12 @@ def load(model: str = "sdxl_base", overrides: Sequence[str] = (), **settings) ->
     torch_backend={"quantized": "fp8", "compile": True}, cuda_graph=True, ...), or `overrides` as
     the script's command line takes them ("model.source=/path/to/folder"). Its calls default to the
     config's sampling.* (steps, guidance, size, seed, ...)."""
-    app = settled_config(compose(INFER_CONFIG, model, overrides, settings))
-    validate_infer(app)
-    settled = settle_model(app.model, drawing=True)
-    defaults = settle_defaults(settled, app.sampling)
-    run = settle_pipeline(app, settled, defaults.cache, defaults.geometry)
-    check_split(run.split, app.torch_backend, app.cuda_graph, settled, defaults)
-    pipeline = assemble(run)
+    return build(settled_config(compose(INFER_CONFIG, model, overrides, settings)))
+
+
+def build(app) -> Pipeline:
+    """The pipeline of a settled config that holds infer_trt.py's keys (its own, or serve.py's)."""
+    pipeline = assemble(settle_called_pipeline(app))
     pipeline.defaults = defaults_of(app.sampling)
     return pipeline
 

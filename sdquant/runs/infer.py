@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..export import onnx_graphs
 from .model import Checkpoint, Model, check_graph_made_for, settle_checkpoint, settle_model
 from ..families.pipeline import SamplingSettings
-from .sample import Sampling, settle_sampling
+from .sample import Sampling, settle_defaults, settle_sampling
 
 BACKENDS = ("trt", "onnxruntime", "torch")
 # NeMo's engine keys, kept beside engines.<graph>: unet_xl names the backbone's engine whatever the
@@ -106,6 +106,18 @@ def settle_pipeline(app: InferApp, model: Model, cache, geometry) -> PipelineRun
     split = parallel.SampleSplit(app.parallel.cfg, app.parallel.ulysses)
     return PipelineRun(model, app.backend, app.device, app.sampling.scheduler or model.family.default_scheduler,
                        files, tuple(app.onnx_providers), checkpoint, app.torch_backend, app.cuda_graph, cache, split)
+
+
+def settle_called_pipeline(app) -> PipelineRun:
+    """What a settled config of infer_trt.py's keys builds to be called per request (the Python
+    API's pipeline, serve.py's replicas'): every value checked, the model's folder read without
+    its weights."""
+    validate_infer(app)
+    model = settle_model(app.model, drawing=True)
+    defaults = settle_defaults(model, app.sampling)
+    run = settle_pipeline(app, model, defaults.cache, defaults.geometry)
+    check_split(run.split, app.torch_backend, app.cuda_graph, model, defaults)
+    return run
 
 
 def checked_run_checkpoint(app, model: Model) -> Checkpoint | None:
