@@ -421,6 +421,52 @@ class InferApp(Settled):
     device: str = "auto"
 
 
+
+@dataclass
+class ServeBlock(Settled):
+    """serve.py's server: where it listens, who may call it, how requests are batched and bounded."""
+
+    # 127.0.0.1: this machine alone; 0.0.0.0 (with an API key) to take requests from others.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Replicas of the pipeline (data parallel), each loaded and warmed once, placed by Ray on any
+    # node of the cluster with the GPUs (and CPUs) each asks for.
+    num_replicas: int = 1
+    # None: one GPU a replica, none where device=cpu.
+    gpus_per_replica: Optional[float] = None
+    cpus_per_replica: float = 1.0
+    # Images a pipeline call draws at most, from one request or several that share its settings:
+    # the engines' profile batch on backend=trt.
+    max_batch_size: int = 8
+    # How long a call waits for more requests to join it once the first has come.
+    batch_wait_timeout_s: float = 0.05
+    # Requests admitted beyond those the replicas hold in their calls; past it a request is refused
+    # at once with 503 and Retry-After.
+    max_queued_requests: int = 64
+    max_images_per_request: int = 4
+    max_prompt_chars: int = 2000
+    max_body_bytes: int = 65536
+    # A key every /v1 request must give as `Authorization: Bearer <key>`; or the name of an
+    # environment variable that holds it (kept out of the config and the command line).
+    api_key: Optional[str] = None
+    api_key_env: Optional[str] = None
+    # Ctrl-C or SIGTERM: new requests are refused and those admitted get this long to finish.
+    drain_timeout_s: float = 60.0
+    # How long the replicas may take to load and warm before the start is given up.
+    start_timeout_s: float = 1800.0
+    # Finished video jobs kept for GET /v1/videos/{id} (the oldest goes first).
+    kept_video_jobs: int = 64
+    # A Ray cluster to join (auto: the one `ray start --head` runs on this machine; ray://host:10001
+    # or host:6379); empty: a cluster of this machine alone, started and stopped with the server.
+    address: str = ""
+
+
+@dataclass
+class ServeApp(InferApp):
+    """serve.py: the inference config's model, backend and sampling defaults, plus the server."""
+
+    serve: ServeBlock = field(default_factory=ServeBlock)
+
 LPIPS_NETS = ("alex", "vgg", "squeeze")
 
 
@@ -543,6 +589,7 @@ def register_schemas(more: dict | None = None) -> None:
     store.store(name="quantize_schema", node=QuantizeApp)
     store.store(name="export_schema", node=ExportApp)
     store.store(name="infer_schema", node=InferApp)
+    store.store(name="serve_schema", node=ServeApp)
     store.store(name="evaluate_schema", node=EvaluateApp)
     store.store(group="model", name="model_schema", node=ModelConfig)
     for name, node in (more or {}).items():
@@ -806,3 +853,37 @@ def validate_sampling(sampling: SamplingBlock) -> None:
     if sampling.cache.method not in CACHE_METHODS:
         raise UserError(f"sampling.cache.method={sampling.cache.method!r} is unknown: choose "
                         f"{' or '.join(CACHE_METHODS)}")
+
+
+def validate_serve(block: ServeBlock) -> None:
+    """serve.* alone, before Ray starts; each refusal names its key."""
+    if not block.host:
+        raise UserError("serve.host is empty: give 127.0.0.1 (this machine alone) or an address to listen on")
+    if not 1 <= block.port <= 65535:
+        raise UserError(f"serve.port={block.port} must be from 1 to 65535")
+    for key in ("num_replicas", "max_batch_size", "max_images_per_request", "max_prompt_chars", "kept_video_jobs"):
+        if getattr(block, key) < 1:
+            raise UserError(f"serve.{key}={getattr(block, key)} must be at least 1")
+    for key in ("gpus_per_replica", "cpus_per_replica", "batch_wait_timeout_s", "max_queued_requests",
+                "drain_timeout_s", "start_timeout_s"):
+        value = getattr(block, key)
+        if value is not None and value < 0:
+            raise UserError(f"serve.{key}={value} must be 0 or more")
+    if block.max_images_per_request > block.max_batch_size:
+        raise UserError(f"serve.max_images_per_request={block.max_images_per_request} is more than one call draws "
+                        f"(serve.max_batch_size={block.max_batch_size}): lower it, or raise max_batch_size")
+    if block.max_body_bytes < 1024:
+        raise UserError(f"serve.max_body_bytes={block.max_body_bytes} leaves no room for a request: give 1024 or more")
+    if block.api_key is not None and not block.api_key.strip():
+        raise UserError("serve.api_key is empty: give a key, or null for none")
+    if block.api_key and block.api_key_env:
+        raise UserError("serve.api_key and serve.api_key_env both give a key: keep one")
+    if block.api_key_env and not os.environ.get(block.api_key_env, "").strip():
+        raise UserError(f"serve.api_key_env={block.api_key_env} names an environment variable that is not set or "
+                        "empty: export it with the key, or set serve.api_key_env=null")
+
+
+def serve_api_key(block: ServeBlock) -> str | None:
+    """The key /v1 requests must give (serve.api_key, else the variable serve.api_key_env names);
+    None: none."""
+    return block.api_key or (os.environ[block.api_key_env].strip() if block.api_key_env else None)
