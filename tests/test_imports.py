@@ -94,6 +94,8 @@ LAYERS = (
     ("sdquant.runs",),
     ("sdquant.assembly",),
     ("sdquant.api", "sdquant.quality"),
+    # The server: request checks and batching over the settled call, replicas built by the API.
+    ("sdquant.serving",),
     ("sdquant.workflow",),
 )
 

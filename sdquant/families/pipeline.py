@@ -26,6 +26,9 @@ SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscr
               "dpmpp_2m": "DPMSolverMultistepScheduler", "ddim": "DDIMScheduler",
               "heun": "HeunDiscreteScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler",
               "flow_euler": "FlowMatchEulerDiscreteScheduler", "unipc": "UniPCMultistepScheduler"}
+# Those that draw fresh noise at every step from the call's per-image generators, seeded by its
+# seeds: an image drawn in a call of other requests' images would take other noise.
+NOISY_SCHEDULERS = ("euler_a",)
 
 
 def make_scheduler(name: str, config: dict):

@@ -1,0 +1,100 @@
+"""The model deployment: one replica's pipeline, built and warmed once before it reports ready, then
+drawing the batches Ray gathers (@serve.batch, at most the batch limit of images), each request's
+images as PNGs or its video as an MP4, with the call's seconds per stage."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from .. import report
+from ..errors import UserError
+from ..families.pipeline import NOISY_SCHEDULERS, SamplingSettings
+from .batching import Call, call_latents, plan_calls, split
+
+
+@dataclass
+class Drawing:
+    """One request's answer from a replica: its files (a PNG an image, or an MP4 a video) and their
+    seeds, the seconds of the call that drew it (and per stage), and that call's images; or the
+    reason it was refused (the pipeline cannot run it: a size past the engines' profiles)."""
+
+    files: list[bytes] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    call_seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    batch_images: int = 0
+    refusal: str | None = None
+
+
+def images_of(batch: list[SamplingSettings]) -> int:
+    """What a batch counts against the batch limit: its images, not its requests."""
+    return sum(len(settings.image_prompts) for settings in batch)
+
+
+class ModelReplica:
+    """The pipeline of a settled serve config, called per batch."""
+
+    def __init__(self, app, max_batch_size: int, batch_wait_timeout_s: float):
+        from ..api import build
+
+        self.pipe = build(app)
+        self.max_images = max_batch_size
+        run = self.pipe.run_settings
+        self.seeds_mix = (run.scheduler or run.family.default_scheduler) not in NOISY_SCHEDULERS
+        self.draw_batch.set_max_batch_size(max_batch_size)
+        self.draw_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.warm()
+
+    def warm(self) -> None:
+        """Calls at the configured geometry, of one image and of a full batch, so that the first
+        requests find the shapes compiled and set up."""
+        for images in sorted({1, self.max_images}):
+            self.pipe.run(self.pipe.settle(["warm-up"], num_images_per_prompt=images), progress=False)
+
+    async def draw(self, settings: SamplingSettings) -> Drawing:
+        return await self.draw_batch(settings)
+
+    @serve.batch(max_batch_size=1, batch_size_fn=images_of)
+    async def draw_batch(self, batch: list[SamplingSettings]) -> list[Drawing]:
+        # The pipeline holds the thread while it draws: off the event loop, Ray keeps gathering.
+        return await asyncio.to_thread(self.draw_all, batch)
+
+    def draw_all(self, batch: list[SamplingSettings]) -> list[Drawing]:
+        answers: dict[int, Drawing] = {}
+        runnable = []
+        for index, settings in enumerate(batch):
+            try:
+                self.pipe.check(settings)
+                runnable.append(index)
+            except UserError as error:
+                answers[index] = Drawing(refusal=str(error))
+        requests = [batch[index] for index in runnable]
+        for call in plan_calls(requests, self.max_images, self.seeds_mix):
+            for member, drawing in self.draw_call(requests, call).items():
+                answers[runnable[member]] = drawing
+        return [answers[index] for index in range(len(batch))]
+
+    def draw_call(self, requests: list[SamplingSettings], call: Call) -> dict[int, Drawing]:
+        """One pipeline call of its members' images, each request's own noise in it."""
+        drawn = self.pipe.run(call.settings, progress=False, latents=call_latents(self.pipe.flow, requests, call))
+        stage_seconds = {stage: sum(seconds) for stage, seconds in drawn.stage_seconds.items()}
+        images = len(call.settings.image_prompts)
+        return {member: Drawing(encoded(samples, requests[member]), requests[member].seeds, drawn.seconds,
+                                stage_seconds, images)
+                for member, samples in split(drawn.samples, requests, call).items()}
+
+
+def encoded(samples, settings: SamplingSettings) -> list[bytes]:
+    """A request's samples as files: a PNG an image, an MP4 a video, their settings in the metadata."""
+    files = []
+    for seed, pixels in zip(settings.seeds, report.to_pixels(samples)):
+        text = {"prompt": settings.prompts[0], "seed": seed, "steps": settings.steps,
+                "guidance_scale": settings.guidance_scale, "fps": settings.fps}
+        buffer = io.BytesIO()
+        (report.encode_mp4 if pixels.ndim == 4 else report.encode_png)(pixels, buffer, text)
+        files.append(buffer.getvalue())
+    return files
