@@ -286,7 +286,8 @@ def test_serve_py_answers_then_drains_on_ctrl_c_and_leaves_no_ray_process(model_
     ray_dir = tempfile.mkdtemp(prefix="sdq", dir="/tmp")
     server = subprocess.Popen(
         [sys.executable, str(REPO / "serve.py"), *SCENES, f"serve.port={port}", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env={**os.environ, "RAY_TMPDIR": ray_dir}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, env={**os.environ, "RAY_TMPDIR": ray_dir}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and server.poll() is None:
@@ -296,16 +297,21 @@ def test_serve_py_answers_then_drains_on_ctrl_c_and_leaves_no_ray_process(model_
             except httpx.TransportError:
                 pass
             time.sleep(1)
-        response = generate(f"http://127.0.0.1:{port}", {"prompt": PROMPTS[0], "seed": 1}, headers={})
-        assert response.status_code == 200 and len(pixels_of(response)) == 1
-        server.send_signal(signal.SIGINT)
-        out, err = server.communicate(timeout=90)
+        with ThreadPoolExecutor(1) as client:
+            # A long call in flight when Ctrl-C comes, which a terminal sends to Ray's processes too.
+            in_flight = client.submit(generate, f"http://127.0.0.1:{port}", {"prompt": PROMPTS[0], "steps": 300},
+                                      headers={})
+            time.sleep(2)
+            os.killpg(server.pid, signal.SIGINT)
+            out, err = server.communicate(timeout=90)
+            response = in_flight.result()
     finally:
         if server.poll() is None:
             server.kill()
+    assert response.status_code == 200 and len(pixels_of(response)) == 1
     assert server.returncode == 130, err[-2000:]
     assert "serving model=scenes_sdxl at http://127.0.0.1:" in out
-    assert err.strip().splitlines()[-1] == "stopped serving model=scenes_sdxl: 0 of the 0 requests held answered"
+    assert err.strip().splitlines()[-1] == "stopped serving model=scenes_sdxl: 1 of the 1 requests held answered"
     left = [process.pid for process in psutil.process_iter(["cmdline"])
             if any(ray_dir in part for part in process.info["cmdline"] or [])]
     assert not left, f"Ray processes left behind: {left}"
