@@ -29,6 +29,9 @@ from sdquant.serving.batching import plan_calls
 
 from conftest import REPO, compose_config
 
+# One worker holds the module's Ray cluster and servers (pyproject's --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("ray_serve")
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SCENES = ["model=scenes_sdxl", "backend=torch", "device=cpu", "sampling.steps=4"]
