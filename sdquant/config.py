@@ -452,8 +452,6 @@ class ServeBlock(Settled):
     api_key_env: Optional[str] = None
     # Ctrl-C or SIGTERM: new requests are refused and those admitted get this long to finish.
     drain_timeout_s: float = 60.0
-    # How long the replicas may take to load and warm before the start is given up.
-    start_timeout_s: float = 1800.0
     # Finished video jobs kept for GET /v1/videos/{id} (the oldest goes first).
     kept_video_jobs: int = 64
     # A Ray cluster to join (auto: the one `ray start --head` runs on this machine; ray://host:10001
@@ -865,7 +863,7 @@ def validate_serve(block: ServeBlock) -> None:
         if getattr(block, key) < 1:
             raise UserError(f"serve.{key}={getattr(block, key)} must be at least 1")
     for key in ("gpus_per_replica", "cpus_per_replica", "batch_wait_timeout_s", "max_queued_requests",
-                "drain_timeout_s", "start_timeout_s"):
+                "drain_timeout_s"):
         value = getattr(block, key)
         if value is not None and value < 0:
             raise UserError(f"serve.{key}={value} must be 0 or more")

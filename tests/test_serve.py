@@ -147,6 +147,11 @@ def test_a_requests_images_are_seeded_seed_plus_k(scenes, scenes_api):
                for ours, theirs in zip(pixels_of(response), alone))
 
 
+def test_a_request_without_a_seed_gets_a_fresh_one_it_is_told(scenes):
+    seeds = [generate(scenes, {"prompt": PROMPTS[0], "size": "64x64"}).json()["data"][0]["seed"] for _ in range(2)]
+    assert seeds[0] != seeds[1]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "style": "vivid"}, "style"),
     ({"prompt": "x", "frames": 5}, "frames"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -47,7 +48,10 @@ class ModelReplica:
         self.seeds_mix = (run.scheduler or run.family.default_scheduler) not in NOISY_SCHEDULERS
         self.draw_batch.set_max_batch_size(max_batch_size)
         self.draw_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
-        self.warm()
+        # torch keeps grad mode, the current stream and compiled CUDA graphs per thread: every call
+        # runs on the one thread that warmed the pipeline, off the event loop, so Ray keeps gathering.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self.worker.submit(self.warm).result()
 
     def warm(self) -> None:
         """Calls at the configured geometry, of one image and of a full batch, so that the first
@@ -60,8 +64,7 @@ class ModelReplica:
 
     @serve.batch(max_batch_size=1, batch_size_fn=images_of)
     async def draw_batch(self, batch: list[SamplingSettings]) -> list[Drawing]:
-        # The pipeline holds the thread while it draws: off the event loop, Ray keeps gathering.
-        return await asyncio.to_thread(self.draw_all, batch)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, self.draw_all, batch)
 
     def draw_all(self, batch: list[SamplingSettings]) -> list[Drawing]:
         answers: dict[int, Drawing] = {}

@@ -5,6 +5,7 @@ bounds (pydantic, unknown fields refused), the server's limits, then the model's
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -92,7 +93,7 @@ def settle_request(body: Asked, served: Served) -> SamplingSettings:
         raise RequestError(f"n={images} is more than this server draws for one request "
                            f"({served.max_images_per_request})", "n")
     height, width = _size(body.size)
-    asked = {"height": height, "width": width, "seed": body.seed, "steps": body.steps,
+    asked = {"height": height, "width": width, "seed": body.seed if body.seed is not None else fresh_seed(), "steps": body.steps,
              "guidance_scale": body.guidance_scale, "negative_prompt": body.negative_prompt,
              "num_images_per_prompt": images, "num_frames": getattr(body, "frames", None),
              "fps": getattr(body, "fps", None), "guidance_scale_2": getattr(body, "guidance_scale_2", None)}
@@ -101,6 +102,12 @@ def settle_request(body: Asked, served: Served) -> SamplingSettings:
         return settle_call(served.model, [body.prompt], **{**served.defaults, **given})
     except UserError as error:
         raise RequestError(*named_field(str(error))) from None
+
+
+def fresh_seed() -> int:
+    """A request's seed where it gives none: the same prompt then draws a new image each time, as
+    OpenAI's endpoint does, and the answer's seed draws it again."""
+    return secrets.randbelow(2**31)
 
 
 def _size(size: str | None) -> tuple[int | None, int | None]:

@@ -44,7 +44,8 @@ def serve_until_stopped(run: ServeRun) -> None:
         with stage("draining the requests held"):
             line = drain(ingress, run)
     finally:
-        stop(started)
+        with stage("stopping Serve and Ray"):
+            stop(started)
     print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
