@@ -44,16 +44,21 @@ def test_a_table_divides_by_the_peer_of_its_own_run_and_goes_between_its_markers
     assert tables.written_into(readme, {"wan": body}) == f"before\n{start}\n{body}\n{end}\nafter\n"
 
 
-def test_run_all_runs_a_row_in_its_own_process_and_records_what_compiled_while_timed(tmp_path):
+def test_run_all_runs_each_row_in_its_own_process_on_its_lane_and_records_what_compiled_while_timed(tmp_path):
     out = tmp_path / "headline_wan_cpu.json"
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), "--family", "wan", "--rows", "ours_16bit",
-                             "--tiny", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), "--family", "wan", "--rows",
+                             "ours_16bit,peer", "--lanes", "2", "--tiny", "--out", str(out)],
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     headline = json.loads(out.read_text())
     assert len(headline["code"]) == 12 and headline["device"] == "cpu"
-    row = headline["rows"]["ours_16bit"]
-    assert row["seconds"] > 0 and row["attention_kernel"] == "torch"
-    assert row["graphs_compiled_while_timed"] == 0
+    rows = headline["rows"]
+    assert {rows["ours_16bit"]["gpu"], rows["peer"]["gpu"]} == {"0", "1"}
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["attention_kernel"] == "torch"
+        assert row["graphs_compiled_while_timed"] == 0
+    assert "2 cpu GPUs of one host" in tables.run_line(headline, "x") and "on a GPU of its own" in tables.run_line(
+        headline, "x")
 
 
 @pytest.mark.parametrize("arguments, says", [(["--family", "nope"], "--family nope: choose one of"),

@@ -68,8 +68,11 @@ def run_line(headline: dict, source: str) -> str:
         code = f"code not recorded (measured before the harness, adopted from {headline['adopted_from']})"
     driver = f", driver {headline['driver']}" if headline.get("driver") else ""
     torch_version = (headline.get("versions") or {}).get("torch", "?")
-    return (f"*One run on one {headline['device']}{driver}, torch {torch_version}, each row its own process; "
-            f"{code}; {warm}; `{source}`.*")
+    # Rows run side by side on GPUs of one host (run_all.py --lanes) name their GPU.
+    gpus = {entry.get("gpu") for entry in headline["rows"].values() if "seconds" in entry}
+    place = f"one {headline['device']}" if len(gpus) < 2 else f"{len(gpus)} {headline['device']} GPUs of one host"
+    each = "each row its own process" + (" on a GPU of its own" if len(gpus) > 1 else "")
+    return f"*One run on {place}{driver}, torch {torch_version}, {each}; {code}; {warm}; `{source}`.*"
 
 
 def newest_headline(family: str) -> tuple[dict, str] | None:
