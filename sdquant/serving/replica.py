@@ -5,6 +5,7 @@ images as PNGs or its video as an MP4, with the call's seconds per stage."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,12 +17,17 @@ from ..errors import UserError
 from ..families.pipeline import NOISY_SCHEDULERS, SamplingSettings
 from .batching import Call, call_latents, plan_calls, split
 
+# Threads that encode answers while the pipeline draws the next call: a 1024x1024 PNG takes tens
+# of milliseconds of CPU, and eight of them in the pipeline's thread would hold up the next call.
+ENCODERS = 4
+
 
 @dataclass
 class Drawing:
     """One request's answer from a replica: its files (a PNG an image, or an MP4 a video) and their
     seeds, the seconds of the call that drew it (and per stage), and that call's images; or the
-    reason it was refused (the pipeline cannot run it: a size past the engines' profiles)."""
+    reason it was refused (the pipeline cannot run it: a size past the engines' profiles). Until
+    encoded, `pixels` holds the request's samples and `files` is empty."""
 
     files: list[bytes] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
@@ -29,6 +35,8 @@ class Drawing:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     batch_images: int = 0
     refusal: str | None = None
+    pixels: object = field(default=None, repr=False)
+    settings: SamplingSettings | None = field(default=None, repr=False)
 
 
 def images_of(batch: list[SamplingSettings]) -> int:
@@ -51,6 +59,7 @@ class ModelReplica:
         # torch keeps grad mode, the current stream and compiled CUDA graphs per thread: every call
         # runs on the one thread that warmed the pipeline, off the event loop, so Ray keeps gathering.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self.encoders = ThreadPoolExecutor(max_workers=ENCODERS, thread_name_prefix="encode")
         self.worker.submit(self.warm).result()
 
     def warm(self) -> None:
@@ -60,7 +69,11 @@ class ModelReplica:
             self.pipe.run(self.pipe.settle(["warm-up"], num_images_per_prompt=images), progress=False)
 
     async def draw(self, settings: SamplingSettings) -> Drawing:
-        return await self.draw_batch(settings)
+        drawing = await self.draw_batch(settings)
+        if drawing.refusal is not None:
+            return drawing
+        # Encoded once the batch has given the pipeline back: the next call draws meanwhile.
+        return await asyncio.get_running_loop().run_in_executor(self.encoders, encoded, drawing)
 
     @serve.batch(max_batch_size=1, batch_size_fn=images_of)
     async def draw_batch(self, batch: list[SamplingSettings]) -> list[Drawing]:
@@ -86,18 +99,20 @@ class ModelReplica:
         drawn = self.pipe.run(call.settings, progress=False, latents=call_latents(self.pipe.flow, requests, call))
         stage_seconds = {stage: sum(seconds) for stage, seconds in drawn.stage_seconds.items()}
         images = len(call.settings.image_prompts)
-        return {member: Drawing(encoded(samples, requests[member]), requests[member].seeds, drawn.seconds,
-                                stage_seconds, images)
+        return {member: Drawing(seeds=requests[member].seeds, call_seconds=drawn.seconds,
+                                stage_seconds=stage_seconds, batch_images=images, pixels=report.to_pixels(samples),
+                                settings=requests[member])
                 for member, samples in split(drawn.samples, requests, call).items()}
 
 
-def encoded(samples, settings: SamplingSettings) -> list[bytes]:
-    """A request's samples as files: a PNG an image, an MP4 a video, their settings in the metadata."""
-    files = []
-    for seed, pixels in zip(settings.seeds, report.to_pixels(samples)):
+def encoded(drawing: Drawing) -> Drawing:
+    """The drawing with its samples as files: a PNG an image, an MP4 a video, their settings in the
+    metadata."""
+    settings, files = drawing.settings, []
+    for seed, pixels in zip(settings.seeds, drawing.pixels):
         text = {"prompt": settings.prompts[0], "seed": seed, "steps": settings.steps,
                 "guidance_scale": settings.guidance_scale, "fps": settings.fps}
         buffer = io.BytesIO()
         (report.encode_mp4 if pixels.ndim == 4 else report.encode_png)(pixels, buffer, text)
         files.append(buffer.getvalue())
-    return files
+    return dataclasses.replace(drawing, files=files, pixels=None, settings=None)
