@@ -193,8 +193,10 @@ def server_for(args):
     log = tempfile.NamedTemporaryFile("w", prefix="serve_load_server_", suffix=".log", delete=False)
     print(f"starting serve.py (its output: {log.name})", flush=True)
     # A session of its own: a terminal's Ctrl-C reaches this script alone, which then stops the server.
+    # SIGINT restored: started in the background (nohup, `&`), this script ignores it, and so would serve.py.
     process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), *overrides], cwd=REPO, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_until_healthy(url, process, args.start_timeout_s, log.name)
         yield url
