@@ -224,6 +224,34 @@ def test_a_killed_replica_comes_back_and_later_requests_succeed(scenes):
     assert len(replicas()) == 2 and not replicas() & before
 
 
+def serve_load(url: str, out, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--url", url, "--api-key", KEY,
+                           "--out", str(out), "--min-queries", "4", "--size", "64x64", "--max-in-flight", "16",
+                           *arguments], capture_output=True, text=True, cwd=REPO, timeout=180)
+
+
+def test_serve_load_measures_offline_and_a_server_rate_with_loadgen(scenes, tmp_path):
+    import json
+
+    offline = serve_load(scenes, tmp_path / "offline.json", "--scenario", "offline", "--min-duration-s", "0.5",
+                         "--expected-qps", "1", "--min-queries", "6")
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    server = serve_load(scenes, tmp_path / "server.json", "--scenario", "server", "--target-qps", "2",
+                        "--min-duration-s", "2")
+    assert server.returncode == 0, server.stderr[-2000:]
+    for name, least_queries in (("offline", 6), ("server", 4)):
+        results = json.loads((tmp_path / f"{name}.json").read_text())
+        (run,) = results["runs"]
+        assert run["queries"] >= least_queries and run["answered"] == run["queries"] and run["failed"] == 0
+        assert sum(run["server"]["requests_by_call_images"].values()) == run["queries"]
+        assert run["rate_qps"] > 0 and run["latency_s"]["p99"] >= run["client_latency_s"]["min"]
+        assert re.fullmatch(r"[0-9a-f]{12}", results["provenance"]["code"])
+        assert results["official_mlperf_run"] is False
+    assert "p99_within_bound" in run and run["target_qps"] == 2
+    offline_calls = json.loads((tmp_path / "offline.json").read_text())["runs"][0]["server"]["calls_by_images"]
+    assert max(int(images) for images in offline_calls) > 1, "queries issued at once share calls"
+
+
 @pytest.fixture(scope="module")
 def wan(cluster, scenes):
     # After the SDXL application: one model's replicas at a time on the module's two CPUs.
