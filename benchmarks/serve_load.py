@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import re
 import shlex
@@ -83,7 +84,7 @@ class RunRecord:
 def percentile(values: list[float], share: float) -> float:
     """The nearest-rank percentile, as LoadGen takes it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(share * len(ordered) + 0.999999) - 1))]
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -151,11 +152,15 @@ def settled(args: argparse.Namespace) -> None:
         raise Refused(f"--size {args.size} is not WxH, such as 1024x1024")
     if not args.prompts.is_file() or not prompts_of(args.prompts):
         raise Refused(f"--prompts {args.prompts} is no file with a prompt a line")
-    overrides = dict(item.split("=", 1) for item in shlex.split(args.serve or "") if "=" in item)
+    overrides = overrides_of(args.serve or "")
     args.model = args.model or overrides.get("model")
     args.api_key = args.api_key or overrides.get("serve.api_key")
     if args.out is None and args.model is None:
         raise Refused("name the results: --model (the served model's name) or --out")
+
+
+def overrides_of(serve: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in shlex.split(serve) if "=" in item)
 
 
 def prompts_of(path: Path) -> list[str]:
@@ -184,7 +189,7 @@ def server_for(args):
         yield args.url.rstrip("/")
         return
     overrides = shlex.split(args.serve)
-    given = dict(item.split("=", 1) for item in overrides if "=" in item)
+    given = overrides_of(args.serve)
     if "serve.port" not in given:
         given["serve.port"] = str(free_port())
         overrides.append(f"serve.port={given['serve.port']}")
