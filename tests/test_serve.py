@@ -252,6 +252,20 @@ def test_serve_load_measures_offline_and_a_server_rate_with_loadgen(scenes, tmp_
     assert max(int(images) for images in offline_calls) > 1, "queries issued at once share calls"
 
 
+def test_the_server_search_bisects_to_the_largest_rate_that_holds_and_reports_every_run():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from serve_load import searched
+
+    def measure_at(qps: float) -> dict:
+        return {"target_qps": qps, "holds": qps <= 3.3}
+
+    best, rows = searched(measure_at, 2.0, 4.0, steps=3)
+    assert [row["target_qps"] for row in rows] == [4.0, 2.0, 3.0, 3.5, 3.25]
+    assert best == 3.25
+    assert searched(measure_at, 3.4, 6.8, steps=3)[0] is None
+    assert searched(measure_at, 1.0, 2.0, steps=3) == (2.0, [{"target_qps": 2.0, "holds": True}])
+
+
 @pytest.fixture(scope="module")
 def wan(cluster, scenes):
     # After the SDXL application: one model's replicas at a time on the module's two CPUs.
