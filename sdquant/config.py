@@ -438,12 +438,18 @@ class ServeBlock(Settled):
     # Images a pipeline call draws at most, from one request or several that share its settings:
     # the engines' profile batch on backend=trt.
     max_batch_size: int = 8
-    # How long a call waits for more requests to join it once the first has come.
+    # How long a call waits for more requests to join it once the first has come (while the
+    # pipeline is busy, those that arrive wait for the next call anyway).
     batch_wait_timeout_s: float = 0.05
+    # The batches each replica warms at start (and serve.max_batch_size): a call pads to the
+    # smallest of them that holds its images, so no request compiles a new batch while others wait.
+    warm_batches: list[int] = field(default_factory=lambda: [1])
     # Requests admitted beyond those the replicas hold in their calls; past it a request is refused
     # at once with 503 and Retry-After.
     max_queued_requests: int = 64
     max_images_per_request: int = 4
+    # A request's steps at most: a call's time grows with them.
+    max_steps: int = 100
     max_prompt_chars: int = 2000
     max_body_bytes: int = 65536
     # A key every /v1 request must give as `Authorization: Bearer <key>`; or the name of an
@@ -859,7 +865,8 @@ def validate_serve(block: ServeBlock) -> None:
         raise UserError("serve.host is empty: give 127.0.0.1 (this machine alone) or an address to listen on")
     if not 1 <= block.port <= 65535:
         raise UserError(f"serve.port={block.port} must be from 1 to 65535")
-    for key in ("num_replicas", "max_batch_size", "max_images_per_request", "max_prompt_chars", "kept_video_jobs"):
+    for key in ("num_replicas", "max_batch_size", "max_images_per_request", "max_steps", "max_prompt_chars",
+                "kept_video_jobs"):
         if getattr(block, key) < 1:
             raise UserError(f"serve.{key}={getattr(block, key)} must be at least 1")
     for key in ("gpus_per_replica", "cpus_per_replica", "batch_wait_timeout_s", "max_queued_requests",
@@ -867,6 +874,9 @@ def validate_serve(block: ServeBlock) -> None:
         value = getattr(block, key)
         if value is not None and value < 0:
             raise UserError(f"serve.{key}={value} must be 0 or more")
+    if any(not 1 <= size <= block.max_batch_size for size in block.warm_batches):
+        raise UserError(f"serve.warm_batches={list(block.warm_batches)}: each must be from 1 to serve.max_batch_size="
+                        f"{block.max_batch_size}")
     if block.max_images_per_request > block.max_batch_size:
         raise UserError(f"serve.max_images_per_request={block.max_images_per_request} is more than one call draws "
                         f"(serve.max_batch_size={block.max_batch_size}): lower it, or raise max_batch_size")

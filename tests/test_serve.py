@@ -6,6 +6,7 @@ video job runs to an MP4; the script drains on Ctrl-C and leaves no Ray process 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import os
 import re
@@ -20,12 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from sdquant import report
 from sdquant.api import load
 from sdquant.families.pipeline import SamplingSettings
-from sdquant.serving.batching import plan_calls
+from sdquant.serving.batching import padded, plan_calls, split, taken
 
 from conftest import REPO, compose_config
 
@@ -40,7 +42,7 @@ PROMPTS = ["a small red circle on the left, white background", "a big blue squar
 # Room for exactly the 16 concurrent clients: two replicas of a 4-image batch, and 8 waiting.
 SCENES_SERVE = ["serve.num_replicas=2", "serve.cpus_per_replica=1", "serve.max_batch_size=4",
                 "serve.batch_wait_timeout_s=0.5", "serve.max_queued_requests=8", "serve.max_images_per_request=2",
-                "serve.max_prompt_chars=200", f"serve.api_key={KEY}"]
+                "serve.max_prompt_chars=200", "serve.max_steps=400", f"serve.api_key={KEY}"]
 WAN = ["model=tiny_wan", "backend=torch", "device=cpu", "sampling.steps=3", "sampling.num_frames=5"]
 
 
@@ -121,6 +123,22 @@ def test_requests_that_share_settings_share_a_call_of_at_most_the_batch_limit():
     assert [call.members for call in calls] == [(0, 1), (3, 4), (2,)]
     assert [len(call.settings.image_prompts) for call in calls] == [3, 3, 1]
     assert [call.members for call in plan_calls(requests, 4, seeds_mix=False)] == [(0,), (1,), (2,), (3,), (4,)]
+    # The next call once the pipeline is free: the first waiting request and those that fit with it.
+    assert taken(requests, max_images=4, seeds_mix=True) == [0, 1, 4]
+    assert taken(requests[2:], max_images=4, seeds_mix=True) == [0]
+    assert taken(requests, max_images=4, seeds_mix=False) == [0]
+    chunked = [dataclasses.replace(asked(1), long_prompts="chunk") for _ in range(2)]
+    assert taken(chunked, max_images=4, seeds_mix=True) == [0], "chunked prompts pad each other's windows"
+
+
+def test_a_call_pads_to_a_warmed_batch_and_drops_the_padding():
+    settings = SamplingSettings(prompts=["p"], negative_prompt="", steps=4, guidance_scale=5.0, height=64, width=64,
+                                seed=3, images_per_prompt=2)
+    (call,) = plan_calls([settings], max_images=4, seeds_mix=True)
+    wider = padded(call, 4)
+    assert (wider.padding, wider.settings.prompts) == (2, ["p", "p", "", ""])
+    samples = torch.arange(4.0).reshape(4, 1)
+    assert split(samples, [settings], wider)[0].flatten().tolist() == [0.0, 1.0]
 
 
 def test_concurrent_clients_are_batched_and_each_gets_what_the_api_draws_alone(scenes, scenes_api):
@@ -163,6 +181,7 @@ def test_a_request_without_a_seed_gets_a_fresh_one_it_is_told(scenes):
     ({"prompt": "x" * 201}, "prompt"),
     ({"n": 1}, "prompt"),
     ({"prompt": "x", "steps": 0}, "steps"),
+    ({"prompt": "x", "steps": 401}, "steps"),
     ({"prompt": "x", "seed": "7"}, "seed"),
     ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
     ({"prompt": "x", "response_format": "url"}, "response_format"),
@@ -335,7 +354,8 @@ def test_serve_py_answers_then_drains_on_ctrl_c_and_leaves_no_ray_process(model_
     # Ray's sockets live under it: short, and this test's own, to find every process it started.
     ray_dir = tempfile.mkdtemp(prefix="sdq", dir="/tmp")
     server = subprocess.Popen(
-        [sys.executable, str(REPO / "serve.py"), *SCENES, f"serve.port={port}", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, str(REPO / "serve.py"), *SCENES, f"serve.port={port}", "serve.max_steps=300",
+         f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env={**os.environ, "RAY_TMPDIR": ray_dir}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:

@@ -78,7 +78,8 @@ class Ingress:
         block = app.serve
         model = settle_model(app.model, drawing=True)
         self.replicas = replicas
-        self.served = Served(model, defaults_of(app.sampling), block.max_images_per_request, block.max_prompt_chars)
+        self.served = Served(model, defaults_of(app.sampling), block.max_images_per_request, block.max_prompt_chars,
+                             block.max_steps)
         self.output = model.family.output
         self.block, self.api_key = block, api_key
         self.application, self.model_deployment = application, model_deployment
@@ -87,6 +88,7 @@ class Ingress:
         self.draining = False
         self.last_call_seconds = 1.0
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
+        self.video_tasks: set[asyncio.Task] = set()
         self.metrics = ServeMetrics(block.max_batch_size)
 
     @http.post("/v1/images/generations")
@@ -116,7 +118,10 @@ class Ingress:
                        f"{settings.width}x{settings.height}", settings.frames, settings.seed)
         self.jobs[job.id] = job
         self.forget_old_jobs()
-        asyncio.get_running_loop().create_task(self.draw_video(job, settings))
+        # asyncio holds tasks weakly: kept here until done.
+        task = asyncio.get_running_loop().create_task(self.draw_video(job, settings))
+        self.video_tasks.add(task)
+        task.add_done_callback(self.video_tasks.discard)
         self.metrics.answered.labels("videos", "200").inc()
         return job.described()
 
@@ -141,7 +146,8 @@ class Ingress:
 
     @http.get("/health")
     async def health(self):
-        warm, target = self.replicas_warm()
+        # serve.status() waits on Ray's controller: off the event loop, which other requests share.
+        warm, target = await asyncio.to_thread(self.replicas_warm)
         body = {"status": "ok" if warm >= target else "starting", "replicas_warm": warm, "replicas": target}
         return JSONResponse(body, status_code=200 if warm >= target else 503)
 
@@ -155,7 +161,8 @@ class Ingress:
         return self.held
 
     def held_requests(self) -> int:
-        return self.held + sum(job.status in ("queued", "in_progress") for job in self.jobs.values())
+        """Requests admitted and not yet answered, video jobs among them."""
+        return self.held
 
     async def admitted(self, request: Request, schema, output: str):
         """The request's call settings, once it is authorized, well formed and within bounds, and
@@ -204,7 +211,7 @@ class Ingress:
                 raise RequestError(f"the body is longer than this server takes ({limit} bytes)", None, 413)
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RequestError("the body is not JSON", None) from None
 
     async def drawn(self, settings):
@@ -215,6 +222,9 @@ class Ingress:
         except (RayActorError, ActorUnavailableError) as error:
             raise RequestError(f"the replica drawing this request stopped ({type(error).__name__}); Ray starts it "
                                "again: send the request again", None, 503, "replica_died") from None
+        except Exception as error:  # answered in the API's shape, with the reason's name, never a bare 500
+            raise RequestError(f"the server failed drawing this request ({type(error).__name__}); the server's log "
+                               "has the rest", None, 500, "server_error") from None
         if drawing.refusal is not None:
             raise RequestError(*named_field(drawing.refusal))
         self.last_call_seconds = drawing.call_seconds
@@ -229,6 +239,9 @@ class Ingress:
             job.mp4, job.status = drawing.files[0], "completed"
         except RequestError as error:
             job.status, job.error = "failed", {"message": error.message, "type": error.kind}
+        except Exception as error:  # every job ends answered, whatever failed under it
+            job.status, job.error = "failed", {"message": f"the server failed drawing it ({type(error).__name__})",
+                                               "type": "server_error"}
         finally:
             self.release()
 
@@ -272,10 +285,12 @@ def application(run):
 
     block = run.block
     replicas = serve.deployment(ModelReplica, name=MODEL_DEPLOYMENT).options(
-        num_replicas=block.num_replicas, max_ongoing_requests=block.max_batch_size,
+        # Room for what waits beside a call, so that it waits in the replica's queue, where the next
+        # call can take it, and not in Ray's router.
+        num_replicas=block.num_replicas, max_ongoing_requests=block.max_batch_size + block.max_queued_requests,
         # The ingress logs each request in one line (Serve's access log); its calls here, none.
         logging_config={"enable_access_log": False},
         ray_actor_options={"num_cpus": block.cpus_per_replica, "num_gpus": run.gpus_per_replica})
     ingress = Ingress.options(max_ongoing_requests=capacity(block) + SIDE_REQUESTS)
-    return ingress.bind(replicas.bind(run.app, block.max_batch_size, block.batch_wait_timeout_s), run.app,
+    return ingress.bind(replicas.bind(run.app, block.max_batch_size, block.batch_wait_timeout_s, tuple(block.warm_batches)), run.app,
                         run.api_key, APPLICATION, MODEL_DEPLOYMENT)

@@ -15,16 +15,43 @@ from ..families.pipeline import SamplingSettings
 @dataclass(frozen=True)
 class Call:
     """One pipeline call: the requests it draws (their indices in the batch Ray gave) and its
-    settings, every request's images in order, one prompt an image."""
+    settings, every request's images in order, one prompt an image, then `padding` images drawn
+    only to reach a batch the pipeline was warmed at, and dropped."""
 
     members: tuple[int, ...]
     settings: SamplingSettings
+    padding: int = 0
 
 
 def share_key(settings: SamplingSettings) -> tuple:
-    """What requests must agree on to be drawn in one call."""
+    """What requests must agree on to be drawn in one call. Prompts encoded window by window
+    (long_prompts=chunk) are padded to the call's longest, so such a request draws alone."""
+    alone = (id(settings),) if settings.long_prompts == "chunk" else ()
     return (settings.geometry, settings.steps, settings.guidance_scale, settings.guidance_scale_2,
-            settings.negative_prompt, settings.cache, settings.long_prompts)
+            settings.negative_prompt, settings.cache, settings.long_prompts, *alone)
+
+
+def taken(waiting: list[SamplingSettings], max_images: int, seeds_mix: bool) -> list[int]:
+    """The waiting requests the next call draws: the first one and, in their order, those that can
+    share its call, up to `max_images` images (the first alone where seeds do not mix)."""
+    first = waiting[0]
+    chosen, images = [0], len(first.image_prompts)
+    for index, settings in enumerate(waiting[1:], start=1):
+        if not seeds_mix:
+            break
+        if share_key(settings) == share_key(first) and images + len(settings.image_prompts) <= max_images:
+            chosen.append(index)
+            images += len(settings.image_prompts)
+    return chosen
+
+
+def padded(call: Call, images: int) -> Call:
+    """`call` drawing `images` images: its own, then empty prompts."""
+    extra = images - len(call.settings.image_prompts)
+    if extra <= 0:
+        return call
+    settings = dataclasses.replace(call.settings, prompts=[*call.settings.prompts, *[""] * extra])
+    return Call(call.members, settings, extra)
 
 
 def plan_calls(requests: list[SamplingSettings], max_images: int, seeds_mix: bool) -> list[Call]:
@@ -58,11 +85,16 @@ def _call(requests: list[SamplingSettings], members: list[int]) -> Call:
 
 
 def call_latents(flow, requests: list[SamplingSettings], call: Call) -> torch.Tensor:
-    """The call's initial noise: each request's own, drawn from its seeds as its call alone draws it."""
-    return torch.cat([flow.initial_latents(requests[index]) for index in call.members])
+    """The call's initial noise: each request's own, drawn from its seeds as its call alone draws
+    it, then the padding's."""
+    noise = [flow.initial_latents(requests[index]) for index in call.members]
+    if call.padding:
+        first = requests[call.members[0]]
+        noise.append(flow.initial_latents(dataclasses.replace(first, prompts=[""] * call.padding, images_per_prompt=1)))
+    return torch.cat(noise)
 
 
 def split(samples: torch.Tensor, requests: list[SamplingSettings], call: Call) -> dict[int, torch.Tensor]:
-    """The call's samples by request index."""
+    """The call's samples by request index, the padding's dropped."""
     sizes = [len(requests[index].image_prompts) for index in call.members]
-    return dict(zip(call.members, samples.split(sizes)))
+    return dict(zip(call.members, samples[:sum(sizes)].split(sizes)))

@@ -70,6 +70,7 @@ class Served:
     defaults: dict
     max_images_per_request: int
     max_prompt_chars: int
+    max_steps: int
 
     @property
     def name(self) -> str:
@@ -88,6 +89,8 @@ def settle_request(body: Asked, served: Served) -> SamplingSettings:
                                f"({served.max_prompt_chars})", field)
     if not body.prompt.strip():
         raise RequestError("prompt is empty: describe the image or video to draw", "prompt")
+    if body.steps is not None and body.steps > served.max_steps:
+        raise RequestError(f"steps={body.steps} is more than this server draws ({served.max_steps})", "steps")
     images = getattr(body, "n", 1)
     if images > served.max_images_per_request:
         raise RequestError(f"n={images} is more than this server draws for one request "

@@ -30,10 +30,12 @@ def run_serve(cfg) -> None:
 def serve_until_stopped(run: ServeRun) -> None:
     import ray
 
-    started = not ray.is_initialized()
+    connected = not ray.is_initialized()
+    # A cluster joined (serve.address) is others' too: stopping removes this application alone.
+    owned = connected and not run.block.address
     try:
         with stage("starting the server"):
-            if started:
+            if connected:
                 ray.init(address=run.block.address or None, include_dashboard=False)
             ingress = deploy(run)
         block = run.block
@@ -45,7 +47,7 @@ def serve_until_stopped(run: ServeRun) -> None:
             line = drain(ingress, run)
     finally:
         with stage("stopping Serve and Ray"):
-            stop(started)
+            stop(owned, connected)
     print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -98,15 +100,17 @@ def drain(ingress, run: ServeRun) -> str:
     return line
 
 
-def stop(started: bool) -> None:
-    """Serve and Ray stopped where this process started them; else the application alone removed."""
+def stop(owned: bool, connected: bool) -> None:
+    """Serve and Ray stopped where this process started them (`owned`); else the application alone
+    removed, and the cluster left (`connected`: this process joined it)."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         return
-    if started:
+    if owned:
         serve.shutdown()
-        ray.shutdown()
     else:
         serve.delete(APPLICATION)
+    if connected:
+        ray.shutdown()
