@@ -262,9 +262,14 @@ class HttpSut:
     async def answer(self, query_id: int, sample_index: int, issued: float) -> None:
         import mlperf_loadgen as lg
 
-        status = await self.status_of(sample_index)
-        self.record.add(Answer(sample_index, status, time.perf_counter() - issued))
-        lg.QuerySamplesComplete([lg.QuerySampleResponse(query_id, 0, 0)])
+        status: int | str = "unanswered"
+        try:
+            status = await self.status_of(sample_index)
+        except Exception as error:  # an answer that cannot be read is a failed query, never a lost one
+            status = type(error).__name__
+        finally:
+            self.record.add(Answer(sample_index, status, time.perf_counter() - issued))
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(query_id, 0, 0)])
 
     async def status_of(self, sample_index: int) -> int | str:
         """The HTTP status of the sample's request (200 only with its one image), or the name of the
@@ -453,7 +458,8 @@ def run_row(scenario: str, target_qps, summary: dict, record: RunRecord, seconds
 
 
 def row_line(row: dict) -> str:
-    line = f"{row['scenario']}: {row['answered']} of {row['queries']} answered, {row['rate_qps']:.3g} queries/s"
+    rate = "no rate" if row["rate_qps"] is None else f"{row['rate_qps']:.3g} queries/s"
+    line = f"{row['scenario']}: {row['answered']} of {row['queries']} answered, {rate}"
     if row["scenario"] == "server":
         line = (f"{row['scenario']} at {row['target_qps']:.3g} queries/s: {row['answered']} of {row['queries']} "
                 f"answered, p50 {row['latency_s']['p50']:.2f} s, p99 {row['latency_s']['p99']:.2f} s "
@@ -486,6 +492,10 @@ def measured(args, url: str) -> dict:
     runs, found = [], {}
     if args.scenario == "offline" or (args.search and args.offline_qps is None):
         runs.append(bench.run("offline"))
+        if runs[-1]["failed"] or runs[-1]["rate_qps"] is None:
+            # Refused queries end fast and would count as throughput.
+            raise Refused(f"the Offline run failed {runs[-1]['failed']} of {runs[-1]['queries']} queries "
+                          f"({runs[-1]['failures']}): no rate to report or search from")
         found["offline_images_per_s"] = runs[-1]["rate_qps"]
     if args.scenario == "server" and args.search:
         offline = args.offline_qps or found["offline_images_per_s"]
