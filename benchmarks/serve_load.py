@@ -41,11 +41,12 @@ from pathlib import Path
 
 import httpx
 
+from harness.headline import RESULTS, gpu_slug
 from harness.processes import write_results
+from harness.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "sdquant" / "data" / "eval_prompts.txt"
-RESULTS = REPO / "benchmarks" / "results"
 EXIT_BAD_ARGUMENTS = 2
 EXIT_INTERRUPTED = 130
 # MLPerf SDXL's Server bound and its official minimums, which a 10-minute GPU call cannot hold.
@@ -520,16 +521,6 @@ def settings_of(args) -> dict:
             **{name: getattr(args, name) for name in kept}}
 
 
-def device_tag() -> str:
-    """This machine's GPU as results files name it (h100, h200), or cpu."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    found = re.search(r"[a-z]\d{2,4}[a-z]*", torch.cuda.get_device_name().lower())
-    return found.group(0) if found else "gpu"
-
-
 def main(argv=None) -> None:
     args = parsed_arguments(argv)
     started = time.monotonic()
@@ -545,7 +536,8 @@ def main(argv=None) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     results["seconds"] = time.monotonic() - started
-    out = args.out or RESULTS / f"serve_{args.model}_{args.scenario}_{device_tag()}.json"
+    results["provenance"] = provenance()
+    out = args.out or RESULTS / f"serve_{args.model}_{args.scenario}_{gpu_slug(results['provenance']['device'])}.json"
     write_results(results, out)
     print(f"wrote {out} in {results['seconds']:.0f} s: {final_line(results)}", flush=True)
 

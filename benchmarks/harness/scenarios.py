@@ -58,6 +58,26 @@ FP8_ATTENTION = "fp8-attention extra"
 FLASH3 = "fp8-attention extra, a Hopper GPU"
 TORCHAO = "peers extra (torchao)"
 
+
+def wan_step_rows(quality_summary: str | None) -> tuple[Row, ...]:
+    """A Wan2.2 step's rows (wan_full_size.py), judged on the scene model's summary where there is one."""
+
+    def quality(setting: str | None) -> Quality | None:
+        return Quality(quality_summary, setting, "all prompts") if quality_summary else None
+
+    return (
+        Row("peer", "diffusers' compiled transformer", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
+            "peer_torch", "torch", quality=quality(None)),
+        Row("ours_16bit", "ours, bf16 compiled", "ours", ("--variants", "compiled", "--attention-kernel", "torch"),
+            "compiled_torch", "torch", quality=quality(None)),
+        Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
+            "fp8_l4_torch", "torch", FP8_ATTENTION, quality("fp8_l4")),
+        Row("ours_fp8_flash3", "ours, FP8 level 4 on FlashAttention-3", "ours",
+            ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3,
+            quality("fp8_l4")),
+    )
+
+
 SCENARIOS = {
     "sdxl": Scenario(
         family="sdxl", title="SDXL, 1024x1024, 20 steps, 8 images a call", script="torch_backend_full_size.py",
@@ -110,17 +130,7 @@ SCENARIOS = {
         family="wan", title="Wan2.2-T2V-A14B, one denoising step (both guidance halves), 720x1280, 81 frames",
         script="wan_full_size.py", common=("--calls", "2"), unit="s a step", rate="", per_call=1,
         seconds_key=("step_s",),
-        rows=(
-            Row("peer", "diffusers' compiled transformer", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
-                "peer_torch", "torch", quality=Quality(WAN_QUALITY, None, "all prompts")),
-            Row("ours_16bit", "ours, bf16 compiled", "ours", ("--variants", "compiled", "--attention-kernel", "torch"),
-                "compiled_torch", "torch", quality=Quality(WAN_QUALITY, None, "all prompts")),
-            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
-                "fp8_l4_torch", "torch", FP8_ATTENTION, Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
-            Row("ours_fp8_flash3", "ours, FP8 level 4 on FlashAttention-3", "ours",
-                ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3,
-                Quality(WAN_QUALITY, "fp8_l4", "all prompts")),
-        )),
+        rows=wan_step_rows(WAN_QUALITY)),
     "wan_video": Scenario(
         family="wan_video", title="Wan2.2-T2V-A14B, one video at MLPerf's settings (720x1280, 81 frames, 20 steps)",
         script="wan_full_size.py", common=("--whole",), unit="s a video", rate="videos", per_call=1,
@@ -147,16 +157,7 @@ SCENARIOS = {
         family="wan_ti2v", title="Wan2.2-TI2V-5B, one denoising step, 704x1280, 121 frames (no scene model: unscored)",
         script="wan_full_size.py", common=("--model", "wan_ti2v", "--calls", "2"), unit="s a step", rate="",
         per_call=1, seconds_key=("step_s",),
-        rows=(
-            Row("peer", "diffusers' compiled transformer", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
-                "peer_torch", "torch"),
-            Row("ours_16bit", "ours, bf16 compiled", "ours", ("--variants", "compiled", "--attention-kernel", "torch"),
-                "compiled_torch", "torch"),
-            Row("ours_fp8", "ours, FP8 level 4", "ours", ("--variants", "fp8_l4", "--attention-kernel", "torch"),
-                "fp8_l4_torch", "torch", FP8_ATTENTION),
-            Row("ours_fp8_flash3", "ours, FP8 level 4 on FlashAttention-3", "ours",
-                ("--variants", "fp8_l4", "--attention-kernel", "flash3"), "fp8_l4_flash3", "flash3", FLASH3),
-        )),
+        rows=wan_step_rows(None)),
 }
 
 
