@@ -34,12 +34,12 @@ def share_key(settings: SamplingSettings) -> tuple:
 def taken(waiting: list[SamplingSettings], max_images: int, seeds_mix: bool) -> list[int]:
     """The waiting requests the next call draws: the first one and, in their order, those that can
     share its call, up to `max_images` images (the first alone where seeds do not mix)."""
-    first = waiting[0]
-    chosen, images = [0], len(first.image_prompts)
+    if not seeds_mix:
+        return [0]
+    key = share_key(waiting[0])
+    chosen, images = [0], images_of(waiting[:1])
     for index, settings in enumerate(waiting[1:], start=1):
-        if not seeds_mix:
-            break
-        if share_key(settings) == share_key(first) and images + len(settings.image_prompts) <= max_images:
+        if share_key(settings) == key and images + len(settings.image_prompts) <= max_images:
             chosen.append(index)
             images += len(settings.image_prompts)
     return chosen
@@ -65,17 +65,21 @@ def plan_calls(requests: list[SamplingSettings], max_images: int, seeds_mix: boo
     calls = []
     for members in groups.values():
         packed: list[int] = []
+        images = 0
         for index in members:
-            if packed and _images(requests, packed) + len(requests[index].image_prompts) > max_images:
+            size = len(requests[index].image_prompts)
+            if packed and images + size > max_images:
                 calls.append(_call(requests, packed))
-                packed = []
+                packed, images = [], 0
             packed.append(index)
+            images += size
         calls.append(_call(requests, packed))
     return calls
 
 
-def _images(requests: list[SamplingSettings], members: list[int]) -> int:
-    return sum(len(requests[index].image_prompts) for index in members)
+def images_of(requests: list[SamplingSettings]) -> int:
+    """What requests count against the batch limit: their images."""
+    return sum(len(settings.image_prompts) for settings in requests)
 
 
 def _call(requests: list[SamplingSettings], members: list[int]) -> Call:

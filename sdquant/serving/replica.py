@@ -15,7 +15,7 @@ from ray import serve
 from .. import report
 from ..errors import UserError
 from ..families.pipeline import NOISY_SCHEDULERS, SamplingSettings
-from .batching import Call, call_latents, padded, plan_calls, split, taken
+from .batching import Call, call_latents, images_of, padded, plan_calls, split, taken
 
 # Threads that encode answers while the pipeline draws the next call: a 1024x1024 PNG takes tens
 # of milliseconds of CPU, and eight of them in the pipeline's thread would hold up the next call.
@@ -40,11 +40,6 @@ class Drawing:
     refusal: str | None = None
     pixels: object = field(default=None, repr=False)
     settings: SamplingSettings | None = field(default=None, repr=False)
-
-
-def images_of(batch: list[SamplingSettings]) -> int:
-    """What a batch counts against the batch limit: its images, not its requests."""
-    return sum(len(settings.image_prompts) for settings in batch)
 
 
 class ModelReplica:
