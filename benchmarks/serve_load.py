@@ -13,7 +13,8 @@ from an asyncio client at most --max-in-flight at a time; queries past that wait
 which LoadGen counts in their latency. A refused or failed request (a 503 among them) is a failed
 query: completed to LoadGen, counted in the results, never sent again. A Server rate holds where
 LoadGen's p99 latency is within --latency-bound-s and no query failed; --search bisects between
-half the Offline rate and the Offline rate (--offline-qps, or an Offline run first).
+--search-low (half by default) of the Offline rate and the Offline rate (--offline-qps, or an
+Offline run first).
 
 With --serve, serve.py is started with those overrides, waited for (GET /health) and stopped with
 SIGINT at the end, on an error and on Ctrl-C alike. After each run GET /metrics gives the calls'
@@ -109,7 +110,11 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--scenario", choices=("offline", "server"), required=True)
     parser.add_argument("--target-qps", type=positive(float), help="server: one Poisson run at this rate")
     parser.add_argument("--search", action="store_true",
-                        help="server: the largest rate that holds, bisected between 0.5x and 1x the Offline rate")
+                        help="server: the largest rate that holds, bisected between --search-low x and 1x the "
+                             "Offline rate")
+    parser.add_argument("--search-low", type=positive(float), default=0.5,
+                        help="search: the low end as a share of the Offline rate (below 1): a share that surely "
+                             "holds costs a run; one close to the target finds it in fewer")
     parser.add_argument("--search-steps", type=int, default=3, help="bisections after the two ends")
     parser.add_argument("--offline-qps", type=positive(float), help="search: this Offline rate instead of a run")
     parser.add_argument("--latency-bound-s", type=positive(float), default=MLPERF_LATENCY_BOUND_S)
@@ -149,6 +154,8 @@ def settled(args: argparse.Namespace) -> None:
         raise Refused("--scenario server takes one of --target-qps Q and --search")
     if args.scenario == "offline" and (args.target_qps or args.search):
         raise Refused("--target-qps and --search are for --scenario server")
+    if args.search_low >= 1:
+        raise Refused(f"--search-low {args.search_low:g} is a share of the Offline rate: give one below 1")
     if args.size is not None and not re.fullmatch(r"\d+x\d+", args.size):
         raise Refused(f"--size {args.size} is not WxH, such as 1024x1024")
     if not args.prompts.is_file() or not prompts_of(args.prompts):
@@ -500,7 +507,8 @@ def measured(args, url: str) -> dict:
         found["offline_images_per_s"] = runs[-1]["rate_qps"]
     if args.scenario == "server" and args.search:
         offline = args.offline_qps or found["offline_images_per_s"]
-        best, rows = searched(lambda qps: bench.run("server", qps), 0.5 * offline, offline, args.search_steps)
+        best, rows = searched(lambda qps: bench.run("server", qps), args.search_low * offline, offline,
+                              args.search_steps)
         runs += rows
         found["server_largest_qps_within_bound"] = best
     elif args.scenario == "server":
@@ -514,9 +522,9 @@ def measured(args, url: str) -> dict:
 
 
 def settings_of(args) -> dict:
-    kept = ("scenario", "target_qps", "search", "search_steps", "offline_qps", "latency_bound_s", "min_duration_s",
-            "min_queries", "expected_qps", "url", "serve", "model", "size", "steps", "seed", "max_in_flight",
-            "request_timeout_s")
+    kept = ("scenario", "target_qps", "search", "search_low", "search_steps", "offline_qps", "latency_bound_s",
+            "min_duration_s", "min_queries", "expected_qps", "url", "serve", "model", "size", "steps", "seed",
+            "max_in_flight", "request_timeout_s")
     return {"prompts": str(args.prompts), "prompt_count": len(prompts_of(args.prompts)),
             **{name: getattr(args, name) for name in kept}}
 
