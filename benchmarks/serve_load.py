@@ -6,6 +6,7 @@ batch sizes over the run. Durations are shortened from MLPerf's minimums: no off
     python benchmarks/serve_load.py --scenario offline --serve "model=sdxl_base backend=torch ..."
     python benchmarks/serve_load.py --scenario server --search --url http://127.0.0.1:8000 --model sdxl_base
     python benchmarks/serve_load.py --scenario server --target-qps 2 --url http://127.0.0.1:8000 --model sdxl_base
+    python benchmarks/serve_load.py --scenario server --target-share 0.8 --url http://127.0.0.1:8000 --model flux_dev
 
 Each query is one image of a prompt of --prompts (a line each), seeded --seed + the sample's index,
 at the server's default size and steps unless --size and --steps say otherwise. Requests go out
@@ -109,6 +110,9 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=("offline", "server"), required=True)
     parser.add_argument("--target-qps", type=positive(float), help="server: one Poisson run at this rate")
+    parser.add_argument("--target-share", type=positive(float),
+                        help="server: one Poisson run at this share of the Offline rate (an Offline run first, "
+                             "or --offline-qps), e.g. 0.8 where a model has no latency bound")
     parser.add_argument("--search", action="store_true",
                         help="server: the largest rate that holds, bisected between --search-low x and 1x the "
                              "Offline rate")
@@ -116,7 +120,8 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
                         help="search: the low end as a share of the Offline rate (below 1): a share that surely "
                              "holds costs a run; one close to the target finds it in fewer")
     parser.add_argument("--search-steps", type=int, default=3, help="bisections after the two ends")
-    parser.add_argument("--offline-qps", type=positive(float), help="search: this Offline rate instead of a run")
+    parser.add_argument("--offline-qps", type=positive(float),
+                        help="--search, --target-share: this Offline rate instead of a run")
     parser.add_argument("--latency-bound-s", type=positive(float), default=MLPERF_LATENCY_BOUND_S)
     parser.add_argument("--min-duration-s", type=positive(float), default=120,
                         help=f"each run's least duration (MLPerf's: {MLPERF_MIN_DURATION_S})")
@@ -150,10 +155,12 @@ def settled(args: argparse.Namespace) -> None:
     """The arguments checked against each other, and what --serve's overrides say filled in."""
     if (args.url is None) == (args.serve is None):
         raise Refused("give one of --url (a running server) and --serve (serve.py's overrides)")
-    if args.scenario == "server" and (args.target_qps is None) == (not args.search):
-        raise Refused("--scenario server takes one of --target-qps Q and --search")
-    if args.scenario == "offline" and (args.target_qps or args.search):
-        raise Refused("--target-qps and --search are for --scenario server")
+    ways = [way for way, given in (("--target-qps", args.target_qps), ("--target-share", args.target_share),
+                                   ("--search", args.search)) if given]
+    if args.scenario == "server" and len(ways) != 1:
+        raise Refused("--scenario server takes one of --target-qps Q, --target-share S and --search")
+    if args.scenario == "offline" and ways:
+        raise Refused(f"{ways[0]} is for --scenario server")
     if args.search_low >= 1:
         raise Refused(f"--search-low {args.search_low:g} is a share of the Offline rate: give one below 1")
     if args.size is not None and not re.fullmatch(r"\d+x\d+", args.size):
@@ -498,7 +505,8 @@ def measured(args, url: str) -> dict:
     bench = Bench(args, url)
     bench.check_answers()
     runs, found = [], {}
-    if args.scenario == "offline" or (args.search and args.offline_qps is None):
+    from_offline = args.search or args.target_share is not None
+    if args.scenario == "offline" or (from_offline and args.offline_qps is None):
         runs.append(bench.run("offline"))
         if runs[-1]["failed"] or runs[-1]["rate_qps"] is None:
             # Refused queries end fast and would count as throughput.
@@ -512,7 +520,8 @@ def measured(args, url: str) -> dict:
         runs += rows
         found["server_largest_qps_within_bound"] = best
     elif args.scenario == "server":
-        runs.append(bench.run("server", args.target_qps))
+        target = args.target_qps or args.target_share * (args.offline_qps or found["offline_images_per_s"])
+        runs.append(bench.run("server", target))
         found["server_qps_holds"] = runs[-1]["holds"]
     return {"benchmark": "serve_load", "model": args.model, "scenario": args.scenario, **found,
             "official_mlperf_run": False,
@@ -522,7 +531,7 @@ def measured(args, url: str) -> dict:
 
 
 def settings_of(args) -> dict:
-    kept = ("scenario", "target_qps", "search", "search_low", "search_steps", "offline_qps", "latency_bound_s",
+    kept = ("scenario", "target_qps", "target_share", "search", "search_low", "search_steps", "offline_qps", "latency_bound_s",
             "min_duration_s", "min_queries", "expected_qps", "url", "serve", "model", "size", "steps", "seed",
             "max_in_flight", "request_timeout_s")
     return {"prompts": str(args.prompts), "prompt_count": len(prompts_of(args.prompts)),
