@@ -501,39 +501,45 @@ def searched(measure_at, low: float, high: float, steps: int) -> tuple[float | N
     return low, rows
 
 
-def measured(args, url: str) -> dict:
+def measured(args, url: str, keep) -> dict:
+    """The runs the arguments ask for, the results so far handed to `keep` after each run (a machine
+    lost in a long search leaves its finished runs), and the results, finished."""
     bench = Bench(args, url)
     bench.check_answers()
-    runs, found = [], {}
-    from_offline = args.search or args.target_share is not None
-    if args.scenario == "offline" or (from_offline and args.offline_qps is None):
-        runs.append(bench.run("offline"))
-        if runs[-1]["failed"] or runs[-1]["rate_qps"] is None:
+    results = {"benchmark": "serve_load", "model": args.model, "scenario": args.scenario, "finished": False,
+               "official_mlperf_run": False,
+               "shortened": f"each run at least {args.min_duration_s:g} s and {args.min_queries} queries; MLPerf's "
+                            f"runs last at least {MLPERF_MIN_DURATION_S} s and need far more queries",
+               "settings": settings_of(args), "runs": []}
+
+    def run(scenario: str, target_qps: float | None = None) -> dict:
+        results["runs"].append(bench.run(scenario, target_qps))
+        keep(results)
+        return results["runs"][-1]
+
+    if args.scenario == "offline" or ((args.search or args.target_share) and args.offline_qps is None):
+        offline = run("offline")
+        if offline["failed"] or offline["rate_qps"] is None:
             # Refused queries end fast and would count as throughput.
-            raise Refused(f"the Offline run failed {runs[-1]['failed']} of {runs[-1]['queries']} queries "
-                          f"({runs[-1]['failures']}): no rate to report or search from")
-        found["offline_images_per_s"] = runs[-1]["rate_qps"]
+            raise Refused(f"the Offline run failed {offline['failed']} of {offline['queries']} queries "
+                          f"({offline['failures']}): no rate to report or search from")
+        results["offline_images_per_s"] = offline["rate_qps"]
     if args.scenario == "server" and args.search:
-        offline = args.offline_qps or found["offline_images_per_s"]
-        best, rows = searched(lambda qps: bench.run("server", qps), args.search_low * offline, offline,
-                              args.search_steps)
-        runs += rows
-        found["server_largest_qps_within_bound"] = best
+        offline_qps = args.offline_qps or results["offline_images_per_s"]
+        best, _ = searched(lambda qps: run("server", qps), args.search_low * offline_qps, offline_qps,
+                           args.search_steps)
+        results["server_largest_qps_within_bound"] = best
     elif args.scenario == "server":
-        target = args.target_qps or args.target_share * (args.offline_qps or found["offline_images_per_s"])
-        runs.append(bench.run("server", target))
-        found["server_qps_holds"] = runs[-1]["holds"]
-    return {"benchmark": "serve_load", "model": args.model, "scenario": args.scenario, **found,
-            "official_mlperf_run": False,
-            "shortened": f"each run at least {args.min_duration_s:g} s and {args.min_queries} queries; MLPerf's "
-                         f"runs last at least {MLPERF_MIN_DURATION_S} s and need far more queries",
-            "settings": settings_of(args), "runs": runs}
+        target = args.target_qps or args.target_share * (args.offline_qps or results["offline_images_per_s"])
+        results["server_qps_holds"] = run("server", target)["holds"]
+    results["finished"] = True
+    return results
 
 
 def settings_of(args) -> dict:
-    kept = ("scenario", "target_qps", "target_share", "search", "search_low", "search_steps", "offline_qps", "latency_bound_s",
-            "min_duration_s", "min_queries", "expected_qps", "url", "serve", "model", "size", "steps", "seed",
-            "max_in_flight", "request_timeout_s")
+    kept = ("scenario", "target_qps", "target_share", "search", "search_low", "search_steps", "offline_qps",
+            "latency_bound_s", "min_duration_s", "min_queries", "expected_qps", "url", "serve", "model", "size",
+            "steps", "seed", "max_in_flight", "request_timeout_s")
     return {"prompts": str(args.prompts), "prompt_count": len(prompts_of(args.prompts)),
             **{name: getattr(args, name) for name in kept}}
 
@@ -541,22 +547,29 @@ def settings_of(args) -> dict:
 def main(argv=None) -> None:
     args = parsed_arguments(argv)
     started = time.monotonic()
+    machine = provenance()
+    out = args.out or RESULTS / f"serve_{args.model}_{args.scenario}_{gpu_slug(machine['device'])}.json"
+    kept_runs = []
+
+    def keep(results: dict) -> None:
+        write_results({**results, "seconds": time.monotonic() - started, "provenance": machine}, out)
+        kept_runs[:] = results["runs"]
+
     try:
         with server_for(args) as url:
-            results = measured(args, url)
+            results = measured(args, url, keep)
     except KeyboardInterrupt:
-        print("serve_load: stopped by Ctrl-C (the server stopped); no results written", file=sys.stderr, flush=True)
+        kept = f"its {len(kept_runs)} finished run(s) are in {out} (finished: false)" if kept_runs else \
+            "no run had finished"
+        print(f"serve_load: stopped by Ctrl-C (the server stopped); {kept}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # LoadGen's test thread cannot be cancelled, and would keep issuing queries to a stopped server.
         os._exit(EXIT_INTERRUPTED)
     except Refused as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
-    results["seconds"] = time.monotonic() - started
-    results["provenance"] = provenance()
-    out = args.out or RESULTS / f"serve_{args.model}_{args.scenario}_{gpu_slug(results['provenance']['device'])}.json"
-    write_results(results, out)
-    print(f"wrote {out} in {results['seconds']:.0f} s: {final_line(results)}", flush=True)
+    keep(results)
+    print(f"wrote {out} in {time.monotonic() - started:.0f} s: {final_line(results)}", flush=True)
 
 
 def final_line(results: dict) -> str:

@@ -267,7 +267,7 @@ def test_serve_load_measures_offline_and_a_server_rate_with_loadgen(scenes, tmp_
             assert sum(run["server"]["requests_by_call_images"].values()) == run["queries"]
             assert run["rate_qps"] > 0 and run["latency_s"]["p99"] >= run["client_latency_s"]["min"]
         assert re.fullmatch(r"[0-9a-f]{12}", results["provenance"]["code"])
-        assert results["official_mlperf_run"] is False
+        assert results["official_mlperf_run"] is False and results["finished"] is True
     first, then = results["runs"]
     assert "p99_within_bound" in then and then["target_qps"] == pytest.approx(0.5 * first["rate_qps"])
     assert results["offline_images_per_s"] == first["rate_qps"]
