@@ -4,6 +4,7 @@ a time."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -90,9 +91,9 @@ def allow_recompiles(transformer) -> None:
     """Lets torch.compile compile every block of a transformer under a cache hook. A hook decides
     on the host, which breaks the graph, and the code after the break is compiled anew for each
     state its guards tell apart: the block where they hold it (the full-size Flux transformer's
-    attention hooks: past dynamo's limit of 8, the later 49 of its 57 blocks ran eager), the hook's
-    step counter where the compile specializes on it (dynamic=False; Wan's whole-block hooks on
-    the CPU's tiny models: about one entry a step of the video)."""
+    attention hooks: past dynamo's limit of 8, the later 49 of its 57 blocks ran eager), and the
+    hook's step counter where the compile specializes on it (diffusers' TaylorSeer update traced,
+    as a peer runs it; ours runs it eagerly, update_taylorseer_eagerly)."""
     import torch._dynamo
 
     hooked = sum(1 for module in transformer.modules() if hasattr(module, "_diffusers_hook"))
@@ -101,6 +102,32 @@ def allow_recompiles(transformer) -> None:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, needed)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
+
+
+def update_taylorseer_eagerly(transformer) -> None:
+    """Has the transformer's TaylorSeer hooks update their Taylor factors outside torch.compile's
+    graphs. Traced, the update reads the hook's step counters as Python ints and the compile
+    specializes on them: the code after the hook's decision compiled anew at each full pass of a
+    generation, so a warm pipeline compiled again for a call of more steps. Eager, what is compiled
+    depends only on whether a step computes; the update itself is a few element-wise operations on
+    the predicted modules' outputs (under taylorseer_blocks, the last block's alone)."""
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
+
+    for module in transformer.modules():
+        hook = getattr(module, "_diffusers_hook", None)
+        hook = hook and hook.get_hook("taylorseer_cache")
+        if isinstance(hook, TaylorSeerCacheHook):
+            hook.state_manager._state_cls = eager_update_state()
+
+
+@functools.cache
+def eager_update_state() -> type:
+    """diffusers' TaylorSeer state with its update run eagerly: one class, so that the compiled
+    code's guards on the state's type hold across pipelines."""
+    import torch
+    from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+    return type("EagerUpdateState", (TaylorSeerState,), {"update": torch.compiler.disable(TaylorSeerState.update)})
 
 
 class HookedStage(InTurn):
@@ -117,6 +144,7 @@ class HookedStage(InTurn):
     def enable(self) -> None:
         """Puts the hook on the module (again, after the family's release_cache took it off)."""
         self.transformer.enable_cache(self.cache.config(self.transformer))
+        update_taylorseer_eagerly(self.transformer)
 
     def allow_recompiles(self) -> None:
         allow_recompiles(self.transformer)
