@@ -27,9 +27,11 @@ wan_ti2v: Wan2.2-TI2V-5B at 704x1280, 121 frames):
 --profile adds the GPU time per kernel of one call (ours and the peer's).
 
 A whole video (--whole; ours): 20 steps of MLPerf's settings (guidance 4.0 / 3.0, boundary 0.875)
-through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after the same
-video as a warm-up that compiles all it runs (the row counts the graphs compiled while timed, 0
-when warm); the VAE decodes eagerly there (its 81-frame compile is timed in the
+through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32), after a warm-up
+video that compiles all it runs (the row counts the graphs compiled while timed, 0 when warm): the
+same video, or --warm-steps steps of it where what compiles does not depend on the step count (no
+cache hook, or ours, whose TaylorSeer update runs outside the graphs; diffusers' own, as the peer
+runs it, compiles again at each full pass); the VAE decodes eagerly there (its 81-frame compile is timed in the
 vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
 a diffusers cache hook. The peer's whole video (--variants peer --whole) is what a user runs
@@ -285,21 +287,27 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     record.update(converted, pipeline_resident_gib=resident_gib(device))
     frames, height, width = geometry(args, family)
     chosen = SETTINGS[family.name]
-    settings = pipeline.settle([PROMPT], steps=args.steps or chosen["steps"], guidance_scale=chosen["guidance"],
+
+    def settled(steps: int):
+        return pipeline.settle([PROMPT], steps=steps, guidance_scale=chosen["guidance"],
                                guidance_scale_2=chosen["guidance_2"], height=height, width=width, num_frames=frames,
                                seed=42)
+
+    settings = settled(args.steps or chosen["steps"])
+    warm_settings = settled(args.warm_steps) if args.warm_steps else settings
     drawn = []
-    row = warm_then_timed(lambda: pipeline.run(settings, progress=False).samples,
+    row = warm_then_timed(lambda: pipeline.run(warm_settings, progress=False).samples,
                           lambda: drawn.append(pipeline.run(settings, progress=False)) or drawn[-1].samples)
     stage = report.latency_report([(row["video_s"], drawn[-1].stage_seconds)], 1, settings.steps,
                                   [backbone.graph for backbone in family.backbones])
     return {**record, **row, "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
-            "steps": settings.steps, "cache": settings.cache.describe() if settings.cache else None}
+            "steps": settings.steps, "warm_up_steps": warm_settings.steps,
+            "cache": settings.cache.describe() if settings.cache else None}
 
 
 def warm_then_timed(warm_up, video) -> dict:
-    """The warm-up video's seconds (`warm_up`: the same video, so that everything the timed one
-    runs is compiled first: under a cache hook, its predicted steps and, where the compile
+    """The warm-up video's seconds (`warm_up`: one that runs everything the timed one runs, so that
+    it is compiled first: under a cache hook, its predicted steps and, where the compile
     specializes on the hook's step counter, every step), then one timed `video()`: its seconds,
     peak, non-finite values and the graphs dynamo compiled during it (0 where the warm-up covered
     it all)."""
@@ -330,13 +338,15 @@ def peer_video_row(family, args, device: torch.device) -> dict:
     chosen = SETTINGS[family.name]
     steps = args.steps or chosen["steps"]
 
-    def video() -> torch.Tensor:
+    def video(steps: int = steps) -> torch.Tensor:
         return pipe(prompt=PROMPT, negative_prompt="", height=height, width=width, num_frames=frames,
                     num_inference_steps=steps, guidance_scale=chosen["guidance"],
                     guidance_scale_2=chosen["guidance_2"], generator=torch.Generator(device).manual_seed(42),
                     output_type="pt").frames
 
-    return {**record, **warm_then_timed(video, video), "steps": steps, "cache": cache.describe() if cache else None}
+    warm_up = (lambda: video(args.warm_steps)) if args.warm_steps else video
+    return {**record, **warm_then_timed(warm_up, video), "steps": steps, "warm_up_steps": args.warm_steps or steps,
+            "cache": cache.describe() if cache else None}
 
 
 def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.device) -> dict:
@@ -464,6 +474,9 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true",
                         help="a whole video through our pipeline (peer: through diffusers' WanPipeline)")
     parser.add_argument("--steps", type=int, default=0, help="--whole: steps (0: the model's settings)")
+    parser.add_argument("--warm-steps", type=int, default=0,
+                        help="--whole: the warm-up video's steps (0: the timed video's). Fewer where nothing compiled "
+                             "depends on the step count (the row's graphs_compiled_while_timed says whether it did)")
     parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
@@ -484,6 +497,8 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}")
     if args.split and any(v in ("peer", "vae") for v in variants):
         parser.error("--split runs our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.warm_steps and not args.whole or args.warm_steps < 0:
+        parser.error(f"--warm-steps {args.warm_steps}: a number of steps (1 or more) for --whole's warm-up video")
     if args.whole and "vae" in variants:
         parser.error("--whole runs a whole video (compiled, fp8, fp8_l4, peer), not vae")
     if args.split and not re.fullmatch(r"[12]x\d+", args.split):
