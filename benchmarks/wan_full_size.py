@@ -168,9 +168,7 @@ def quantize_every_block(family) -> None:
     """Drop the blocks the recipe keeps in 16 bits (ModelOpt's Wan filter) from the family's high
     precision: a measurement of what FP8 can give on this GPU, not a recipe (its quality is not
     measured)."""
-    table = family.level_table
-    family.level_table = dataclasses.replace(
-        table, high_precision=tuple(p for p in table.high_precision if not p.startswith("blocks.")))
+    family.level_table = dataclasses.replace(family.level_table, high_precision_blocks=())
 
 
 def calibrated_pipeline(family, args, level: float, device: torch.device):

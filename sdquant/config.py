@@ -154,6 +154,9 @@ class QuantizeBlock(Settled):
     height: Optional[int] = None
     width: Optional[int] = None
     num_frames: Optional[int] = None
+    # A backbone of numbered blocks (Wan2.2's): the blocks kept in 16 bits; None takes the family's
+    # recipe (Wan2.2: 0-2 and 37-39, as ModelOpt's filter), [] quantizes every block.
+    high_precision_blocks: Optional[list[int]] = None
 
 
 @dataclass

@@ -141,7 +141,8 @@ def checkpoints(model_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("wan_quantized")
     recipes = {"fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
                "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
-               "int8_l3": ["quantize.quant_level=3"]}
+               "int8_l3": ["quantize.quant_level=3"],
+               "fp8_l3_block_1": ["quantize.format=fp8", "quantize.quant_level=3", "quantize.high_precision_blocks=[1]"]}
     return {name: run_quantize(compose_config("sd_xl_quantize", [*QUICK, f"out_dir={out}", *recipe]))
             for name, recipe in recipes.items()}
 
@@ -183,6 +184,28 @@ def test_levels_keep_modelopts_wan_filter_in_high_precision(checkpoints):
         f"{role}_bmm_quantizer": 2 * 2 for role in "qkv"}
     # ... which is the self-attention (attn1): the cross-attention over the text stays 16-bit.
     assert _fp8_attention_layers(checkpoints["fp8_l4"]) == {f"blocks.{index}.attn1" for index in (3, 4)}
+
+
+def test_high_precision_blocks_names_the_blocks_kept_in_16_bits_instead_of_the_recipes(checkpoints):
+    level3 = _enabled(checkpoints["fp8_l3"])
+    only_block_1 = _enabled(checkpoints["fp8_l3_block_1"])
+    assert {group.partition(":")[0] for group in only_block_1} == {"block 0", "block 2", "block 3", "block 4"}
+    assert {group: n for group, n in only_block_1.items() if group.startswith(("block 3", "block 4"))} == level3
+    assert checkpoints["fp8_l3_block_1"].name != checkpoints["fp8_l3"].name
+
+
+@pytest.mark.parametrize("model, blocks, message", [
+    ("tiny_sdxl", "[0]", "keeps no numbered blocks in 16 bits; leave it null"),
+    ("tiny_wan", "[5]", "model=tiny_wan's backbone has blocks 0 to 4"),
+    ("tiny_wan", "[1,1]", "give each block's index"),
+    ("tiny_wan", "[-1]", "give each block's index"),
+])
+def test_high_precision_blocks_the_model_cannot_take_are_refused_before_any_work(model_cache, tmp_path, capsys,
+                                                                                model, blocks, message):
+    cfg = compose_config("sd_xl_quantize", [f"model={model}", "device=cpu", f"out_dir={tmp_path}",
+                                            f"quantize.high_precision_blocks={blocks}"])
+    assert message in refused_in_one_line(run_quantize, cfg, capsys)
+    assert not any(tmp_path.iterdir())
 
 
 def _fp8_attention_layers(checkpoint) -> set[str]:

@@ -138,13 +138,14 @@ class ModelFamily:
 
     # --- quantization --------------------------------------------------------------------------
 
-    def quant_cfg_entries(self, fmt, quant_level: float) -> list[dict]:
+    def quant_cfg_entries(self, fmt, quant_level: float, high_precision_blocks=None) -> list[dict]:
         """ModelOpt's quant_cfg for this format and level: everything off, what each level adds,
-        then what stays in high precision last, so no level can turn it back on."""
+        then what stays in high precision last, so no level can turn it back on;
+        `high_precision_blocks`: quantize.high_precision_blocks (None: the recipe's)."""
         # Imported here: sdquant.config imports the families, and the recipe imports the config.
         from ..quantize.recipe import quant_cfg_entries
 
-        return quant_cfg_entries(self.level_table, fmt, quant_level)
+        return quant_cfg_entries(self.level_table, fmt, quant_level, high_precision_blocks)
 
     def scheduler_timestep(self, args: tuple, kwargs: dict):
         """The timestep a call of the backbone (by the diffusers pipeline) is made with, on the

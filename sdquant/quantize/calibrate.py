@@ -485,7 +485,7 @@ def quantize_backbones(pipe, family, prompts: list[str], block: QuantizeBlock, s
     import modelopt.torch.quantization as mtq
 
     modules = {backbone.attribute: getattr(pipe, backbone.attribute) for backbone in family.backbones}
-    entries = family.quant_cfg_entries(block.format, block.quant_level)
+    entries = family.quant_cfg_entries(block.format, block.quant_level, block.high_precision_blocks)
     recorders, captured, hooks, backbone_calls = {}, [], [], []
     clocks = {attribute: StepClock() for attribute in modules}
     for attribute, module in modules.items():

@@ -48,6 +48,18 @@ class LevelTable:
     # A quantizer-name prefix pattern of the attention layers whose q/k/v and softmax level 4
     # quantizes ("*": every one).
     attention_scope: str = "*"
+    # A backbone of numbered blocks: the pattern of block {index}'s quantizers, the backbone config's
+    # key for how many there are, and the blocks kept in high precision unless
+    # quantize.high_precision_blocks names others.
+    block_pattern: str | None = None
+    block_count_key: str | None = None
+    high_precision_blocks: tuple[int, ...] = ()
+
+    def high_precision_patterns(self, blocks=None) -> tuple[str, ...]:
+        """What stays in high precision: the table's patterns, and the blocks `blocks` names (None:
+        the table's own)."""
+        chosen = self.high_precision_blocks if blocks is None else tuple(blocks)
+        return (*self.high_precision, *(self.block_pattern.format(index=index) for index in chosen))
 
 
 def _num_bits(fmt: QuantFormat):
@@ -66,7 +78,8 @@ def _weight_and_input(prefix: str, parent_class: str, num_bits) -> list[dict]:
     ]
 
 
-def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -> list[dict]:
+def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float,
+                      high_precision_blocks=None) -> list[dict]:
     num_bits = _num_bits(fmt)
     level = float(quant_level)
     entries: list[dict] = [{"quantizer_name": "*", "enable": False}]
@@ -78,7 +91,8 @@ def quant_cfg_entries(table: LevelTable, fmt: QuantFormat, quant_level: float) -
                     for name in ATTENTION_QUANTIZERS]
         entries.append({"quantizer_name": f"{table.attention_scope}{SOFTMAX_QUANTIZER}",
                         "cfg": {"num_bits": num_bits, "axis": None, "constant_amax": SOFTMAX_AMAX}})
-    entries += [{"quantizer_name": pattern, "enable": False} for pattern in table.high_precision]
+    entries += [{"quantizer_name": pattern, "enable": False}
+                for pattern in table.high_precision_patterns(high_precision_blocks)]
     return entries
 
 
@@ -139,7 +153,8 @@ def recipe_identity(table: LevelTable, block, projections) -> dict:
     FP8, the layers whose ranges are tied after calibration (INT8 ranges are never tied), by the
     family's names for them (`projections`, sdquant.quantize.shared_ranges.AttentionProjections)."""
     fmt, level = QuantFormat(block.format), float(block.quant_level)
-    identity = {"level_table": dataclasses.asdict(table), "quant_cfg": quant_cfg_entries(table, fmt, level),
+    identity = {"level_table": dataclasses.asdict(table),
+                "quant_cfg": quant_cfg_entries(table, fmt, level, block.high_precision_blocks),
                 "algorithm": calibration_algorithm(fmt, level, block.alpha),
                 "percentile_layers": percentile_layers(block)}
     return {**identity, "tied_ranges": tied_groups(projections)} if fmt == QuantFormat.fp8 else identity

@@ -62,6 +62,7 @@ def settle_quantize(cfg) -> QuantizeScript:
     validate_quantize_block(app.quantize)
     model = settle_model(app.model, drawing=False)
     check_level(model, app.quantize)
+    check_high_precision_blocks(model, app.quantize)
     if app.cpu_offload and resolve_device(app.device).type != "cuda":
         raise UserError(f"cpu_offload=true keeps the networks a GPU is not running in host memory, but device="
                         f"{app.device} runs on the CPU: set cpu_offload=false")
@@ -118,6 +119,23 @@ def check_level(model: Model, block: QuantizeBlock) -> None:
         raise UserError(f"quantize.quant_level={level:g} is not a level of {model.family.name} models: choose one of "
                         f"{', '.join(f'{each:g}' for each in levels)}"
                         + (" (a DiT has no convolutions for level 1)" if level == 1.0 else ""))
+
+
+def check_high_precision_blocks(model: Model, block: QuantizeBlock) -> None:
+    """Refuses quantize.high_precision_blocks where the family's recipe numbers no blocks, and
+    indices the model's backbone does not have (where its config says how many it has)."""
+    blocks, table = block.high_precision_blocks, model.family.level_table
+    if blocks is None:
+        return
+    key = f"quantize.high_precision_blocks={list(blocks)}"
+    if table.block_pattern is None:
+        raise UserError(f"{key}: the recipe of {model.family.name} models keeps no numbered blocks in 16 bits; "
+                        "leave it null")
+    if any(index < 0 for index in blocks) or len(set(blocks)) != len(blocks):
+        raise UserError(f"{key}: give each block's index (0 or more) once")
+    count = (model.parts.get("backbone_config") or {}).get(table.block_count_key)
+    if count is not None and max(blocks, default=0) >= count:
+        raise UserError(f"{key}: model={model.name}'s backbone has blocks 0 to {count - 1}")
 
 
 def settled_guidance(model: Model, block: QuantizeBlock) -> dict:

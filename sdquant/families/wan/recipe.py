@@ -12,8 +12,7 @@ from ...quantize.recipe import LayerGroup, LevelTable
 # keeps them: the patch, text and time embedders (condition_embedder), the output projection, and
 # the first and last three of the A14B's 40 blocks (a 30-block TI2V-5B keeps its first three, as
 # ModelOpt's literal block numbers do); the norms (which ModelOpt leaves to its default config).
-HIGH_PRECISION = ("patch_embedding*", "condition_embedder*", "proj_out*", "*norm*",
-                  *(f"blocks.{index}.*" for index in (0, 1, 2, 37, 38, 39)))
+HIGH_PRECISION = ("patch_embedding*", "condition_embedder*", "proj_out*", "*norm*")
 LEVELS = LevelTable(
     levels=(2.0, 2.5, 3.0, 4.0),
     groups=(LayerGroup(2.0, "*.ffn.net.*", "nn.Linear"), LayerGroup(2.5, "*.attn[12].to_[qkv].", "nn.Linear"),
@@ -21,4 +20,7 @@ LEVELS = LevelTable(
     high_precision=HIGH_PRECISION,
     qkv_level=2.5,
     attention_scope="*.attn1.",
+    block_pattern="blocks.{index}.*",
+    block_count_key="num_layers",
+    high_precision_blocks=(0, 1, 2, 37, 38, 39),
 )
