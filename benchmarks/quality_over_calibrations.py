@@ -38,7 +38,9 @@ SETTINGS = {
     "transformer": {"int8_l3": ("int8_l3", None), "fp8_l3": ("fp8_l3", None), "fp8_l4": ("fp8_l4", None),
                     "fp16_taylorseer_blocks2": (None, TAYLORSEER_BLOCKS_2),
                     "fp8_l4_taylorseer_blocks2": ("fp8_l4", TAYLORSEER_BLOCKS_2),
-                    "fp8_l4_taylorseer_blocks2_warmup1": ("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1)},
+                    "fp8_l4_taylorseer_blocks2_warmup1": ("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
+                    **{name: (name, None) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
+                                                        "fp8_l4_keep_none")}},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.

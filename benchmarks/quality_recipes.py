@@ -46,6 +46,11 @@ RECIPES = {
     "fp8_l3": ["quantize.format=fp8", "quantize.quant_level=3"],
     "fp8_l4": ["quantize.format=fp8", "quantize.quant_level=4"],
     "fp8_l4_percentile": ["quantize.format=fp8", "quantize.quant_level=4", "quantize.percentile_layers=conv"],
+    # Wan's blocks kept in 16 bits other than the recipe's (on the 8-block scene model, the recipe's
+    # 0-2): a sensitivity pass, each of them in FP8 in turn, then all.
+    **{f"fp8_l4_keep{''.join(map(str, kept)) or '_none'}": [
+        "quantize.format=fp8", "quantize.quant_level=4", f"quantize.high_precision_blocks=[{','.join(map(str, kept))}]"]
+       for kept in ((1, 2), (0, 2), (0, 1), ())},
 }
 
 
