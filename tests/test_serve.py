@@ -361,7 +361,9 @@ def test_serve_py_answers_then_drains_on_ctrl_c_and_leaves_no_ray_process(model_
         [sys.executable, str(REPO / "serve.py"), *SCENES, f"serve.port={port}", "serve.max_steps=300",
          f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env={**os.environ, "RAY_TMPDIR": ray_dir}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        # SIGINT as a terminal's foreground server has it: pytest started in the background by a
+        # script ignores it, and its children would inherit that (a serve.py that never stops).
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and server.poll() is None:
