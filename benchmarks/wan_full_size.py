@@ -31,8 +31,8 @@ through the torch backend's pipeline (UMT5, each step's expert, the VAE in fp32)
 video that compiles all it runs (the row counts the graphs compiled while timed, 0 when warm): the
 same video, or --warm-steps steps of it where what compiles does not depend on the step count (no
 cache hook, or ours, whose TaylorSeer update runs outside the graphs; diffusers' own, as the peer
-runs it, compiles again at each full pass); the VAE decodes eagerly there (its 81-frame compile is timed in the
-vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
+runs it, compiles again at each full pass); the VAE decodes eagerly there (its 81-frame compile
+is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
 a diffusers cache hook. The peer's whole video (--variants peer --whole) is what a user runs
 instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
