@@ -7,6 +7,7 @@ API (sdquant.api) and the benchmarks' rows of ours build it here; closing it rel
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 from dataclasses import dataclass
@@ -234,8 +235,14 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
     from .runtime import torch_backend
 
     family, config = run.family, run.model.config
-    if shared is not None:
-        modules = restored_backbones(run.model, run.checkpoint) if run.checkpoint else dict(shared.modules)
+    # The reference's own backbones, unless this pipeline runs their attention otherwise.
+    shares_backbones = (shared is not None and run.checkpoint is None
+                        and run.torch_backend.attention_window == shared.run_settings.torch_backend.attention_window)
+    if shares_backbones:
+        modules = dict(shared.modules)
+    elif shared is not None:
+        modules = (restored_backbones(run.model, run.checkpoint) if run.checkpoint
+                   else {attribute: copy.deepcopy(module) for attribute, module in shared.modules.items()})
     elif pipe is not None:
         modules = family.backbone_modules(pipe)
     elif run.checkpoint is not None and (empty := empty_backbones(config)) is not None:
@@ -264,7 +271,7 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
     if shared is None:
         stages = torch_backend.speed_up(pipe, family, family.torch_stages(pipe, dtype), block, run.cuda_graph,
                                         quantized)
-    elif run.checkpoint is None:
+    elif shares_backbones:
         stages = dict(shared.stages)
     else:
         # The reference's text encoders and decoder; not its backbones, nor stages made of them (its

@@ -354,6 +354,20 @@ TORCH_ATTENTION_KERNELS = ("auto", "flash3", "torch")
 
 
 @dataclass
+class AttentionWindowBlock(Settled):
+    """A video backbone's self-attention within a window of latent frames (sdquant.runtime.attention_window)."""
+
+    # Each query attends to the keys within this many latent frames of its own, either side (null:
+    # to every key). On a GPU it runs on FlashAttention-3's local window.
+    frames: Optional[int] = None
+    # The backbones (by attribute, e.g. [transformer_2], the A14B's low-noise expert) whose attention
+    # is windowed; null: all.
+    backbones: Optional[list[str]] = None
+    # Blocks (by index) whose self-attention stays over every frame.
+    dense_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
 class TorchBackendBlock(Settled):
     """How backend=torch runs the diffusers modules."""
 
@@ -381,6 +395,9 @@ class TorchBackendBlock(Settled):
     # faster than both at a video's 75,600 tokens), or auto (flash3 where it is installed and the GPU
     # is a Hopper).
     attention_kernel: str = "auto"
+    # A video backbone's self-attention within a window of latent frames: less to compute, at a cost in
+    # quality that docs/models.md gives per setting.
+    attention_window: AttentionWindowBlock = field(default_factory=AttentionWindowBlock)
     # Images the VAE decodes at a time (0: the whole batch at once). The decoder's activations at
     # 1024x1024 dwarf the backbone's, so one at a time lowers the peak of an 8-image batch by
     # several GiB; under compile the decoder compiles for that many images (and once more for a
@@ -499,6 +516,9 @@ class EvaluateApp(Settled):
     # name -> the step cache that variant runs with; the others run with sampling.cache, the fp16
     # reference always without one.
     variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
+    # name -> the attention window that variant runs with (torch_backend.attention_window's keys);
+    # the others run with torch_backend.attention_window, the reference always without one.
+    variant_window: dict[str, AttentionWindowBlock] = field(default_factory=dict)
     # No prompts: the model's evaluation prompts (model.eval_prompts).
     sampling: SamplingBlock = field(default_factory=lambda: SamplingBlock(prompts=None))
     shard: ShardBlock = field(default_factory=ShardBlock)
@@ -758,9 +778,20 @@ def validate_torch_kernels(torch_block) -> None:
     if torch_block.attention_kernel not in TORCH_ATTENTION_KERNELS:
         raise UserError(f"torch_backend.attention_kernel={torch_block.attention_kernel!r} is unknown: choose "
                         f"{', '.join(TORCH_ATTENTION_KERNELS)}")
+    validate_attention_window(torch_block.attention_window, "torch_backend.attention_window")
     if torch_block.attention != "auto" and torch_block.quantized != "fp8":
         raise UserError(f"torch_backend.attention={torch_block.attention} applies to torch_backend.quantized=fp8 (fake "
                         "quantization runs attention as the checkpoint does): set torch_backend.quantized=fp8")
+
+
+def validate_attention_window(window: AttentionWindowBlock, key: str) -> None:
+    """The window's values alone; what the model allows is checked where the run is settled
+    (sdquant.runtime.attention_window.check_attention_window)."""
+    if window.frames is not None and window.frames < 1:
+        raise UserError(f"{key}.frames={window.frames}: give the latent frames each query attends to either side "
+                        "of its own (1 or more), or null for every frame")
+    if any(index < 0 for index in window.dense_blocks) or len(set(window.dense_blocks)) != len(window.dense_blocks):
+        raise UserError(f"{key}.dense_blocks={list(window.dense_blocks)}: give each block's index (0 or more) once")
 
 
 def validate_providers(providers) -> None:
@@ -786,6 +817,10 @@ def validate_evaluate(app) -> None:
         if block.method not in CACHE_METHODS:
             raise UserError(f"variant_cache.{name}.method={block.method!r} is unknown: choose "
                             f"{' or '.join(CACHE_METHODS)}")
+    for name, window in app.variant_window.items():
+        if name not in app.variants:
+            raise UserError(f"variant_window.{name}: there is no variants.{name} to run with it")
+        validate_attention_window(window, f"variant_window.{name}")
     if app.torch_backend.compile or app.torch_backend.tune_kernels:
         raise UserError("torch_backend.compile, .tune_kernels: evaluate.py runs the modules as they are, eagerly; "
                         "compiling is infer_trt.py's (backend=torch)")

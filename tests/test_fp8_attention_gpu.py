@@ -89,6 +89,38 @@ def skip_without_flash3() -> None:
         pytest.skip(missing)
 
 
+@pytest.mark.parametrize("frames", [1, 2])
+def test_flash3s_local_window_attends_within_the_frames_the_twins_mask_keeps(frames):
+    """A video's self-attention within `frames` latent frames (5 frames of 1,024 tokens, 8 heads of
+    128): FlashAttention-3's local window, bf16 and FP8, against the same band as a mask over
+    attention computed in fp32 (the twins' on the CPU)."""
+    skip_without_flash3()
+    generator = torch.Generator(CUDA).manual_seed(0)
+    tokens_per_frame, heads = 1024, 8
+    band = frames * tokens_per_frame
+    q, k, v = (torch.randn(1, 5 * tokens_per_frame, heads, 128, device=CUDA, generator=generator,
+                           dtype=torch.bfloat16) for _ in range(3))
+    mask = kernels.band_mask(q.shape[1], band, CUDA)
+    exact = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)), attn_mask=mask)
+    windowed = torch.ops.sdquant.windowed_attention(q, k, v, band)
+    torch.library.opcheck(torch.ops.sdquant.windowed_attention.default, (q, k, v, band),
+                          test_utils=("test_faketensor",))
+    apart = _relative(windowed.transpose(1, 2), exact)
+    print(f"bf16 within {frames} frames: {apart:.4f} from fp32")
+    assert apart < 0.01, f"FlashAttention-3's bf16 window is {apart:.4f} from the masked fp32 attention"
+    dense = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)))
+    assert _relative(dense, exact) > 10 * apart, "the window left the attention as it was: no keys were left out"
+    eights = [torch.empty_like(x, dtype=torch.float8_e4m3fn) for x in (q, k, v)]
+    scales = [_quantized(x, into) for x, into in zip((q, k, v), eights)]
+    q8, k8, v8 = (x.transpose(1, 2) for x in eights)
+    softmax_scale = 128 ** -0.5
+    kernel_out = torch.ops.sdquant.flash3_fp8_attention(q8, k8, v8, *scales, softmax_scale, band)
+    twin_out = kernels._unrounded_reference(q8, k8, v8, *scales, softmax_scale, band)
+    apart = _relative(kernel_out, twin_out)
+    print(f"FP8 within {frames} frames: {apart:.4f} from the twin")
+    assert apart < TWIN_BOUND, f"FlashAttention-3's FP8 window is {apart:.4f} from the twin's masked attention"
+
+
 def _quantized(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
     """Rounds x to FP8 into `into` with x's own range, as a calibrated range would; its scale."""
     inverse, scale = fp8_scales(x.abs().amax())

@@ -307,6 +307,19 @@ class ModelFamily:
         sequence over processes (parallel.ulysses, diffusers' context parallelism); None where not."""
         return None
 
+    def frame_attention_blocks(self, backbone_config: dict) -> int | None:
+        """How many blocks a backbone of this config has whose self-attention runs over a video's
+        tokens frame after frame (torch_backend.attention_window); None for a family without frames."""
+        return None
+
+    def frame_attention_layers(self, backbone) -> dict:
+        """Those self-attention layers of `backbone`, by block index."""
+        return {}
+
+    def tokens_per_frame(self, backbone, hidden_states: torch.Tensor) -> int:
+        """The tokens of one latent frame in `backbone`'s sequence, from the latent it is called on."""
+        raise NotImplementedError
+
     def fp8_attention_processor(self, attn):
         """The attention processor that runs attention layer `attn` of a backbone the torch backend
         converted to FP8 (sdquant.runtime.attention: fused projections, FP8 attention), following

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from .. import parallel
-from ..config import EvaluateApp, MetricsBlock, ShardBlock, settled_config, validate_evaluate
+from ..config import AttentionWindowBlock, EvaluateApp, MetricsBlock, ShardBlock, settled_config, validate_evaluate
 from ..errors import UserError
 from ..export.onnx_graphs import check_graph_file
 from ..load import SINGLE_FILE_SUFFIXES
+from ..runtime.attention_window import check_attention_window
 from .infer import PipelineRun, StageFile, check_cache_runs, check_kernels, checked_out_path
 from .model import Model, check_graph_made_for, settle_checkpoint, settle_model
 from .sample import Sampling, settle_cache, settle_sampling
@@ -35,6 +36,11 @@ class Variant:
 
     def describe(self) -> str:
         source = str(self.source or "the unquantized backbone again (self-check)")
+        window = self.pipeline.torch_backend.attention_window
+        if window.frames is not None:
+            source += f", attention within {window.frames} frames" + (
+                f" on {', '.join(window.backbones)}" if window.backbones is not None else "") + (
+                f" but blocks {', '.join(map(str, window.dense_blocks))}" if window.dense_blocks else "")
         return source if self.cache is None else f"{source}, cached ({self.cache.describe()})"
 
 
@@ -65,7 +71,8 @@ def settle_evaluate(cfg) -> EvaluateRun:
     model = settle_model(app.model, drawing=True)
     sampling = settle_sampling(model, app.sampling)
     runs = tuple(dataclasses.replace(settings, cache=None) for settings in sampling.runs)
-    reference = PipelineRun(model, "torch", app.device, sampling.scheduler, torch_backend=app.torch_backend,
+    reference = PipelineRun(model, "torch", app.device, sampling.scheduler,
+                            torch_backend=dataclasses.replace(app.torch_backend, attention_window=AttentionWindowBlock()),
                             dtype=app.dtype)
     variants = {name: _variant(app, model, reference, name, source, sampling.first.geometry)
                 for name, source in app.variants.items()}
@@ -78,7 +85,8 @@ def settle_evaluate(cfg) -> EvaluateRun:
 def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, source: str | None,
              geometry) -> Variant:
     """Variant `name` settled: its kind, the pipeline run of its backbones, its step cache (its own,
-    variant_cache.<name>, else sampling.cache) checked for what it runs on."""
+    variant_cache.<name>, else sampling.cache) and attention window (variant_window.<name>, else
+    torch_backend.attention_window) checked for what it runs on."""
     kind = _variant_kind(model, name, source, geometry)
     key = f"variant_cache.{name}" if name in app.variant_cache else "sampling.cache"
     block = app.variant_cache.get(name, app.sampling.cache)
@@ -91,8 +99,14 @@ def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, 
     if kind == "engine" and not torch.cuda.is_available():
         raise UserError(f"variants.{name}={source}: a TensorRT engine runs on a CUDA GPU and none is visible here: "
                         "give its .onnx file (ONNX Runtime runs it here)")
+    window_key = f"variant_window.{name}" if name in app.variant_window else "torch_backend.attention_window"
+    window = app.variant_window.get(name, app.torch_backend.attention_window)
+    checkpoint = settle_checkpoint(model, f"variants.{name}", source) if kind == "checkpoint" else None
+    check_attention_window(model, window, window_key, {"onnx": "onnxruntime", "engine": "trt"}.get(kind, "torch"),
+                           app.torch_backend, checkpoint)
+    reference = dataclasses.replace(reference,
+                                    torch_backend=dataclasses.replace(app.torch_backend, attention_window=window))
     if kind == "checkpoint":
-        checkpoint = settle_checkpoint(model, f"variants.{name}", source)
         check_kernels(checkpoint, app.torch_backend)
         run = dataclasses.replace(reference, checkpoint=checkpoint)
     elif kind in ("onnx", "engine"):

@@ -14,6 +14,7 @@ from ..config import (CAPTURING_COMPILE_MODES, InferApp, ShardBlock, TorchBacken
                       settled_config, validate_infer)
 from ..errors import UserError
 from ..export import onnx_graphs
+from ..runtime.attention_window import check_attention_window
 from .model import Checkpoint, Model, check_graph_made_for, settle_checkpoint, settle_model
 from ..families.pipeline import SamplingSettings
 from .sample import Sampling, settle_defaults, settle_sampling
@@ -100,6 +101,8 @@ def settle_pipeline(app: InferApp, model: Model, cache, geometry) -> PipelineRun
     runs on, the file of each graph, the split of each sample over processes."""
     checkpoint = checked_run_checkpoint(app, model)
     check_cache_runs(cache, "sampling.cache", app.backend, app.cuda_graph)
+    check_attention_window(model, app.torch_backend.attention_window, "torch_backend.attention_window", app.backend,
+                           app.torch_backend, checkpoint)
     files = stage_files(app, model, cache, geometry) if app.backend != "torch" else {}
     if app.backend == "trt" and not torch.cuda.is_available():
         raise UserError("backend=trt needs a CUDA GPU: use backend=onnxruntime or backend=torch here")

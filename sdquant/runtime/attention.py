@@ -19,6 +19,7 @@ or the block's proj_out where the attention has none).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,9 @@ from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
-from .kernels.fp8_attention import FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module, fp8_attention
+from .attention_window import window_band
+from .kernels.fp8_attention import (FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module,
+                                    fp8_attention, windowed_attention)
 from ..quantize.shared_ranges import AttentionProjections, attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
@@ -143,9 +146,11 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
     centred_on = ("cuda",)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                flash3: bool = False) -> torch.Tensor:
+                flash3: bool = False, band: int = -1) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output;
-        `flash3`: FlashAttention-3's op rather than cuDNN's (on the CPU, its twin, through 16 bits).
+        `flash3`: FlashAttention-3's op rather than cuDNN's (on the CPU, its twin, through 16 bits);
+        `band` (0 or more): each query attends to the keys within that many tokens of it, on
+        FlashAttention-3's op, which alone has the window (sdquant.runtime.attention_window).
 
         On a GPU the values go in less their mean over the tokens, which the output gets back: the
         same attention, each row of softmax summing to 1. Hopper's FP8 tensor cores add each block
@@ -158,10 +163,15 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         wide, which in E4M3 costs no precision above its subnormals."""
         q8, k8 = to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale)
         softmax_scale = query.shape[-1] ** -0.5
-        attention = flash3_attention_rounded if flash3 else fp8_attention
+        if band >= 0:
+            attention = functools.partial(flash3_attention_rounded, window=band)
+        else:
+            attention = flash3_attention_rounded if flash3 else fp8_attention
         if value.device.type not in self.centred_on:
             return attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
                              self.v_scale, softmax_scale, self.out_inverse_scale)
+        # Within a window each row of softmax still sums to 1, so taking out the mean of every
+        # token's value gives the same attention.
         mean = value.mean(dim=2, keepdim=True, dtype=torch.float32)
         centred = attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
                             self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2)
@@ -187,7 +197,8 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     """Attention of (batch, tokens, heads, head_dim) q, k and v, as the processors split their
     projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
     the model's precision, as diffusers runs it; with FlashAttention-3's kernels where the layer is
-    marked so (use_attention_kernel).
+    marked so (use_attention_kernel); within a window of frames where the layer is marked so
+    (sdquant.runtime.attention_window).
 
     `sequence`: the process group the layer's tokens are split over (parallel.ulysses). Each process
     holds its share of the queries, and of the keys and values unless `keys_whole` (cross-attention
@@ -196,11 +207,14 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
     fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
-    if fp8 is None and flash3 and query.dtype == FLASH3_16_BIT:
+    band = window_band(attn)
+    if fp8 is None and band >= 0:
+        out = windowed_attention(query, key, value, band)
+    elif fp8 is None and flash3 and query.dtype == FLASH3_16_BIT:
         out = flash3_attention(query, key, value)
     else:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3)
+        out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3, band)
         out = out.transpose(1, 2)
     if sequence is not None:
         out = _every_head_of_own_tokens(out, sequence)

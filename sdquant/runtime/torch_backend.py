@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import chosen_kernel, use_attention_kernel
+from .attention_window import check_window_kernel, use_attention_window
 from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_persistent_rows, use_sigmoid_gelu
 from ..cuda_graphs import CapturedGraph, signature
 from .stages import InTurn
@@ -330,8 +331,8 @@ def speed_up_backbones(family, modules: dict, stages: dict, block, cuda_graph: b
 
 def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: torch.device) -> None:
     """The backbone modules (by attribute) and the VAE (None: leave it) in the forms the torch
-    backend runs them in, in place: their attention kernel and, where it compiles, the forms it
-    compiles them in.
+    backend runs them in, in place: their attention kernel and window and, where it compiles, the
+    forms it compiles them in.
 
     diffusers' own speed recipe: channels-last convolutions, one GEMM for q, k and v; and the
     decoder's layers in forms that compile to faster kernels (sdquant.runtime.compiled_forms). An
@@ -345,8 +346,10 @@ def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: 
     Rows up to 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers. A video family's
     3-D convolutions (its patch embedding, its VAE) have no channels-last form."""
     kernel = chosen_kernel(block.attention_kernel, device)
+    check_window_kernel(block.attention_window, kernel, device)
     for module in modules.values():
         use_attention_kernel(module, kernel)
+    use_attention_window(family, modules, block.attention_window)
     if not block.compile:
         return
     for module in modules.values():

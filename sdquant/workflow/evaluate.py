@@ -87,7 +87,8 @@ def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, o
             "variants": {}}
     for name, variant in run.variants.items():
         with stage(f"the runs of variant {name}"):
-            pipeline = reference if variant.kind == "unquantized" else assemble(variant.pipeline, shared=reference)
+            own = variant.kind != "unquantized" or variant.pipeline.torch_backend != reference.run_settings.torch_backend
+            pipeline = assemble(variant.pipeline, shared=reference) if own else reference
             runs = _variant_runs(pipeline, name, variant.cache, references, [lpips, clip], scores)
             if pipeline is reference:
                 reference.use_cache(None)

@@ -261,6 +261,18 @@ class WanFamily(HookCaching, ModelFamily):
         return {backbone.graph: TorchStage(ExpertGraph(modules[backbone.attribute]), expert_network(backbone.graph),
                                            dtype) for backbone in self.backbones}
 
+    def frame_attention_blocks(self, backbone_config: dict) -> int:
+        return backbone_config["num_layers"]
+
+    def frame_attention_layers(self, backbone) -> dict:
+        return {index: block.attn1 for index, block in enumerate(backbone.blocks)}
+
+    def tokens_per_frame(self, backbone, hidden_states: torch.Tensor) -> int:
+        """The latent (batch, channels, frames, height, width) in 1x2x2 patches (patch_size):
+        (height / 2) x (width / 2) tokens a frame, frame after frame."""
+        _, patch_height, patch_width = backbone.config.patch_size
+        return (hidden_states.shape[-2] // patch_height) * (hidden_states.shape[-1] // patch_width)
+
     def fp8_attention_processor(self, attn):
         """The processor for text-to-video attention layers diffusers runs with its WanAttnProcessor."""
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor

@@ -1,0 +1,185 @@
+"""torch_backend.attention_window on tiny_wan: each query attends within a few latent frames of its
+own. The ops attend exactly to the band of keys (against attention over each query's slice of
+keys), a window over every frame draws the dense video, the chosen backbones and blocks alone are
+windowed, the FP8 kernels take the window, a compiled expert compiles once, evaluate.py scores a
+windowed variant against the dense reference, and the settings no model or kernel can take are
+refused before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sdquant.api import load
+from sdquant.runtime.attention_window import WINDOW, check_window_kernel
+from sdquant.runtime.kernels import fp8_attention as kernels
+from sdquant.runtime.kernels.fp8 import fp8_scales, to_fp8
+from sdquant.workflow.evaluate import run_evaluate
+from sdquant.workflow.infer_trt import run_infer
+from sdquant.workflow.quantize import run_quantize
+
+from conftest import compose_config, refused_in_one_line
+
+PROMPT = "a red fox runs through the snow"
+STEPS = 4
+# tiny_wan draws 9 frames of 32x32: 3 latent frames of 2x2 patches, 4 tokens each.
+LATENT_FRAMES = 3
+
+
+@pytest.fixture(scope="module")
+def fp8_l4(model_cache, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("window_quantized")
+    return run_quantize(compose_config("sd_xl_quantize", [
+        "model=tiny_wan", "device=cpu", "quantize.n_steps=4", "quantize.calib_size=2", "quantize.batch_size=2",
+        "quantize.format=fp8", "quantize.quant_level=4", f"out_dir={out}"]))
+
+
+def _drawn(window: dict | None = None, **settings) -> torch.Tensor:
+    backend = settings.pop("torch_backend", {})
+    if window is not None:
+        backend = {**backend, "attention_window": window}
+    with load("tiny_wan", backend="torch", device="cpu", torch_backend=backend, **settings) as pipeline:
+        return pipeline(PROMPT, seed=2, steps=STEPS).samples
+
+
+def _windowed_layers(window: dict) -> dict[str, int]:
+    with load("tiny_wan", backend="torch", device="cpu", torch_backend={"attention_window": window}) as pipeline:
+        return {attribute: sum(hasattr(layer, WINDOW) for layer in module.modules())
+                for attribute, module in pipeline.modules.items()}
+
+
+def _sliced(attention, q, k, v, band: int) -> torch.Tensor:
+    """Each query's attention over its own slice of keys, `band` either side: what the window means,
+    computed without a mask. (batch, tokens, ...) q, k, v, tokens on dim `attention` slices."""
+    tokens = q.shape[-2]
+    rows = [attention(q[..., i:i + 1, :], k[..., max(0, i - band):i + band + 1, :],
+                      v[..., max(0, i - band):i + band + 1, :]) for i in range(tokens)]
+    return torch.cat(rows, dim=-2)
+
+
+def test_the_windowed_ops_attend_to_each_querys_band_of_keys_alone():
+    """16-bit: the op against plain attention over each query's slice of keys; FP8 (FlashAttention-3's
+    op's twin): the same, through the same FP8 values and scales."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 2, 8) for _ in range(3))
+    band = 4
+    windowed = torch.ops.sdquant.windowed_attention(q, k, v, band)
+    plain = torch.nn.functional.scaled_dot_product_attention
+    expected = _sliced(plain, *(x.transpose(1, 2) for x in (q, k, v)), band).transpose(1, 2)
+    assert (windowed - expected).abs().max() < 1e-5
+    assert (windowed - plain(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)).abs().max() > 0.05
+
+    eights, scales = [], []
+    for x in (q, k, v):
+        inverse, scale = fp8_scales(x.abs().amax())
+        eights.append(to_fp8(x.transpose(1, 2), inverse))
+        scales.append(scale)
+    softmax_scale = 8 ** -0.5
+    got = torch.ops.sdquant.flash3_fp8_attention(*eights, *scales, softmax_scale, band)
+    expected = _sliced(lambda *qkv: kernels._unrounded_reference(*qkv, *scales, softmax_scale), *eights, band)
+    # Both in bf16 from fp32 sums in one order or another: within one bf16 step of each other.
+    assert ((got.float() - expected.to(got.dtype).float()).abs() <= expected.abs() / 128 + 1e-6).all()
+    dense = torch.ops.sdquant.flash3_fp8_attention(*eights, *scales, softmax_scale)
+    assert (dense.float() - got.float()).abs().max() > 0.05
+
+
+def test_a_window_over_every_frame_draws_the_dense_video_and_a_narrower_one_another(model_cache):
+    dense = _drawn()
+    assert (_drawn({"frames": LATENT_FRAMES}) - dense).abs().max() < 1e-5
+    one_frame = _drawn({"frames": 1})
+    assert (one_frame - dense).abs().max() > 1e-2
+    # Every block kept dense: no layer is windowed.
+    assert (_drawn({"frames": 1, "dense_blocks": [0, 1, 2, 3, 4]}) - dense).abs().max() < 1e-5
+    low_noise = _drawn({"frames": 1, "backbones": ["transformer_2"]})
+    assert (low_noise - dense).abs().max() > 1e-3 and (low_noise - one_frame).abs().max() > 1e-3
+
+
+def test_the_window_marks_the_chosen_backbones_self_attention_but_the_dense_blocks():
+    assert _windowed_layers({"frames": 1}) == {"transformer": 5, "transformer_2": 5}
+    assert _windowed_layers({"frames": 1, "backbones": ["transformer_2"], "dense_blocks": [0, 4]}) == \
+        {"transformer": 0, "transformer_2": 3}
+
+
+def test_fp8_kernels_take_the_window(fp8_l4, model_cache):
+    """Level 4 keeps blocks 0-2 in 16 bits and runs blocks 3 and 4's self-attention in FP8: all five
+    are windowed, the FP8 ones on FlashAttention-3's op, each query's FP8 output what attention over
+    its slice of keys gives in FP8; the video moves off the unwindowed FP8 one."""
+    kernels_asked = {"quantized": "fp8", "attention_window": {"frames": 1}}
+    with load("tiny_wan", backend="torch", device="cpu", quantized_backbone=fp8_l4,
+              torch_backend=kernels_asked) as pipeline:
+        windowed = [layer for layer in pipeline.modules["transformer_2"].modules() if hasattr(layer, WINDOW)]
+        in_fp8 = [layer.fp8_attention for layer in windowed if hasattr(layer, "fp8_attention")]
+        assert (len(windowed), len(in_fp8)) == (5, 2)
+        narrow = pipeline(PROMPT, seed=2, steps=STEPS).samples
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 16) for _ in range(3))
+    fp8, band = in_fp8[0], 4
+    got = fp8.dequantize(fp8(q, k, v, band=band), torch.float32)
+    expected = fp8.dequantize(_sliced(lambda *qkv: fp8(*qkv, flash3=True), q, k, v, band), torch.float32)
+    # The same FP8 values but where sums in another order round across a step: one E4M3 step at most.
+    assert ((got - expected).abs() <= expected.abs() / 8 + 1e-3).all()
+    assert (got - expected).abs().max() < (got - fp8.dequantize(fp8(q, k, v, flash3=True), torch.float32)).abs().max()
+    unwindowed = _drawn(quantized_backbone=fp8_l4, torch_backend={"quantized": "fp8"})
+    assert torch.isfinite(narrow).all() and (narrow - unwindowed).abs().max() > 0.05
+
+
+def test_a_compiled_windowed_expert_compiles_once_and_draws_the_eager_video(model_cache):
+    from torch._dynamo.utils import counters
+
+    window = {"frames": 1}
+    with load("tiny_wan", backend="torch", device="cpu",
+              torch_backend={"compile": True, "attention_window": window}) as compiled:
+        compiled(PROMPT, seed=1, steps=2)
+        warm = counters["stats"]["unique_graphs"]
+        drawn = compiled(PROMPT, seed=2, steps=STEPS).samples
+        assert counters["stats"]["unique_graphs"] == warm
+    assert (drawn - _drawn(window)).abs().max() < 1e-3
+
+
+def test_evaluate_scores_a_windowed_variant_against_the_dense_reference(tmp_path, model_cache):
+    report = run_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_wan", "device=cpu", f"out_path={tmp_path}", f"sampling.prompts={json.dumps([PROMPT])}",
+        f"sampling.steps={STEPS}", "+variants.self=null", "+variants.window=null",
+        "+variant_window={window:{frames:1}}"]))
+    window, self_check = report["variants"]["window"], report["variants"]["self"]
+    assert self_check["mean"]["psnr"] == float("inf")
+    assert 10 < window["mean"]["psnr"] < 80
+    assert "attention within 1 frames" in (tmp_path / "quality.md").read_text()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["torch_backend.attention_window.frames=0"], "torch_backend.attention_window.frames=0: give the latent frames"),
+    (["torch_backend.attention_window.frames=1", "torch_backend.attention_window.dense_blocks=[1,1]"],
+     "dense_blocks=[1, 1]: give each block's index"),
+    (["torch_backend.attention_window.frames=1", "torch_backend.attention_window.dense_blocks=[5]"],
+     "have blocks 0 to 4"),
+    (["torch_backend.attention_window.frames=1", "torch_backend.attention_window.backbones=[unet]"],
+     "unet is not among model=tiny_wan's backbones (transformer, transformer_2)"),
+    (["torch_backend.attention_window.frames=1", "model=tiny_sdxl"], "draws images, which have no frames"),
+    (["torch_backend.attention_window.frames=1", "backend=onnxruntime"], "run it with backend=torch"),
+])
+def test_windows_no_model_or_backend_can_take_are_refused_before_any_work(tmp_path, capsys, model_cache, overrides,
+                                                                           message):
+    out = tmp_path / "out"
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", "device=cpu", "backend=torch",
+                                                 f"out_path={out}", *overrides])
+    assert message in refused_in_one_line(run_infer, cfg, capsys)
+    assert not out.exists()
+
+
+def test_a_checkpoint_under_fake_quantization_and_a_gpu_without_flash3_are_refused(fp8_l4, tmp_path, capsys):
+    out = tmp_path / "out"
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", "device=cpu", "backend=torch", f"out_path={out}",
+                                                 "torch_backend.attention_window.frames=1",
+                                                 f"quantized_backbone={fp8_l4}"])
+    assert "set torch_backend.quantized=fp8" in refused_in_one_line(run_infer, cfg, capsys)
+    assert not out.exists()
+    from sdquant.config import AttentionWindowBlock
+    from sdquant.errors import UserError
+
+    with pytest.raises(UserError, match="FlashAttention-3's local window"):
+        check_window_kernel(AttentionWindowBlock(frames=1), "torch", torch.device("cuda"))
+    check_window_kernel(AttentionWindowBlock(frames=1), "flash3", torch.device("cuda"))
+    check_window_kernel(AttentionWindowBlock(frames=1), "torch", torch.device("cpu"))
