@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from harness.headline import RESULTS, gpu_slug
+from harness.loadgen import NS, POLL_S, loadgen_summary, test_settings
 from harness.processes import write_results
 from harness.provenance import provenance
 
@@ -54,11 +55,9 @@ EXIT_INTERRUPTED = 130
 # MLPerf SDXL's Server bound and its official minimums, which a 10-minute GPU call cannot hold.
 MLPERF_LATENCY_BOUND_S = 20
 MLPERF_MIN_DURATION_S = 600
-NS = 1e9
 ROUTE = "/v1/images/generations"
 # serve.py drains for serve.drain_timeout_s (60 by default) after SIGINT; then Serve and Ray stop.
 STOP_TIMEOUT_S = 150
-POLL_S = 0.5
 
 
 class Refused(Exception):
@@ -304,78 +303,9 @@ class HttpSut:
         self.thread.join()
 
 
-def waited(work) -> None:
-    """`work()` on a thread of its own, waited for here: LoadGen's test blocks in C++, where Ctrl-C
-    would wait for its end; this thread takes it at once."""
-    raised = []
-
-    def run():
-        try:
-            work()
-        except BaseException as error:  # handed to the waiting thread
-            raised.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(POLL_S)
-    if raised:
-        raise raised[0]
-
-
 def loadgen_settings(args, scenario: str, target_qps: float | None):
-    import mlperf_loadgen as lg
-
-    settings = lg.TestSettings()
-    settings.mode = lg.TestMode.PerformanceOnly
-    settings.min_duration_ms = round(args.min_duration_s * 1000)
-    settings.min_query_count = args.min_queries
-    if scenario == "offline":
-        settings.scenario = lg.TestScenario.Offline
-        settings.offline_expected_qps = args.expected_qps
-    else:
-        settings.scenario = lg.TestScenario.Server
-        settings.server_target_qps = target_qps
-        settings.server_target_latency_ns = round(args.latency_bound_s * NS)
-    return settings
-
-
-def loadgen_summary(sut: HttpSut, settings, samples: int) -> dict:
-    """One LoadGen test over `sut`; the fields of its summary. Its log folder is temporary."""
-    import mlperf_loadgen as lg
-
-    with tempfile.TemporaryDirectory(prefix="serve_load_loadgen_") as log_dir:
-        log = lg.LogSettings()
-        log.log_output.outdir = log_dir
-        log.log_output.copy_summary_to_stdout = False
-        sut_handle = lg.ConstructSUT(sut.issue, lambda: None)
-        # The prompts live in memory: nothing to load or unload per sample.
-        qsl_handle = lg.ConstructQSL(samples, samples, lambda indices: None, lambda indices: None)
-        waited(lambda: lg.StartTestWithLogSettings(sut_handle, qsl_handle, settings, log))
-        lg.DestroyQSL(qsl_handle)
-        lg.DestroySUT(sut_handle)
-        return summary_fields((Path(log_dir) / "mlperf_log_summary.txt").read_text())
-
-
-def summary_fields(text: str) -> dict:
-    """mlperf_log_summary.txt's `name : value` lines, numbers as numbers."""
-    fields = {}
-    for line in text.splitlines():
-        found = re.fullmatch(r"\s*([A-Za-z0-9][^:*]*?)\s*:\s*(\S.*?)\s*", line)
-        if found:
-            fields[found.group(1)] = number_or_text(found.group(2))
-    return fields
-
-
-def number_or_text(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    return test_settings(scenario, args.min_duration_s, args.min_queries, expected_qps=args.expected_qps,
+                         target_qps=target_qps, latency_bound_s=args.latency_bound_s)
 
 
 def metric_samples(client: httpx.Client) -> dict[tuple, float]:
