@@ -34,7 +34,8 @@ cache hook, or ours, whose TaylorSeer update runs outside the graphs; diffusers'
 runs it, compiles again at each full pass); the VAE decodes eagerly there (its 81-frame compile
 is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
-a diffusers cache hook. The peer's whole video (--variants peer --whole) is what a user runs
+a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
+many latent frames (torch_backend.attention_window). The peer's whole video (--variants peer --whole) is what a user runs
 instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
 expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
 the VAE in fp32 and eager as ours.
@@ -194,6 +195,7 @@ def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
     frames, height, width = geometry(args, family)
     pipeline = from_pipeline(pipe, family.name, None if level is None else ("fp8", level),
                              torch_backend={"compile": True, "attention_kernel": args.attention_kernel,
+                                            "attention_window": attention_window(args.window),
                                             **({"quantized": "fp8"} if level else {})},
                              sampling={"scheduler": "unipc", "num_frames": frames, "height": height, "width": width,
                                        **({"cache": cache} if cache else {})})
@@ -203,6 +205,14 @@ def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
     if level is not None:
         record["fp8_weights_gib"] = weights_gib({name: getattr(pipe, name) for name in family.components})
     return pipeline, record
+
+
+def attention_window(option: str) -> dict:
+    """--window <frames>[:<backbone>,...] as torch_backend.attention_window ('': none)."""
+    if not option:
+        return {}
+    frames, _, backbones = option.partition(":")
+    return {"frames": int(frames), **({"backbones": backbones.split(",")} if backbones else {})}
 
 
 def umt5_seconds(pipe, family, args, device: torch.device) -> float:
@@ -455,6 +465,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
         name += f"_{args.attention_kernel}"
     if args.every_block:
         name += "_every_block"
+    if args.window:
+        name += "_window" + re.sub(r"[:,]", "_", args.window)
     if args.one_call:
         name += "_one_call"
     row["wall_s"] = time.perf_counter() - start
@@ -484,6 +496,9 @@ def main() -> None:
                         help="ours: torch_backend.attention_kernel; peer: flash3 runs diffusers' FlashAttention-3 backend")
     parser.add_argument("--every-block", action="store_true",
                         help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too (a ceiling, not a recipe)")
+    parser.add_argument("--window", default="",
+                        help="ours: <frames>[:<backbone>,...], self-attention within that many latent frames "
+                             "(torch_backend.attention_window; on a GPU it needs FlashAttention-3)")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
     parser.add_argument("--variant-timeout", type=float, default=0,
                         help="with several variants, seconds after which a variant's process is stopped (0: none)")
@@ -505,6 +520,10 @@ def main() -> None:
         parser.error("--one-call times our expert calls (compiled, fp8, fp8_l4), without --split or --whole")
     if args.every_block and not all(v in FP8_LEVELS for v in variants):
         parser.error(f"--every-block quantizes more blocks: give only {', '.join(FP8_LEVELS)}")
+    if args.window and (not re.fullmatch(r"[1-9]\d*(:\w+(,\w+)*)?", args.window) or args.split
+                        or "peer" in variants or "vae" in variants):
+        parser.error(f"--window {args.window}: give <frames>[:<backbone>,...] (3, 3:transformer_2) for our variants "
+                     "(compiled, fp8, fp8_l4), without --split")
     if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+(:\d+)?|first_block:[\d.]+", args.cache):
         parser.error(f"--cache {args.cache}: give taylorseer:<n>[:<warm-up passes>], taylorseer_blocks:<n>[:<warm-up "
                      "passes>] or first_block:<threshold>")
