@@ -130,12 +130,14 @@ class VideoSut:
         lg.QuerySamplesComplete([lg.QuerySampleResponse(query_id, 0, 0)])
 
 
-def measured(args, pipeline, prompts: list[str]) -> dict:
-    """The warm-up video, then one LoadGen run of the scenario over the prompts."""
+def measured(args, pipeline, prompts: list[str], **asked) -> dict:
+    """The warm-up video, then one LoadGen run of the scenario (args.scenario, .min_duration_s) over
+    the prompts, each video from one latent (args.latent, else drawn from args.seed); `asked`: the
+    calls' settings beside the pipeline's defaults (steps, guidance_scale, ...)."""
     from harness.loadgen import NS, loadgen_summary, test_settings
     from harness.measure import graphs_compiled
 
-    settings = [pipeline.settle([prompt], seed=args.seed) for prompt in prompts]
+    settings = [pipeline.settle([prompt], seed=args.seed, **asked) for prompt in prompts]
     latent = initial_latent(args, pipeline, settings[0])
     start = time.perf_counter()
     pipeline.run(settings[0], progress=False, latents=latent)

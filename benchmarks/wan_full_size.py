@@ -35,7 +35,8 @@ runs it, compiles again at each full pass); the VAE decodes eagerly there (its 8
 is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given) / first_block:<threshold> runs it under
 a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
-many latent frames (torch_backend.attention_window). The peer's whole video (--variants peer --whole) is what a user runs
+many latent frames (torch_backend.attention_window); --mlperf <n> runs LoadGen's Offline over n
+prompts instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole video (--variants peer --whole) is what a user runs
 instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
 expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
 the VAE in fp32 and eager as ours.
@@ -302,6 +303,9 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
                                seed=42)
 
     settings = settled(args.steps or chosen["steps"])
+    if args.mlperf:
+        return {**record, **mlperf_offline(pipeline, settings, args.mlperf), "steps": settings.steps,
+                "cache": settings.cache.describe() if settings.cache else None}
     warm_settings = settled(args.warm_steps) if args.warm_steps else settings
     drawn = []
     row = warm_then_timed(lambda: pipeline.run(warm_settings, progress=False).samples,
@@ -311,6 +315,23 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     return {**record, **row, "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
             "steps": settings.steps, "warm_up_steps": warm_settings.steps,
             "cache": settings.cache.describe() if settings.cache else None}
+
+
+def mlperf_offline(pipeline, settings, count: int) -> dict:
+    """LoadGen's Offline over the first `count` of the package's evaluation prompts at `settings`'
+    steps, guidance and geometry, every video from one latent, after a warm-up video
+    (benchmarks/mlperf_video.py's run)."""
+    from mlperf_video import measured
+
+    from sdquant.load import builtin_prompts_path
+
+    prompts = [line for line in builtin_prompts_path("eval_prompts.txt").read_text().splitlines() if line.strip()]
+    options = argparse.Namespace(seed=42, latent=None, scenario="offline", min_duration_s=0.0)
+    geometry = settings.geometry
+    run = measured(options, pipeline, prompts[:count], steps=settings.steps, guidance_scale=settings.guidance_scale,
+                   guidance_scale_2=settings.guidance_scale_2, height=geometry.height, width=geometry.width,
+                   num_frames=geometry.frames)
+    return {**run, "video_s": run["gpu_s_per_video"]}
 
 
 def warm_then_timed(warm_up, video) -> dict:
@@ -456,7 +477,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
     elif args.whole:
         row = (peer_video_row(family, args, device) if variant == "peer"
                else whole_video_row(variant, family, args, device))
-        name = f"{variant}_video" + (f"_{args.cache.replace(':', '_')}" if args.cache else "")
+        name = f"{variant}_video" + (f"_{args.cache.replace(':', '_')}" if args.cache else "") + (
+            f"_mlperf{args.mlperf}" if args.mlperf else "")
     elif variant == "peer":
         row, name = peer_row(family, args, device), variant
     else:
@@ -487,6 +509,9 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=0,
                         help="--whole: the warm-up video's steps (0: the timed video's). Fewer where nothing compiled "
                              "depends on the step count (the row's graphs_compiled_while_timed says whether it did)")
+    parser.add_argument("--mlperf", type=int, default=0,
+                        help="--whole, ours: LoadGen's Offline over this many prompts, each a video from one latent "
+                             "(benchmarks/mlperf_video.py's run), instead of one timed video")
     parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
@@ -510,6 +535,9 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}")
     if args.split and any(v in ("peer", "vae") for v in variants):
         parser.error("--split runs our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.mlperf and (not args.whole or args.mlperf < 0 or "peer" in variants or args.warm_steps):
+        parser.error(f"--mlperf {args.mlperf}: a number of prompts (1 or more) for --whole's videos of ours "
+                     "(compiled, fp8, fp8_l4), without --warm-steps (a whole video warms it)")
     if args.warm_steps and not args.whole or args.warm_steps < 0:
         parser.error(f"--warm-steps {args.warm_steps}: a number of steps (1 or more) for --whole's warm-up video")
     if args.whole and "vae" in variants:
