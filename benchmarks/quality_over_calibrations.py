@@ -29,18 +29,40 @@ TAYLORSEER_BLOCKS_2 = "{method:taylorseer_blocks,interval:2}"
 # One full pass before TaylorSeer's first prediction instead of diffusers' three: what the Wan video's
 # speed needs, since each of its two experts starts its own cache.
 TAYLORSEER_BLOCKS_2_WARMUP_1 = "{method:taylorseer_blocks,interval:2,warmup:1}"
-# Per kind of backbone, setting -> (its recipe in quality_recipes.RECIPES, or None for the 16-bit
-# backbone; its step cache as evaluate.py's variant_cache takes it, or None): the speed tables'
-# headline settings and the recipes beside them.
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting's recipe in quality_recipes.RECIPES (None: the 16-bit backbone), its step cache as
+    evaluate.py's variant_cache takes it and its attention window as variant_window takes it (None:
+    none)."""
+
+    recipe: str | None
+    cache: str | None = None
+    window: str | None = None
+
+
+# Self-attention within N latent frames of each query's (torch_backend.attention_window); the scene
+# model's clips have 5 latent frames.
+WINDOW_1, WINDOW_2 = "{frames:1}", "{frames:2}"
+WINDOW_1_LOW_NOISE = "{frames:1,backbones:[transformer_2]}"
+WINDOW_1_BLOCK_0_DENSE = "{frames:1,dense_blocks:[0]}"
+# Per kind of backbone, setting -> Setting: the speed tables' headline settings and the recipes beside
+# them.
 SETTINGS = {
-    "unet": {"int8_l3": ("int8_l3", None), "fp8_l3": ("fp8_l3", None), "fp8_l4": ("fp8_l4", None),
-             "fp16_deepcache2": (None, DEEPCACHE_2), "fp8_l3_deepcache2": ("fp8_l3", DEEPCACHE_2)},
-    "transformer": {"int8_l3": ("int8_l3", None), "fp8_l3": ("fp8_l3", None), "fp8_l4": ("fp8_l4", None),
-                    "fp16_taylorseer_blocks2": (None, TAYLORSEER_BLOCKS_2),
-                    "fp8_l4_taylorseer_blocks2": ("fp8_l4", TAYLORSEER_BLOCKS_2),
-                    "fp8_l4_taylorseer_blocks2_warmup1": ("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
-                    **{name: (name, None) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
-                                                        "fp8_l4_keep_none")}},
+    "unet": {"int8_l3": Setting("int8_l3"), "fp8_l3": Setting("fp8_l3"), "fp8_l4": Setting("fp8_l4"),
+             "fp16_deepcache2": Setting(None, DEEPCACHE_2), "fp8_l3_deepcache2": Setting("fp8_l3", DEEPCACHE_2)},
+    "transformer": {"int8_l3": Setting("int8_l3"), "fp8_l3": Setting("fp8_l3"), "fp8_l4": Setting("fp8_l4"),
+                    "fp16_taylorseer_blocks2": Setting(None, TAYLORSEER_BLOCKS_2),
+                    "fp8_l4_taylorseer_blocks2": Setting("fp8_l4", TAYLORSEER_BLOCKS_2),
+                    "fp8_l4_taylorseer_blocks2_warmup1": Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
+                    **{name: Setting(name) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
+                                                          "fp8_l4_keep_none")},
+                    "fp16_window1": Setting(None, window=WINDOW_1),
+                    "fp8_l4_window1": Setting("fp8_l4", window=WINDOW_1),
+                    "fp8_l4_window2": Setting("fp8_l4", window=WINDOW_2),
+                    "fp8_l4_window1_low_noise": Setting("fp8_l4", window=WINDOW_1_LOW_NOISE),
+                    "fp8_l4_window1_block0_dense": Setting("fp8_l4", window=WINDOW_1_BLOCK_0_DENSE)},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
@@ -88,14 +110,13 @@ def main() -> None:
     args = parser.parse_args()
     register_schemas()
     settings = chosen_settings(args)
-    variants, caches = calibrated_variants(args, settings)
+    variants, caches, windows = calibrated_variants(args, settings)
     name = args.name or f"quality_means_{args.model}_{args.device}" + ("" if args.kernels == "fake" else f"_{args.kernels}")
     report = evaluate_into_results(name, Path(args.work) / "report", [
         f"model={args.model}", f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}",
         "sampling.steps=20", f"torch_backend.quantized={args.kernels}",
         *[f"+variants.{variant}={folder or 'null'}" for variant, folder in variants.items()],
-        *(["+variant_cache={" + ",".join(f"{variant}:{cache}" for variant, cache in caches.items()) + "}"]
-          if caches else [])])
+        *per_variant("variant_cache", caches), *per_variant("variant_window", windows)])
     summary = summarized(report, settings, args)
     (RESULTS / f"{name}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (RESULTS / f"{name}_summary.md").write_text(summary_markdown(summary))
@@ -130,26 +151,36 @@ def variant_name(setting: str, index: int | None) -> str:
     return setting if index is None else f"{setting}_c{index}"
 
 
-def calibrated_variants(args, settings: dict) -> tuple[dict, dict]:
+def per_variant(key: str, values: dict) -> list[str]:
+    """evaluate.py's override giving each variant named in `values` its own value of `key`."""
+    return ["+" + key + "={" + ",".join(f"{variant}:{value}" for variant, value in values.items()) + "}"] if values else []
+
+
+def calibrated_variants(args, settings: dict) -> tuple[dict, dict, dict]:
     """Every setting's evaluate.py variants (name -> checkpoint folder, None for the 16-bit backbone),
-    one per calibration for the quantized ones, and the cache of the cached ones."""
-    recipes = dict.fromkeys(recipe for recipe, _ in settings.values() if recipe)
-    variants, caches = {}, {}
-    for setting, (recipe, cache) in settings.items():
-        if recipe is None:
-            variants[setting] = None
-            if cache:
-                caches[setting] = cache
+    one per calibration for the quantized ones; the cache of the cached ones and the attention
+    window of the windowed ones."""
+    recipes = dict.fromkeys(setting.recipe for setting in settings.values() if setting.recipe)
+    variants, caches, windows = {}, {}, {}
+
+    def add(variant: str, folder, setting: Setting) -> None:
+        variants[variant] = folder
+        if setting.cache:
+            caches[variant] = setting.cache
+        if setting.window:
+            windows[variant] = setting.window
+
+    for name, setting in settings.items():
+        if setting.recipe is None:
+            add(name, None, setting)
     for index in range(args.calibrations):
         overrides = [f"prompts_file={calibration_prompts(args, index)}", f"seed={FIRST_SEED + index}",
                      f"quantize.calib_size={args.calib_size}"]
         folders = calibrated(args, {recipe: RECIPES[recipe] + overrides for recipe in recipes})
-        for setting, (recipe, cache) in settings.items():
-            if recipe is not None:
-                variants[variant_name(setting, index)] = folders[recipe]
-                if cache:
-                    caches[variant_name(setting, index)] = cache
-    return variants, caches
+        for name, setting in settings.items():
+            if setting.recipe is not None:
+                add(variant_name(name, index), folders[setting.recipe], setting)
+    return variants, caches, windows
 
 
 def figures_of(report: dict) -> dict:
@@ -174,7 +205,8 @@ def summarized(report: dict, settings: dict, args) -> dict:
     judged = "all prompts" if "identity kept" in figures else "two objects"
     unquantized = {name: figure(report, reference, name) for name, shown in figures.items() if shown.source != "psnr"}
     rows = {}
-    for setting, (recipe, _) in settings.items():
+    for setting, chosen in settings.items():
+        recipe = chosen.recipe
         runs = [variant_name(setting, index if recipe else None) for index in range(args.calibrations if recipe else 1)]
         row = {}
         for figure_name in figures:
