@@ -159,9 +159,13 @@ def test_evaluate_scores_a_windowed_variant_against_the_dense_reference(tmp_path
      "unet is not among model=tiny_wan's backbones (transformer, transformer_2)"),
     (["torch_backend.attention_window.frames=1", "model=tiny_sdxl"], "draws images, which have no frames"),
     (["torch_backend.attention_window.frames=1", "backend=onnxruntime"], "run it with backend=torch"),
+    (["torch_backend.attention_window.frames=1", "parallel.ulysses=2"], "with parallel.ulysses=2: the window runs"),
 ])
-def test_windows_no_model_or_backend_can_take_are_refused_before_any_work(tmp_path, capsys, model_cache, overrides,
+def test_windows_no_model_or_backend_can_take_are_refused_before_any_work(tmp_path, capsys, tiny_pipeline, overrides,
                                                                            message):
+    # The tiny models' folders built first, whose writing would print before the refusal.
+    tiny_pipeline("tiny_wan"), tiny_pipeline("tiny_sdxl")
+    capsys.readouterr()
     out = tmp_path / "out"
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", "device=cpu", "backend=torch",
                                                  f"out_path={out}", *overrides])

@@ -102,7 +102,7 @@ def settle_pipeline(app: InferApp, model: Model, cache, geometry) -> PipelineRun
     checkpoint = checked_run_checkpoint(app, model)
     check_cache_runs(cache, "sampling.cache", app.backend, app.cuda_graph)
     check_attention_window(model, app.torch_backend.attention_window, "torch_backend.attention_window", app.backend,
-                           app.torch_backend, checkpoint)
+                           app.torch_backend, checkpoint, app.parallel.ulysses)
     files = stage_files(app, model, cache, geometry) if app.backend != "torch" else {}
     if app.backend == "trt" and not torch.cuda.is_available():
         raise UserError("backend=trt needs a CUDA GPU: use backend=onnxruntime or backend=torch here")

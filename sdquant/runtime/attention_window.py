@@ -85,12 +85,15 @@ def window_band(attn) -> int:
     return -1 if window is None else window.band
 
 
-def check_attention_window(model, block, key: str, backend: str, kernels, checkpoint) -> None:
+def check_attention_window(model, block, key: str, backend: str, kernels, checkpoint, ulysses: int = 1) -> None:
     """An attention window (named `key`) against the model and what runs it, before any work: a
-    video model's backbones and blocks, the torch backend, and kernels that have a windowed form
-    (the 16-bit backbone, or a checkpoint on its format's kernels)."""
+    video model's backbones and blocks, the torch backend, kernels that have a windowed form (the
+    16-bit backbone, or a checkpoint on its format's kernels), and its tokens whole in each process."""
     if block.frames is None:
         return
+    if ulysses > 1:
+        raise UserError(f"{key}.frames={block.frames} with parallel.ulysses={ulysses}: the window runs on each "
+                        "process's whole sequence; split the guidance halves (parallel.cfg=2) or the prompts instead")
     family = model.family
     blocks = family.frame_attention_blocks(model.parts.get("backbone_config") or {})
     if blocks is None:
