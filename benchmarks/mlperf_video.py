@@ -23,6 +23,7 @@ benchmarks/results/mlperf_video_<model>_<scenario>_<gpu>.json (--out), rewritten
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import queue
 import shlex
 import sys
@@ -51,12 +52,19 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42, help="without --latent: the seed of the one latent drawn")
     parser.add_argument("--scenario", choices=("offline", "singlestream"), default="offline")
     parser.add_argument("--min-duration-s", type=float, default=0.0, help="each run's least duration (MLPerf's: 600)")
+    parser.add_argument("--expected-video-s", type=float,
+                        help="a video's seconds, from which LoadGen plans a --min-duration-s run (default: the warm-up "
+                             "video's, which holds the compiling: too long where a duration asks for more videos)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/mlperf_video_<model>_<scenario>_<gpu>.json")
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error(f"--count {args.count}: give how many prompts to run, 1 or more")
     if args.min_duration_s < 0:
         parser.error(f"--min-duration-s {args.min_duration_s}: give 0 or more seconds")
+    if args.expected_video_s is not None and args.expected_video_s <= 0:
+        parser.error(f"--expected-video-s {args.expected_video_s}: give a video's seconds, above 0")
+    if importlib.util.find_spec("mlperf_loadgen") is None:
+        parser.error("MLPerf's LoadGen is not installed: pip install -e \".[serve-load]\" (mlcommons-loadgen)")
     for option, path in (("--prompts", args.prompts), ("--latent", args.latent)):
         if path is not None and not path.is_file():
             parser.error(f"{option} {path}: no such file")
@@ -69,7 +77,9 @@ def chosen_prompts(args, model_config) -> list[str]:
     from sdquant.errors import UserError
     from sdquant.load import builtin_prompts_path
 
-    path = args.prompts or Path(model_config.eval_prompts or builtin_prompts_path("eval_prompts.txt"))
+    path = args.prompts or Path(model_config.eval_prompts or builtin_prompts_path("eval_prompts.txt")).expanduser()
+    if not path.is_file():
+        raise UserError(f"model.eval_prompts={path}: no such file; give --prompts")
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if len(prompts) < args.count:
         raise UserError(f"--count {args.count}: {path} holds {len(prompts)} prompts")
@@ -146,8 +156,9 @@ def measured(args, pipeline, prompts: list[str], **asked) -> dict:
     compiled = graphs_compiled()
     # Offline issues max(count, expected rate x duration x 1.1) queries: the count, unless a
     # duration asks for more. SingleStream runs at least the count, one after the other.
-    loadgen = test_settings(args.scenario, args.min_duration_s, len(prompts), expected_qps=1 / warm_up_s,
-                            expected_latency_s=warm_up_s)
+    expected_s = args.expected_video_s or warm_up_s
+    loadgen = test_settings(args.scenario, args.min_duration_s, len(prompts), expected_qps=1 / expected_s,
+                            expected_latency_s=expected_s)
     summary = loadgen_summary(sut, loadgen, len(prompts), meanwhile=sut.answer_next)
     rate = summary.get("Samples per second")
     if args.scenario == "singlestream":

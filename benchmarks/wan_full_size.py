@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import dataclasses
 import json
 import re
@@ -326,7 +327,7 @@ def mlperf_offline(pipeline, settings, count: int) -> dict:
     from sdquant.load import builtin_prompts_path
 
     prompts = [line for line in builtin_prompts_path("eval_prompts.txt").read_text().splitlines() if line.strip()]
-    options = argparse.Namespace(seed=42, latent=None, scenario="offline", min_duration_s=0.0)
+    options = argparse.Namespace(seed=42, latent=None, scenario="offline", min_duration_s=0.0, expected_video_s=None)
     geometry = settings.geometry
     run = measured(options, pipeline, prompts[:count], steps=settings.steps, guidance_scale=settings.guidance_scale,
                    guidance_scale_2=settings.guidance_scale_2, height=geometry.height, width=geometry.width,
@@ -523,7 +524,7 @@ def main() -> None:
                         help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too (a ceiling, not a recipe)")
     parser.add_argument("--window", default="",
                         help="ours: <frames>[:<backbone>,...], self-attention within that many latent frames "
-                             "(torch_backend.attention_window; on a GPU it needs FlashAttention-3)")
+                             "(torch_backend.attention_window)")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
     parser.add_argument("--variant-timeout", type=float, default=0,
                         help="with several variants, seconds after which a variant's process is stopped (0: none)")
@@ -535,6 +536,8 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}")
     if args.split and any(v in ("peer", "vae") for v in variants):
         parser.error("--split runs our variants (compiled, fp8, fp8_l4), not peer or vae")
+    if args.mlperf and importlib.util.find_spec("mlperf_loadgen") is None:
+        parser.error("--mlperf: MLPerf's LoadGen is not installed: pip install -e \".[serve-load]\" (mlcommons-loadgen)")
     if args.mlperf and (not args.whole or args.mlperf < 0 or "peer" in variants or args.warm_steps):
         parser.error(f"--mlperf {args.mlperf}: a number of prompts (1 or more) for --whole's videos of ours "
                      "(compiled, fp8, fp8_l4), without --warm-steps (a whole video warms it)")

@@ -357,8 +357,8 @@ TORCH_ATTENTION_KERNELS = ("auto", "flash3", "torch")
 class AttentionWindowBlock(Settled):
     """A video backbone's self-attention within a window of latent frames (sdquant.runtime.attention_window)."""
 
-    # Each query attends to the keys within this many latent frames of its own, either side (null:
-    # to every key). On a GPU it runs on FlashAttention-3's local window.
+    # Each query attends to the keys of the latent frames within this many of its own, either side
+    # (null: to every key): one attention call per latent frame, on the layer's own kernels.
     frames: Optional[int] = None
     # The backbones (by attribute, e.g. [transformer_2], the A14B's low-noise expert) whose attention
     # is windowed; null: all.
@@ -517,7 +517,8 @@ class EvaluateApp(Settled):
     # reference always without one.
     variant_cache: dict[str, CacheBlock] = field(default_factory=dict)
     # name -> the attention window that variant runs with (torch_backend.attention_window's keys);
-    # the others run with torch_backend.attention_window, the reference always without one.
+    # the others run with torch_backend.attention_window, the reference always without one. An
+    # unquantized variant with a window runs on a copy of the reference's backbones (their memory twice).
     variant_window: dict[str, AttentionWindowBlock] = field(default_factory=dict)
     # No prompts: the model's evaluation prompts (model.eval_prompts).
     sampling: SamplingBlock = field(default_factory=lambda: SamplingBlock(prompts=None))

@@ -18,6 +18,8 @@ the softmax. -s prints the measured errors.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,36 +91,44 @@ def skip_without_flash3() -> None:
         pytest.skip(missing)
 
 
-@pytest.mark.parametrize("frames", [1, 2])
-def test_flash3s_local_window_attends_within_the_frames_the_twins_mask_keeps(frames):
-    """A video's self-attention within `frames` latent frames (5 frames of 1,024 tokens, 8 heads of
-    128): FlashAttention-3's local window, bf16 and FP8, against the same band as a mask over
-    attention computed in fp32 (the twins' on the CPU)."""
-    skip_without_flash3()
+@pytest.mark.parametrize("flash3", [False, True], ids=["torch", "flash3"])
+def test_a_windowed_layer_attends_to_its_frames_on_the_gpus_kernels(flash3):
+    """A video's self-attention within 1 latent frame (5 frames of 1,024 tokens, 8 heads of 128),
+    bf16 and FP8 on the layer's kernels (torch's SDPA and cuDNN's FP8, or FlashAttention-3's),
+    against attention in fp32 masked to each query's frames."""
+    from sdquant.runtime.attention import FLASH3, Fp8Attention, attend
+    from sdquant.runtime.attention_window import WINDOW, TemporalWindow
+
+    if flash3:
+        skip_without_flash3()
     generator = torch.Generator(CUDA).manual_seed(0)
-    tokens_per_frame, heads = 1024, 8
-    band = frames * tokens_per_frame
-    q, k, v = (torch.randn(1, 5 * tokens_per_frame, heads, 128, device=CUDA, generator=generator,
-                           dtype=torch.bfloat16) for _ in range(3))
-    mask = kernels.band_mask(q.shape[1], band, CUDA)
+    per_frame, heads = 1024, 8
+    q, k, v = (torch.randn(1, 5 * per_frame, heads, 128, device=CUDA, generator=generator, dtype=torch.bfloat16)
+               for _ in range(3))
+    frame = torch.arange(q.shape[1], device=CUDA) // per_frame
+    mask = (frame[:, None] - frame[None, :]).abs() <= 1
     exact = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)), attn_mask=mask)
-    windowed = torch.ops.sdquant.windowed_attention(q, k, v, band)
-    torch.library.opcheck(torch.ops.sdquant.windowed_attention.default, (q, k, v, band),
-                          test_utils=("test_faketensor",))
-    apart = _relative(windowed.transpose(1, 2), exact)
-    print(f"bf16 within {frames} frames: {apart:.4f} from fp32")
-    assert apart < 0.01, f"FlashAttention-3's bf16 window is {apart:.4f} from the masked fp32 attention"
-    dense = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)))
-    assert _relative(dense, exact) > 10 * apart, "the window left the attention as it was: no keys were left out"
-    eights = [torch.empty_like(x, dtype=torch.float8_e4m3fn) for x in (q, k, v)]
-    scales = [_quantized(x, into) for x, into in zip((q, k, v), eights)]
-    q8, k8, v8 = (x.transpose(1, 2) for x in eights)
-    softmax_scale = 128 ** -0.5
-    kernel_out = torch.ops.sdquant.flash3_fp8_attention(q8, k8, v8, *scales, softmax_scale, band)
-    twin_out = kernels._unrounded_reference(q8, k8, v8, *scales, softmax_scale, band)
-    apart = _relative(kernel_out, twin_out)
-    print(f"FP8 within {frames} frames: {apart:.4f} from the twin")
-    assert apart < TWIN_BOUND, f"FlashAttention-3's FP8 window is {apart:.4f} from the twin's masked attention"
+    exact = exact.transpose(1, 2).flatten(2)
+    window = TemporalWindow(1, None)
+    window.tokens_per_frame = per_frame
+    layer = torch.nn.Module()
+    setattr(layer, WINDOW, window)
+    setattr(layer, FLASH3, flash3)
+    apart = _relative(attend(layer, q, k, v), exact)
+    print(f"bf16 within 1 frame{' (flash3)' if flash3 else ''}: {apart:.4f} from fp32")
+    assert apart < 0.01, f"the windowed bf16 attention is {apart:.4f} from the masked fp32 attention"
+    dense = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v))).transpose(1, 2).flatten(2)
+    assert _relative(dense, exact) > 10 * apart, "the window left the attention as it was"
+    reader = types.SimpleNamespace(input_inverse_scale=None, input_scale=None)
+    out_inverse, out_scale = fp8_scales(exact.abs().amax())
+    reader.input_inverse_scale, reader.input_scale = out_inverse, out_scale
+    amax = {role: x.abs().amax().float() for role, x in zip("qkv", (q, k, v))}
+    fp8 = Fp8Attention(amax, reader)
+    layer.fp8_attention = fp8
+    fp8_out = fp8.dequantize(attend(layer, q, k, v), torch.float32)
+    apart = _relative(fp8_out, exact)
+    print(f"FP8 within 1 frame{' (flash3)' if flash3 else ''}: {apart:.4f} from fp32")
+    assert apart < TWIN_BOUND, f"the windowed FP8 attention is {apart:.4f} from the masked fp32 attention"
 
 
 def _quantized(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ or the block's proj_out where the attention has none).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +27,8 @@ from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
-from .attention_window import window_band
-from .kernels.fp8_attention import (FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module,
-                                    fp8_attention, windowed_attention)
+from .attention_window import window_of
+from .kernels.fp8_attention import FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module, fp8_attention
 from ..quantize.shared_ranges import AttentionProjections, attention_layers, output_groups, projection_groups
 
 FP8_ATTENTION = "fp8_attention"
@@ -146,11 +144,9 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
     centred_on = ("cuda",)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                flash3: bool = False, band: int = -1) -> torch.Tensor:
+                flash3: bool = False) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) q, k and v in the model's precision -> the FP8 output;
-        `flash3`: FlashAttention-3's op rather than cuDNN's (on the CPU, its twin, through 16 bits);
-        `band` (0 or more): each query attends to the keys within that many tokens of it, on
-        FlashAttention-3's op, which alone has the window (sdquant.runtime.attention_window).
+        `flash3`: FlashAttention-3's op rather than cuDNN's (on the CPU, its twin, through 16 bits).
 
         On a GPU the values go in less their mean over the tokens, which the output gets back: the
         same attention, each row of softmax summing to 1. Hopper's FP8 tensor cores add each block
@@ -163,15 +159,10 @@ class Fp8Attention(KeepsExactTensors, torch.nn.Module):
         wide, which in E4M3 costs no precision above its subnormals."""
         q8, k8 = to_fp8(query, self.q_inverse_scale), to_fp8(key, self.k_inverse_scale)
         softmax_scale = query.shape[-1] ** -0.5
-        if band >= 0:
-            attention = functools.partial(flash3_attention_rounded, window=band)
-        else:
-            attention = flash3_attention_rounded if flash3 else fp8_attention
+        attention = flash3_attention_rounded if flash3 else fp8_attention
         if value.device.type not in self.centred_on:
             return attention(q8, k8, to_fp8(value, self.v_inverse_scale), self.q_scale, self.k_scale,
                              self.v_scale, softmax_scale, self.out_inverse_scale)
-        # Within a window each row of softmax still sums to 1, so taking out the mean of every
-        # token's value gives the same attention.
         mean = value.mean(dim=2, keepdim=True, dtype=torch.float32)
         centred = attention(q8, k8, to_fp8(value - mean, self.v_inverse_scale / 2), self.q_scale, self.k_scale,
                             self.v_scale * 2, softmax_scale, self.out_inverse_scale / 2)
@@ -197,8 +188,8 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     """Attention of (batch, tokens, heads, head_dim) q, k and v, as the processors split their
     projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
     the model's precision, as diffusers runs it; with FlashAttention-3's kernels where the layer is
-    marked so (use_attention_kernel); within a window of frames where the layer is marked so
-    (sdquant.runtime.attention_window).
+    marked so (use_attention_kernel); where the layer attends within a window of frames
+    (sdquant.runtime.attention_window), one call per latent frame over the keys of its window.
 
     `sequence`: the process group the layer's tokens are split over (parallel.ulysses). Each process
     holds its share of the queries, and of the keys and values unless `keys_whole` (cross-attention
@@ -206,19 +197,26 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     another gives each its own tokens of every head back (Ulysses attention)."""
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
-    fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
-    band = window_band(attn)
-    if fp8 is None and band >= 0:
-        out = windowed_attention(query, key, value, band)
-    elif fp8 is None and flash3 and query.dtype == FLASH3_16_BIT:
-        out = flash3_attention(query, key, value)
+    window = window_of(attn)
+    if window is None:
+        out = _attention(attn, query, key, value)
     else:
-        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3, band)
-        out = out.transpose(1, 2)
+        out = torch.cat([_attention(attn, query[:, queries], key[:, keys], value[:, keys])
+                         for queries, keys in window.spans(query.shape[1])], dim=1)
     if sequence is not None:
         out = _every_head_of_own_tokens(out, sequence)
     return out.flatten(2)
+
+
+def _attention(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens, heads, head_dim) q, k and v -> (batch, tokens, heads, head_dim), on the
+    layer's kernels (attend)."""
+    fp8, flash3 = getattr(attn, FP8_ATTENTION, None), getattr(attn, FLASH3, False)
+    if fp8 is None and flash3 and query.dtype == FLASH3_16_BIT:
+        return flash3_attention(query, key, value)
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3)
+    return out.transpose(1, 2)
 
 
 def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:

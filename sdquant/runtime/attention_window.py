@@ -1,19 +1,17 @@
-"""Video self-attention that computes less: each query attends to the keys within a few latent
-frames of its own (torch_backend.attention_window), on the backbones and blocks chosen.
+"""Video self-attention that computes less: each query attends to the keys of the latent frames
+within a few of its own (torch_backend.attention_window), on the backbones and blocks chosen.
 
-A video backbone's tokens lie frame after frame, so the keys within `frames` frames of a query are
-those within `frames` x (tokens per frame) positions of it: FlashAttention-3's local window
-(window_size) over that band skips every key block wholly outside it, in 16 bits and in FP8. At the
-A14B's 720p, 21 latent frames of 3,600 tokens, a window of 3 frames leaves about 27% of the scores
-to compute. The band is set per call from the latent's shape (TemporalWindow.follow, a hook on the
-backbone), so one setting serves every size and length; torch.compile specializes on it as on the
-shapes. On the CPU the same band runs as a mask over torch's attention (the twins'), which is how
-its quality is measured; it computes every score, so it is no faster there.
+A video backbone's tokens lie frame after frame, so the queries of one latent frame and the keys of
+the frames within `frames` of it are each one contiguous run of tokens: the window is one
+attention call per latent frame, its queries against that run of keys, on whichever kernel the
+layer runs (torch's, cuDNN's FP8, FlashAttention-3's), none of which computes a score outside it.
+At the A14B's 720p, 21 latent frames of 3,600 tokens, a window of 3 frames leaves 7 of 21 frames'
+keys to each query (fewer at the ends): 31% of the scores. The tokens a frame holds are set per call
+from the latent's shape (TemporalWindow.follow, a hook on the backbone), so one setting serves every
+size and length; torch.compile specializes on them as on the shapes.
 """
 
 from __future__ import annotations
-
-import torch
 
 from ..errors import UserError
 
@@ -22,40 +20,41 @@ WINDOW = "sdquant_window"
 
 
 class TemporalWindow:
-    """One backbone's window: `frames` latent frames either side of each query; `band`, the same in
-    tokens for the call under way (follow)."""
+    """One backbone's window: the queries of each latent frame attend to the keys of the `frames`
+    latent frames either side of it and its own; `tokens_per_frame`, the latent's for the call
+    under way (follow)."""
 
-    def __init__(self, frames: int, tokens_per_frame):
+    def __init__(self, frames: int, tokens_per_frame_of):
         self.frames = frames
         # hidden_states (batch, channels, frames, height, width) -> tokens per latent frame.
-        self.tokens_per_frame = tokens_per_frame
-        self.band: int | None = None
+        self.tokens_per_frame_of = tokens_per_frame_of
+        self.tokens_per_frame: int | None = None
 
     def follow(self, module, args, kwargs) -> None:
-        """The backbone's forward pre-hook: the band in tokens of this call's latent. Within a
-        compiled backbone the band is written before any layer reads it, so the compiled code
-        holds it as a constant of the shapes it was compiled for."""
+        """The backbone's forward pre-hook: the tokens of a latent frame in this call. Within a
+        compiled backbone they are written before any layer reads them, so the compiled code holds
+        them as a constant of the shapes it was compiled for."""
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        self.band = self.frames * self.tokens_per_frame(hidden_states)
+        self.tokens_per_frame = self.tokens_per_frame_of(hidden_states)
 
-
-def check_window_kernel(block, kernel: str, device: torch.device) -> None:
-    """Refuses a window where it would compute every score anyway: on a GPU it runs on
-    FlashAttention-3's kernels (torch_backend.attention_kernel settled to flash3)."""
-    if block.frames is None or device.type != "cuda" or kernel == "flash3":
-        return
-    raise UserError(f"torch_backend.attention_window.frames={block.frames}: on a GPU the window runs on "
-                    "FlashAttention-3's local window, which skips the keys outside it; torch's kernels would "
-                    "compute every score and mask them, slower than no window. Install fa3-fwd (the "
-                    "fp8-attention extra) on a Hopper and set torch_backend.attention_kernel=auto or flash3, or "
-                    "set torch_backend.attention_window.frames=null")
+    def spans(self, tokens: int) -> list[tuple[slice, slice]]:
+        """For a sequence of `tokens`, each latent frame's queries and the keys they attend to."""
+        per_frame = self.tokens_per_frame
+        if per_frame is None or tokens % per_frame:
+            raise RuntimeError(f"an attention window over {tokens} tokens of {per_frame} a frame: the window follows "
+                               "the backbone's latent, so call the backbone module itself")
+        frames = tokens // per_frame
+        return [(slice(frame * per_frame, (frame + 1) * per_frame),
+                 slice(max(0, frame - self.frames) * per_frame, min(frames, frame + self.frames + 1) * per_frame))
+                for frame in range(frames)]
 
 
 def use_attention_window(family, modules: dict, block) -> int:
     """Marks the frame self-attention layers of the chosen backbones (`modules`, by attribute;
     `block.backbones`, None: all) but `block.dense_blocks` to attend within `block.frames` latent
     frames, each run by the family's own processor (sdquant.runtime.attention.attend), and hooks
-    each such backbone to follow its latent's size. Returns how many layers attend so."""
+    each such backbone to follow its latent's size. Returns how many layers attend so. A backbone
+    is windowed once: the pipeline built with it owns it."""
     if block.frames is None:
         return 0
     windowed = 0
@@ -79,10 +78,9 @@ def use_attention_window(family, modules: dict, block) -> int:
     return windowed
 
 
-def window_band(attn) -> int:
-    """The band in tokens that layer `attn` attends within for the call under way; -1: every key."""
-    window = getattr(attn, WINDOW, None)
-    return -1 if window is None else window.band
+def window_of(attn) -> TemporalWindow | None:
+    """The window layer `attn` attends within; None: every key."""
+    return getattr(attn, WINDOW, None)
 
 
 def check_attention_window(model, block, key: str, backend: str, kernels, checkpoint, ulysses: int = 1) -> None:

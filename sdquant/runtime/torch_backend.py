@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import chosen_kernel, use_attention_kernel
-from .attention_window import check_window_kernel, use_attention_window
+from .attention_window import use_attention_window
 from .compiled_forms import pin_channels_last_outputs, use_compiled_forms, use_persistent_rows, use_sigmoid_gelu
 from ..cuda_graphs import CapturedGraph, signature
 from .stages import InTurn
@@ -346,7 +346,6 @@ def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: 
     Rows up to 2048 wide (SDXL's 1280-wide LayerNorms) are reduced in registers. A video family's
     3-D convolutions (its patch embedding, its VAE) have no channels-last form."""
     kernel = chosen_kernel(block.attention_kernel, device)
-    check_window_kernel(block.attention_window, kernel, device)
     for module in modules.values():
         use_attention_kernel(module, kernel)
     use_attention_window(family, modules, block.attention_window)

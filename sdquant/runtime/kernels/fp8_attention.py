@@ -41,22 +41,12 @@ def _output(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = FP8) -> torch
     return torch.empty((batch, tokens, heads, v.shape[-1]), dtype=dtype, device=q.device).transpose(1, 2)
 
 
-def band_mask(tokens: int, window: int, device: torch.device) -> torch.Tensor:
-    """(tokens, tokens) True where key j lies within `window` tokens of query i, either side: the
-    keys FlashAttention-3's local window (window_size=(window, window)) lets each query see."""
-    positions = torch.arange(tokens, device=device)
-    return (positions[:, None] - positions[None, :]).abs() <= window
-
-
-def _unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float, window: int = -1) -> torch.Tensor:
+def _unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float) -> torch.Tensor:
     """The twins' attention before its output is rounded: q, k, v dequantized with their scales
-    (amax / 448), fp32 scores times `softmax_scale` (those of keys past `window` tokens from the
-    query left out, where it is 0 or more), softmax, its output rounded to FP8 at range 1, times v,
-    in fp32."""
+    (amax / 448), fp32 scores times `softmax_scale`, softmax, its output rounded to FP8 at range 1,
+    times v, in fp32."""
     probability_inverse, probability_scale = _softmax_scales(q.device)
     scores = (q.float() * q_scale) @ (k.float() * k_scale).transpose(-2, -1) * softmax_scale
-    if window >= 0:
-        scores = scores.masked_fill(~band_mask(q.shape[-2], window, q.device), float("-inf"))
     probabilities = fake_fp8(scores.softmax(dim=-1), probability_inverse, probability_scale)
     return probabilities @ (v.float() * v_scale)
 
@@ -92,44 +82,24 @@ FLASH3_OUTPUT = torch.bfloat16
 
 @torch.library.custom_op("sdquant::flash3_fp8_attention", mutates_args=(), device_types="cpu")
 def flash3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
-                         k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
-                         window: int = -1) -> torch.Tensor:
+                         k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """fp8_attention's attention by FlashAttention-3 on a GPU, its 16-bit output not rounded; on the
-    CPU the same twin, its fp32 output taken to 16 bits as FlashAttention-3's is. `window` (0 or
-    more): each query attends to the keys within that many tokens of it, either side (its local
-    window); -1: to every key."""
+    CPU the same twin, its fp32 output taken to 16 bits as FlashAttention-3's is."""
     out = _output(q, v, FLASH3_OUTPUT)
-    out.copy_(_unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale, window))
+    out.copy_(_unrounded_reference(q, k, v, q_scale, k_scale, v_scale, softmax_scale))
     return out
 
 
 @flash3_fp8_attention.register_fake
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, window=-1):
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
     return _output(q, v, FLASH3_OUTPUT)
 
 
 def flash3_attention_rounded(q, k, v, q_scale, k_scale, v_scale, softmax_scale: float,
-                             out_inverse_scale: torch.Tensor, window: int = -1) -> torch.Tensor:
-    """fp8_attention by FlashAttention-3 (within a local `window` of tokens where it is 0 or more):
-    its output rounded to FP8 as cuDNN's is, in torch ops that torch.compile fuses with the output's
-    reader."""
-    return to_fp8(flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale, window), out_inverse_scale)
-
-
-@torch.library.custom_op("sdquant::windowed_attention", mutates_args=(), device_types="cpu")
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """16-bit attention of (batch, tokens, heads, head_dim) q, k and v where each query attends to
-    the keys within `window` tokens of it, either side: FlashAttention-3's local window on a GPU,
-    which skips the key blocks wholly outside it; on the CPU torch's attention under the same band
-    as a mask, which computes every score (a twin for quality, not for speed)."""
-    mask = band_mask(q.shape[1], window, q.device)
-    out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=mask)
-    return out.transpose(1, 2).contiguous()
-
-
-@windowed_attention.register_fake
-def _(q, k, v, window):
-    return torch.empty_like(q)
+                             out_inverse_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_attention by FlashAttention-3: its output rounded to FP8 as cuDNN's is, in torch ops that
+    torch.compile fuses with the output's reader."""
+    return to_fp8(flash3_fp8_attention(q, k, v, q_scale, k_scale, v_scale, softmax_scale), out_inverse_scale)
 
 
 # The cuDNN side, per process: a handle per GPU, the softmax output's constant scales per GPU, and a
@@ -266,7 +236,7 @@ def flash3_function():
 
 
 @flash3_fp8_attention.register_kernel("cuda")
-def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, window=-1):
+def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale):
     # FlashAttention-3 reads (batch, tokens, heads, head_dim) views and takes descales per (batch,
     # head): the per-tensor ones, repeated.
     flash_attn_func = flash3_function()
@@ -274,12 +244,7 @@ def _(q, k, v, q_scale, k_scale, v_scale, softmax_scale, window=-1):
     descales = {f"{name}_descale": scale.reshape(1, 1).expand(batch, heads).contiguous()
                 for name, scale in (("q", q_scale), ("k", k_scale), ("v", v_scale))}
     return flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=softmax_scale,
-                           window_size=(window, window), **descales).transpose(1, 2)
-
-
-@windowed_attention.register_kernel("cuda")
-def _(q, k, v, window):
-    return flash3_function()(q, k, v, window_size=(window, window))
+                           **descales).transpose(1, 2)
 
 
 @fp8_attention.register_kernel("cuda")
