@@ -201,8 +201,8 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     if window is None:
         out = _attention(attn, query, key, value)
     else:
-        out = torch.cat([_attention(attn, query[:, queries], key[:, keys], value[:, keys])
-                         for queries, keys in window.spans(query.shape[1])], dim=1)
+        out = _joined([_attention(attn, query[:, queries], key[:, keys], value[:, keys])
+                       for queries, keys in window.spans(query.shape[1])])
     if sequence is not None:
         out = _every_head_of_own_tokens(out, sequence)
     return out.flatten(2)
@@ -217,6 +217,14 @@ def _attention(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     out = F.scaled_dot_product_attention(query, key, value) if fp8 is None else fp8(query, key, value, flash3)
     return out.transpose(1, 2)
+
+
+def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
+    """Each latent frame's attention (batch, tokens, heads, head_dim) joined along the tokens; FP8
+    outputs joined as bytes, which every device's cat takes."""
+    if frames[0].element_size() != 1:
+        return torch.cat(frames, dim=1)
+    return torch.cat([frame.view(torch.uint8) for frame in frames], dim=1).view(frames[0].dtype)
 
 
 def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:
