@@ -49,15 +49,14 @@ class TemporalWindow:
                 for frame in range(frames)]
 
 
-def use_attention_window(family, modules: dict, block) -> int:
+def use_attention_window(family, modules: dict, block) -> None:
     """Marks the frame self-attention layers of the chosen backbones (`modules`, by attribute;
     `block.backbones`, None: all) but `block.dense_blocks` to attend within `block.frames` latent
     frames, each run by the family's own processor (sdquant.runtime.attention.attend), and hooks
-    each such backbone to follow its latent's size. Returns how many layers attend so. A backbone
-    is windowed once: the pipeline built with it owns it."""
+    each such backbone to follow its latent's size. A backbone is windowed once: the pipeline built
+    with it owns it."""
     if block.frames is None:
-        return 0
-    windowed = 0
+        return
     for attribute, module in modules.items():
         if block.backbones is not None and attribute not in block.backbones:
             continue
@@ -73,9 +72,7 @@ def use_attention_window(family, modules: dict, block) -> int:
                                 "torch_backend.attention_window.frames=null")
             attn.set_processor(processor)
             setattr(attn, WINDOW, window)
-            windowed += 1
         module.register_forward_pre_hook(window.follow, with_kwargs=True)
-    return windowed
 
 
 def window_of(attn) -> TemporalWindow | None:
