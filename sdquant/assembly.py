@@ -235,9 +235,7 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
     from .runtime import torch_backend
 
     family, config = run.family, run.model.config
-    # The reference's own backbones, unless this pipeline runs their attention otherwise.
-    shares_backbones = (shared is not None and run.checkpoint is None
-                        and run.torch_backend.attention_window == shared.run_settings.torch_backend.attention_window)
+    shares_backbones = shared is not None and runs_shared_backbones(run, shared)
     if shares_backbones:
         modules = dict(shared.modules)
     elif shared is not None:
@@ -281,6 +279,13 @@ def _torch_stages(run: PipelineRun, device: torch.device, dtype: torch.dtype, pl
         stages.update(torch_backend.speed_up_backbones(family, modules, family.backbone_stages(modules, dtype), block,
                                                        run.cuda_graph, device, quantized))
     return stages, modules, torch_backend.fast_stages(family, built, block, run.cuda_graph, device), conversions
+
+
+def runs_shared_backbones(run: PipelineRun, shared: Pipeline) -> bool:
+    """Whether `run` draws with `shared`'s own backbones: no checkpoint of its own, and their
+    attention run as `shared` runs it."""
+    return (run.checkpoint is None
+            and run.torch_backend.attention_window == shared.run_settings.torch_backend.attention_window)
 
 
 def restore(checkpoint: Checkpoint, modules: dict) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import parallel, report
-from ..assembly import Pipeline, assemble
+from ..assembly import Pipeline, assemble, runs_shared_backbones
 from ..quality import scoring
 from ..cli import stage
 from ..progress import Progress
@@ -87,8 +87,8 @@ def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, o
             "variants": {}}
     for name, variant in run.variants.items():
         with stage(f"the runs of variant {name}"):
-            own = variant.kind != "unquantized" or variant.pipeline.torch_backend != reference.run_settings.torch_backend
-            pipeline = assemble(variant.pipeline, shared=reference) if own else reference
+            shares = variant.kind == "unquantized" and runs_shared_backbones(variant.pipeline, reference)
+            pipeline = reference if shares else assemble(variant.pipeline, shared=reference)
             runs = _variant_runs(pipeline, name, variant.cache, references, [lpips, clip], scores)
             if pipeline is reference:
                 reference.use_cache(None)
