@@ -3,14 +3,16 @@
 # the images are noise): the family's architecture as a folder (benchmarks/full_size_folder.py), a
 # quick FP8 calibration of it (quantize.py; its ranges do not change the speed), then one
 # serve_load.py command that starts serve.py, runs LoadGen's Offline and then Server, and stops it.
-#   bash tools/maintainer/serve_measure.sh sdxl|flux
+#   bash tools/maintainer/serve_measure.sh sdxl|flux [prepare]
+# `prepare` writes the folder and the checkpoint only (before Ray is installed, say); a later run
+# without it reuses both.
 # after gpu_install.sh and `pip install -e ".[serve,serve-load]"` (Ray's wheel: fetch_wheels.py).
 # Results: benchmarks/results/serve_<model>_server_<gpu>.json, rewritten after each LoadGen run; the
-# folder and the checkpoint stay under WORK (/tmp/serve_measure) for a second run.
+# folder and the checkpoint stay under WORK/<family> (WORK: /tmp/serve_measure) for a second run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 family=${1:-}
-work=${WORK:-/tmp/serve_measure}
+work=${WORK:-/tmp/serve_measure}/$family
 case "$family" in
 sdxl)
     model=sdxl_base level=3 calibration="quantize.calib_size=2 quantize.n_steps=4"
@@ -30,11 +32,13 @@ flux)
     exit 2
     ;;
 esac
-folder=$work/${family}_full
+folder=$work/full
 [ -d "$folder" ] || python3 benchmarks/full_size_folder.py --family "$family" --out "$folder"
-python3 quantize.py model=$model model.source="$folder" quantize.format=fp8 quantize.quant_level=$level \
-    $calibration out_dir="$work/quantized" hydra.run.dir="$work/hydra/quantize"
-checkpoint=$(ls -d "$work"/quantized/*_fp8_l${level}_* | head -1)
+checkpoint() { ls -d "$work"/quantized/*_fp8_l${level}_* 2>/dev/null | head -1; }
+[ -n "$(checkpoint)" ] || python3 quantize.py model=$model model.source="$folder" quantize.format=fp8 \
+    quantize.quant_level=$level $calibration out_dir="$work/quantized" hydra.run.dir="$work/hydra/quantize"
+[ "${2:-}" != prepare ] || exit 0
+checkpoint=$(checkpoint)
 # shellcheck disable=SC2086  # $load is several arguments
 python3 benchmarks/serve_load.py --scenario server $load --min-duration-s 120 --model $model \
     --serve "model=$model model.source=$folder backend=torch quantized_backbone=$checkpoint \
