@@ -60,19 +60,26 @@ def run_line(headline: dict, source: str) -> str:
     compiled = [entry.get("graphs_compiled_while_timed") for entry in headline["rows"].values() if "seconds" in entry]
     warm = ("graphs compiled while timed: not recorded" if all(n is None for n in compiled) else
             "graphs compiled while timed: " + ", ".join("?" if n is None else str(n) for n in compiled))
-    if headline.get("code"):
-        # A commit with changes on top, or a GPU machine's stale copy of the history, names nothing.
-        clean = headline.get("commit") and not headline["commit"].endswith("+changes")
-        code = f"code {headline['code']}" + (f" (commit {headline['commit'][:12]})" if clean else "")
-    else:
-        code = f"code not recorded (measured before the harness, adopted from {headline['adopted_from']})"
-    driver = f", driver {headline['driver']}" if headline.get("driver") else ""
-    torch_version = (headline.get("versions") or {}).get("torch", "?")
+    code = (code_named(headline) if headline.get("code") else
+            f"code not recorded (measured before the harness, adopted from {headline['adopted_from']})")
     # Rows run side by side on GPUs of one host (run_all.py --lanes) name their GPU.
     gpus = {entry.get("gpu") for entry in headline["rows"].values() if "seconds" in entry}
     place = f"one {headline['device']}" if len(gpus) < 2 else f"{len(gpus)} {headline['device']} GPUs of one host"
     each = "each row its own process" + (" on a GPU of its own" if len(gpus) > 1 else "")
-    return f"*One run on {place}{driver}, torch {torch_version}, {each}; {code}; {warm}; `{source}`.*"
+    return f"*One run on {place}{driver_and_torch(headline)}, {each}; {code}; {warm}; `{source}`.*"
+
+
+def code_named(run: dict) -> str:
+    """The code a run's provenance names: its digest, and its commit where that says what ran."""
+    # A commit with changes on top, or a GPU machine's stale copy of the history, names nothing.
+    clean = run.get("commit") and not run["commit"].endswith("+changes")
+    return f"code {run['code']}" + (f" (commit {run['commit'][:12]})" if clean else "")
+
+
+def driver_and_torch(run: dict) -> str:
+    """', driver D, torch T' from a run's provenance; the driver left out where none was read."""
+    driver = f", driver {run['driver']}" if run.get("driver") else ""
+    return f"{driver}, torch {(run.get('versions') or {}).get('torch', '?')}"
 
 
 def newest_headline(family: str) -> tuple[dict, str] | None:
