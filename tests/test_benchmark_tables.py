@@ -13,7 +13,7 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from harness import tables  # noqa: E402
-from harness.scenarios import SCENARIOS  # noqa: E402
+from harness.scenarios import SCENARIOS, SERVING  # noqa: E402
 
 
 def test_the_readme_tables_are_the_headline_files():
@@ -59,6 +59,91 @@ def test_run_all_runs_each_row_in_its_own_process_on_its_lane_and_records_what_c
         assert row["graphs_compiled_while_timed"] == 0
     assert "2 cpu GPUs of one host" in tables.run_line(headline, "x") and "on a GPU of its own" in tables.run_line(
         headline, "x")
+
+
+def server_run(target_qps: float, p50: float, p99: float, requests_by_call_images: dict, failed: int = 0) -> dict:
+    """A Server run as serve_load.py's run_row and server_side record it (the fields the table reads)."""
+    return {"scenario": "server", "target_qps": target_qps, "rate_qps": target_qps, "queries": 64,
+            "answered": 64 - failed, "failed": failed, "latency_s": {"p50": p50, "p90": p99 - 1, "p99": p99},
+            "holds": p99 <= 20 and not failed,
+            "server": {"requests_by_call_images": requests_by_call_images, "calls_by_images": {}}}
+
+
+def serve_results(model: str, settings: dict, runs: list, finished: bool = True, **answer) -> dict:
+    offline = {"scenario": "offline", "target_qps": None, "rate_qps": answer.get("offline_images_per_s"),
+               "queries": 300, "answered": 300, "failed": 0}
+    return {"benchmark": "serve_load", "model": model, "scenario": "server", "finished": finished,
+            "shortened": "each run at least 120 s and 64 queries; MLPerf's runs last at least 600 s",
+            "settings": {"latency_bound_s": 20, "target_share": None, "search": False, "offline_qps": None,
+                         **settings},
+            "runs": [offline, *runs], **answer, "seconds": 900.0,
+            "provenance": {"code": "abc123abc123", "commit": "f" * 40, "device": "NVIDIA H200", "driver": "580.1",
+                           "cuda": "13.0", "versions": {"torch": "2.11.0"}}}
+
+
+@pytest.fixture
+def results_folder(tmp_path, monkeypatch):
+    """A checkout whose benchmarks/results the tables read."""
+    folder = tmp_path / "benchmarks" / "results"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(tables, "REPO", tmp_path)
+    monkeypatch.setattr(tables, "RESULTS", folder)
+    return folder
+
+
+def test_the_serving_table_reports_the_searched_rate_and_the_set_one_between_its_markers(results_folder):
+    # serve_measure.sh's SDXL search: the Offline rate failed the bound, 0.9 of it held.
+    low = 0.9 * 2.2
+    sdxl = serve_results("sdxl_base", {"search": True, "search_low": 0.9},
+                         [server_run(2.2, 12.0, 25.3, {"8": 64}), server_run(low, 9.1, 17.85, {"8": 56, "4": 8})],
+                         offline_images_per_s=2.2, server_largest_qps_within_bound=low)
+    flux = serve_results("flux_dev", {"target_share": 0.8}, [server_run(0.8 * 0.43, 3.1, 6.4, {"1": 40})],
+                         offline_images_per_s=0.43, server_qps_holds=True)
+    (results_folder / "serve_sdxl_base_server_h200.json").write_text(json.dumps(sdxl))
+    (results_folder / "serve_flux_dev_server_h200.json").write_text(json.dumps(flux))
+    body = tables.tables()["serving"]
+    assert body.splitlines()[0] == tables.SERVING_HEADER
+    assert ("| SDXL FP8 level 3, 1024x1024, 20 steps, up to 8 images a call | 2.20 | 1.98 (p99 <= 20 s) | "
+            "9.10 / 17.85 | 7.1 | NVIDIA TensorRT, MLPerf v4.1: 1.97 per H100, 2.10 per H200 |") in body
+    assert ("| Flux.1-dev FP8 level 4, 1024x1024, 28 steps, one image a call | 0.43 | "
+            "0.34 at 80% of Offline, no MLPerf bound | 3.10 / 6.40 | 1.0 | - |") in body
+    assert ("*sdxl_base served on one NVIDIA H200, driver 580.1, torch 2.11.0; code abc123abc123 (commit "
+            "ffffffffffff); runs shortened, each run at least 120 s and 64 queries; MLPerf's runs last at least "
+            "600 s; `benchmarks/results/serve_sdxl_base_server_h200.json`.*") in body
+    start, end = tables.marker("serving")
+    readme = f"before\n{start}\nold\n{end}\nafter\n"
+    assert tables.written_into(readme, tables.tables()) == f"before\n{start}\n{body}\n{end}\nafter\n"
+
+
+def test_a_search_where_no_rate_held_reports_no_latency(results_folder):
+    sdxl = serve_results("sdxl_base", {"search": True}, [server_run(2.2, 12.0, 25.3, {"8": 64}),
+                                                         server_run(1.1, 11.0, 21.0, {"8": 64})],
+                         offline_images_per_s=2.2, server_largest_qps_within_bound=None)
+    (results_folder / "serve_sdxl_base_server_h200.json").write_text(json.dumps(sdxl))
+    assert "| 2.20 | none held (p99 <= 20 s) | - | - |" in tables.tables()["serving"]
+
+
+def test_a_set_rate_from_a_given_offline_rate_names_it_and_its_failed_queries():
+    # The Offline rate from an earlier command (--offline-qps): the results hold no Offline run.
+    flux = serve_results("flux_dev", {"target_share": 0.8, "offline_qps": 0.45},
+                         [server_run(0.36, 3.0, 30.0, {"1": 60}, failed=4)], server_qps_holds=False)
+    flux["runs"] = flux["runs"][1:]
+    assert ("| 0.45 (--offline-qps) | 0.36 at 80% of Offline, no MLPerf bound, 4 of 64 queries failed | "
+            "3.00 / 30.00 | 1.0 | - |") in tables.serving_row(SERVING["flux_dev"], flux)
+
+
+def test_a_serving_file_stopped_half_way_is_left_out(results_folder):
+    held = serve_results("sdxl_base", {"search": True}, [server_run(2.0, 9.0, 18.0, {"8": 64})],
+                         offline_images_per_s=2.0, server_largest_qps_within_bound=2.0)
+    stopped = serve_results("sdxl_base", {"search": True}, [server_run(2.2, 9.0, 18.0, {"8": 64})], finished=False,
+                            offline_images_per_s=2.2)
+    (results_folder / "serve_sdxl_base_server_h100.json").write_text(json.dumps(held))
+    (results_folder / "serve_sdxl_base_server_h200.json").write_text(json.dumps(stopped))
+    body = tables.tables()["serving"]
+    assert "| 2.00 | 2.00 (p99 <= 20 s) |" in body and "serve_sdxl_base_server_h100.json" in body
+    assert "serve_sdxl_base_server_h200.json" not in body
+    (results_folder / "serve_sdxl_base_server_h100.json").unlink()
+    assert "serving" not in tables.tables()
 
 
 @pytest.mark.parametrize("arguments, says", [(["--family", "nope"], "--family nope: choose one of"),

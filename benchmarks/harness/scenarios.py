@@ -1,6 +1,6 @@
 """The headline rows of each family: the peer (what a user runs instead), ours in 16 bits, ours in
 FP8, and ours in FP8 with its step cache, each one process of a benchmark script, and where each
-row's quality figure comes from.
+row's quality figure comes from; and the setting each served model's serving figures are measured at.
 
 Every row pins its attention kernel, so that a ratio compares like with like: the peer takes the
 best its library offers that pip installs (diffusers' default, torch's SDPA, where no
@@ -191,3 +191,20 @@ def scenario(family: str) -> Scenario:
     if family not in SCENARIOS:
         raise SystemExit(f"--family {family}: choose one of {', '.join(SCENARIOS)}")
     return SCENARIOS[family]
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A served model's row in the README's serving table: the setting tools/maintainer/serve_measure.sh
+    serves it at, and MLPerf's figure for that setting where there is one."""
+
+    title: str
+    reference: str = ""
+
+
+# Keyed by serve_load.py's --model, which names its results file.
+SERVING = {
+    "sdxl_base": Served("SDXL FP8 level 3, 1024x1024, 20 steps, up to 8 images a call",
+                        "NVIDIA TensorRT, MLPerf v4.1: 1.97 per H100, 2.10 per H200"),
+    "flux_dev": Served("Flux.1-dev FP8 level 4, 1024x1024, 28 steps, one image a call"),
+}

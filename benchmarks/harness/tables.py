@@ -1,6 +1,7 @@
 """The README's headline tables, written from the headline files: one table per family, its rows
 against the peer of the same run, the quality of each setting beside it, and a line naming the run
-(GPU, driver, code, file)."""
+(GPU, driver, code, file); and the serving table, a row per served model from its serve_load.py
+Server results, with a line naming each file's run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 
 from .headline import RESULTS
-from .scenarios import SCENARIOS, Quality, Scenario
+from .scenarios import SCENARIOS, SERVING, Quality, Scenario, Served
 
 REPO = RESULTS.parents[1]
 
@@ -93,13 +94,99 @@ def newest_headline(family: str) -> tuple[dict, str] | None:
     return json.loads(found[-1].read_text()), found[-1].relative_to(REPO).as_posix()
 
 
+SERVING_HEADER = ("| served model, setting | Offline images/s | Server queries/s | p50 / p99 s at that rate | "
+                  "images a call, mean | MLPerf reference, Server queries/s |")
+
+
+def serving_table(served: dict[str, tuple[dict, str]]) -> str:
+    """A row per served model, then a line per results file naming its run."""
+    lines = [SERVING_HEADER, "| --- | --- | --- | --- | --- | --- |"]
+    lines += [serving_row(SERVING[model], results) for model, (results, _) in served.items()]
+    for results, source in served.values():
+        # A blank line between: consecutive lines would run into one paragraph.
+        lines += ["", serving_line(results, source)]
+    return "\n".join(lines)
+
+
+def serving_row(served: Served, results: dict) -> str:
+    run = reported_run(results)
+    latency = "-" if run is None else f"{run['latency_s']['p50']:.2f} / {run['latency_s']['p99']:.2f}"
+    images = "-" if run is None else mean_call_images(run["server"]["requests_by_call_images"])
+    return (f"| {served.title} | {offline_cell(results)} | {server_cell(results, run)} | {latency} | {images} | "
+            f"{served.reference or '-'} |")
+
+
+def reported_run(results: dict) -> dict | None:
+    """The Server run at the rate the table reports: the search's answer (None where no rate held),
+    or the one run at a set rate."""
+    servers = [run for run in results["runs"] if run["scenario"] == "server"]
+    if "server_largest_qps_within_bound" in results:
+        best = results["server_largest_qps_within_bound"]
+        # The search returns one of the rates it ran, the very float.
+        return next((run for run in servers if run["target_qps"] == best), None)
+    return servers[-1]
+
+
+def server_cell(results: dict, run: dict | None) -> str:
+    """The Server rate and what it answers to: the bound a search held, or the share of the Offline
+    rate a set rate was."""
+    bound = f"p99 <= {results['settings']['latency_bound_s']:g} s"
+    if "server_largest_qps_within_bound" in results:
+        return f"none held ({bound})" if run is None else f"{run['target_qps']:.2f} ({bound})"
+    share = results["settings"]["target_share"]
+    at = f" at {share:.0%} of Offline" if share else ""
+    failed = f", {run['failed']} of {run['queries']} queries failed" if run["failed"] else ""
+    return f"{run['target_qps']:.2f}{at}, no MLPerf bound{failed}"
+
+
+def offline_cell(results: dict) -> str:
+    """The Offline rate measured with the Server runs, else the one given to them (--offline-qps)."""
+    measured = results.get("offline_images_per_s")
+    if measured is not None:
+        return f"{measured:.2f}"
+    given = results["settings"]["offline_qps"]
+    return "-" if given is None else f"{given:.2f} (--offline-qps)"
+
+
+def mean_call_images(requests_by_call_images: dict[str, int]) -> str:
+    """The images of a call, a mean over the calls: each query is one image, so a call of k images
+    drew k requests."""
+    requests = sum(requests_by_call_images.values())
+    calls = sum(count / int(images) for images, count in requests_by_call_images.items())
+    return f"{requests / calls:.1f}" if calls else "-"
+
+
+def serving_line(results: dict, source: str) -> str:
+    machine = results["provenance"]
+    return (f"*{results['model']} served on one {machine['device']}{driver_and_torch(machine)}; {code_named(machine)}; "
+            f"runs shortened, {results['shortened']}; `{source}`.*")
+
+
+def served_results() -> dict[str, tuple[dict, str]]:
+    """Each served model's finished Server results file and its path from the repository's root; of
+    several (a file per GPU), the last by name, so that any checkout picks the same."""
+    served = {}
+    for model in SERVING:
+        found = [(json.loads(path.read_text()), path.relative_to(REPO).as_posix())
+                 for path in sorted(RESULTS.glob(f"serve_{model}_server_*.json"))]
+        # A file is written after each run: one stopped half way says finished: false.
+        finished = [each for each in found if each[0]["finished"]]
+        if finished:
+            served[model] = finished[-1]
+    return served
+
+
 def tables() -> dict[str, str]:
-    """Each family's table, for the families that have a headline file."""
+    """Each family's table, for the families that have a headline file, and the serving table
+    where a served model has a finished results file."""
     made = {}
     for family, scenario in SCENARIOS.items():
         newest = newest_headline(family)
         if newest:
             made[family] = table(scenario, *newest)
+    served = served_results()
+    if served:
+        made["serving"] = serving_table(served)
     return made
 
 
@@ -108,8 +195,8 @@ def marker(family: str) -> tuple[str, str]:
 
 
 def written_into(text: str, made: dict[str, str]) -> str:
-    """`text` with each family's table between its markers; the markers of a family without a
-    table are left as they are."""
+    """`text` with each table between its markers; the markers of a table not made (no results
+    file) are left as they are."""
     for family, body in made.items():
         start, end = marker(family)
         pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
@@ -120,7 +207,7 @@ def written_into(text: str, made: dict[str, str]) -> str:
 
 
 def write_readme(readme: Path) -> list[str]:
-    """Writes the tables into `readme` (a temporary file renamed); the families written."""
+    """Writes the tables into `readme` (a temporary file renamed); the tables written."""
     text = readme.read_text()
     made = tables()
     updated = written_into(text, made)
