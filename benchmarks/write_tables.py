@@ -1,9 +1,14 @@
 """Writes the README's headline tables from the newest headline file of each family
 (benchmarks/results/headline_<family>_<gpu>.json, written by benchmarks/run_all.py), between the
-README's markers `<!-- headline:<family> -->` and `<!-- /headline:<family> -->`.
+README's markers `<!-- headline:<family> -->` and `<!-- /headline:<family> -->`, and its serving
+table, a row per served model of harness/scenarios.py's SERVING from its finished Server results
+(benchmarks/results/serve_<model>_server_<gpu>.json, written by benchmarks/serve_load.py), between
+`<!-- headline:serving -->` and `<!-- /headline:serving -->`. Markers without a results file behind
+them are left as they are.
 
     python benchmarks/write_tables.py            # README.md
-    python benchmarks/write_tables.py --check    # exits 1 where README.md's tables are not the files'
+    python benchmarks/write_tables.py --check    # exits 1 where README.md's tables, the serving one
+                                                 # among them, are not the files'
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ def main() -> None:
     if args.check:
         text = args.readme.read_text()
         stale = written_into(text, tables()) != text
-        print(f"{args.readme}: " + ("its tables differ from the headline files: run benchmarks/write_tables.py"
-                                     if stale else "its tables are the headline files'"))
+        print(f"{args.readme}: " + ("its tables differ from the results files: run benchmarks/write_tables.py"
+                                     if stale else "its tables are the results files'"))
         sys.exit(1 if stale else 0)
     written = write_readme(args.readme)
     print(f"wrote {', '.join(written) or 'no'} tables into {args.readme}")
