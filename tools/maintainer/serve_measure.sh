@@ -24,7 +24,7 @@ sdxl)
 flux)
     model=flux_dev level=4 calibration="quantize.calib_size=1 quantize.n_steps=2"
     # One image a call, as the Flux headline rows, on the attention kernel pip installs.
-    serving="sampling.steps=28 serve.max_batch_size=1 torch_backend.attention_kernel=torch"
+    serving="sampling.steps=28 serve.max_batch_size=1 serve.max_images_per_request=1 torch_backend.attention_kernel=torch"
     load="--target-share 0.8 --expected-qps 0.5 --min-queries 32"
     ;;
 *)
