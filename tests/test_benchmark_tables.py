@@ -75,7 +75,7 @@ def serve_results(model: str, settings: dict, runs: list, finished: bool = True,
     return {"benchmark": "serve_load", "model": model, "scenario": "server", "finished": finished,
             "shortened": "each run at least 120 s and 64 queries; MLPerf's runs last at least 600 s",
             "settings": {"latency_bound_s": 20, "target_share": None, "search": False, "offline_qps": None,
-                         **settings},
+                         "min_duration_s": 120, **settings},
             "runs": [offline, *runs], **answer, "seconds": 900.0,
             "provenance": {"code": "abc123abc123", "commit": "f" * 40, "device": "NVIDIA H200", "driver": "580.1",
                            "cuda": "13.0", "versions": {"torch": "2.11.0"}}}
@@ -107,9 +107,11 @@ def test_the_serving_table_reports_the_searched_rate_and_the_set_one_between_its
             "9.10 / 17.85 | 7.1 | NVIDIA TensorRT, MLPerf v4.1: 1.97 per H100, 2.10 per H200 |") in body
     assert ("| Flux.1-dev FP8 level 4, 1024x1024, 28 steps, one image a call | 0.43 | "
             "0.34 at 80% of Offline, no MLPerf bound | 3.10 / 6.40 | 1.0 | - |") in body
-    assert ("*sdxl_base served on one NVIDIA H200, driver 580.1, torch 2.11.0; code abc123abc123 (commit "
-            "ffffffffffff); runs shortened, each run at least 120 s and 64 queries; MLPerf's runs last at least "
-            "600 s; `benchmarks/results/serve_sdxl_base_server_h200.json`.*") in body
+    # Both served on one machine from one code: one line names both files.
+    assert body.endswith("\n\n*Each model its own server on one NVIDIA H200, driver 580.1, torch 2.11.0; code "
+                         "abc123abc123 (commit ffffffffffff); each LoadGen run at least 120 s (MLPerf's: 600 s); "
+                         "`benchmarks/results/serve_sdxl_base_server_h200.json`, "
+                         "`benchmarks/results/serve_flux_dev_server_h200.json`.*")
     start, end = tables.marker("serving")
     readme = f"before\n{start}\nold\n{end}\nafter\n"
     assert tables.written_into(readme, tables.tables()) == f"before\n{start}\n{body}\n{end}\nafter\n"

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from .headline import RESULTS
+from .loadgen import MLPERF_MIN_DURATION_S
 from .scenarios import SCENARIOS, SERVING, Quality, Scenario, Served
 
 REPO = RESULTS.parents[1]
@@ -99,12 +100,12 @@ SERVING_HEADER = ("| served model, setting | Offline images/s | Server queries/s
 
 
 def serving_table(served: dict[str, tuple[dict, str]]) -> str:
-    """A row per served model, then a line per results file naming its run."""
+    """A row per served model, then a line per machine and code naming its results files."""
     lines = [SERVING_HEADER, "| --- | --- | --- | --- | --- | --- |"]
     lines += [serving_row(SERVING[model], results) for model, (results, _) in served.items()]
-    for results, source in served.values():
+    for line in serving_lines(served):
         # A blank line between: consecutive lines would run into one paragraph.
-        lines += ["", serving_line(results, source)]
+        lines += ["", line]
     return "\n".join(lines)
 
 
@@ -156,10 +157,16 @@ def mean_call_images(requests_by_call_images: dict[str, int]) -> str:
     return f"{requests / calls:.1f}" if calls else "-"
 
 
-def serving_line(results: dict, source: str) -> str:
-    machine = results["provenance"]
-    return (f"*{results['model']} served on one {machine['device']}{driver_and_torch(machine)}; {code_named(machine)}; "
-            f"runs shortened, {results['shortened']}; `{source}`.*")
+def serving_lines(served: dict[str, tuple[dict, str]]) -> list[str]:
+    """What names the runs: one line for the files of one machine, code and run length (each model
+    served alone, one after another), naming them."""
+    files_of: dict[str, list[str]] = {}
+    for results, source in served.values():
+        machine = results["provenance"]
+        run = (f"one {machine['device']}{driver_and_torch(machine)}; {code_named(machine)}; each LoadGen run "
+               f"at least {results['settings']['min_duration_s']:g} s (MLPerf's: {MLPERF_MIN_DURATION_S} s)")
+        files_of.setdefault(run, []).append(f"`{source}`")
+    return [f"*Each model its own server on {run}; {', '.join(files)}.*" for run, files in files_of.items()]
 
 
 def served_results() -> dict[str, tuple[dict, str]]:
