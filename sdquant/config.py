@@ -260,6 +260,10 @@ class CacheBlock(Settled):
     # predicts any (diffusers' disable_cache_before_step). A Wan expert's hook starts afresh where it
     # takes over, so each expert pays them: at 3, a 20-step A14B video runs 13 full passes, at 1, 11.
     warmup: int = 3
+    # TaylorSeer's `interval` for the named backbones (by attribute), the others keeping `interval`:
+    # a Wan2.2 low-noise expert's output changes far less from step to step than the high-noise
+    # one's, so it can predict more of its steps ({transformer_2: 4}).
+    backbone_intervals: dict[str, int] = field(default_factory=dict)
 
 
 CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_blocks")

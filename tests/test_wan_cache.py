@@ -111,6 +111,26 @@ def test_taylorseer_with_one_warm_up_pass_predicts_from_each_experts_second_call
     assert difference.max() > 1e-4 and difference.mean() < 0.02
 
 
+def test_taylorseer_takes_an_interval_per_expert(model_cache):
+    """backbone_intervals gives the low-noise expert its own interval: each expert computes as many
+    full passes as it does with that interval for both."""
+    plain = Videos("tiny_wan").draw()
+    blocks = ["sampling.cache.method=taylorseer_blocks", "sampling.cache.warmup=1"]
+    passes = {}
+    for interval in (2, 4):
+        videos = Videos("tiny_wan", *blocks, f"sampling.cache.interval={interval}")
+        videos.draw()
+        passes[interval] = videos.counted("feed-forward")
+    assert passes[4]["transformer_2"] < passes[2]["transformer_2"]
+    mixed = Videos("tiny_wan", *blocks, "sampling.cache.interval=2",
+                   "+sampling.cache.backbone_intervals={transformer_2:4}")
+    difference = (mixed.draw() - plain).abs()
+    assert mixed.counted("feed-forward") == {"transformer": passes[2]["transformer"],
+                                              "transformer_2": passes[4]["transformer_2"]}
+    assert difference.max() > 1e-4 and difference.mean() < 0.02
+    assert "transformer_2 every 4" in mixed.first.cache.describe()
+
+
 @pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
                                    ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
                          ids=["first_block", "taylorseer_blocks"])
@@ -183,7 +203,15 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     (["sampling.cache.method=deepcache"], "sampling.cache.method=deepcache: model=tiny_wan's transformer and "
                                           "transformer_2 take none or first_block or taylorseer or taylorseer_blocks"),
     ([*FIRST_BLOCK, "backend=onnxruntime"], "is a diffusers hook on the transformer module: run it with backend=torch"),
-], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs"])
+    ([*FIRST_BLOCK, "+sampling.cache.backbone_intervals={transformer_2:4}"],
+     "sampling.cache.backbone_intervals: only TaylorSeer (taylorseer and taylorseer_blocks) takes an interval a "
+     "backbone, not first_block"),
+    (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_intervals={unet:4}"],
+     "sampling.cache.backbone_intervals: model=tiny_wan has no backbone unet: name transformer or transformer_2"),
+    (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_intervals={transformer_2:0}"],
+     "sampling.cache.backbone_intervals.transformer_2=0: give a full pass every 1 or more steps"),
+], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs", "intervals_method",
+        "intervals_backbone", "intervals_value"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"

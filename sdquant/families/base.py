@@ -394,13 +394,15 @@ class HookCaching:
         from ..runtime.cache_hooks import HookCache
 
         return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
-                                                             self.hook_block_stacks, block.warmup)
+                                                             self.hook_block_stacks, block.warmup,
+                                                             tuple(sorted(block.backbone_intervals.items())))
 
     def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.cache_hooks import HookedStage
 
         stages = self.backbone_stages(modules, dtype)
-        return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute], cache)
+        return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute],
+                                            cache.for_backbone(backbone.attribute))
                 for backbone in self.backbones}
 
     def release_cache(self, backbone) -> None:

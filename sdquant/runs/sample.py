@@ -15,6 +15,7 @@ from .. import load
 from ..config import CACHE_METHODS, LONG_PROMPTS, CacheBlock, SamplingBlock, validate_steps
 from ..errors import UserError
 from ..families.pipeline import SamplingSettings
+from ..runtime.cache_hooks import TAYLORSEER_METHODS
 from .model import Model
 
 # A call's settings as a caller names them (sampling.<name> in the scripts' configs), with what a
@@ -84,9 +85,13 @@ def cache_block(asked, key: str) -> CacheBlock:
     known = {field.name for field in dataclasses.fields(CacheBlock)}
     if not isinstance(asked, dict) or set(asked) - known:
         raise UserError(f"{key}={asked!r}: give a dict of {', '.join(sorted(known))} (sampling.cache's keys)")
+    defaults = CacheBlock()
     for name, value in asked.items():
-        kind = type(getattr(CacheBlock, name))
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+        kind = type(getattr(defaults, name))
+        if kind is dict:
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _whole(v) for k, v in value.items()):
+                raise UserError(f"{key}.{name}={value!r} must be a dict of backbone names to whole numbers")
+        elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise UserError(f"{key}.{name}={value!r} must be {'a number' if kind is float else kind.__name__}")
     return CacheBlock(**asked)
 
@@ -105,10 +110,23 @@ def settle_cache(model: Model, block: CacheBlock, key: str):
         takes = "takes" if len(family.backbones) == 1 else "take"
         raise UserError(f"{key}.method={block.method}: model={model.name}'s {' and '.join(family.backbone_attributes)} "
                         f"{takes} {' or '.join(family.cache_methods)}")
+    check_backbone_intervals(model, block, key)
     cache = family.step_cache(block)
     if cache is not None:
         cache.check(model.parts.get("backbone_config", {}), key)
     return cache
+
+
+def check_backbone_intervals(model: Model, block: CacheBlock, key: str) -> None:
+    if not block.backbone_intervals:
+        return
+    if block.method not in TAYLORSEER_METHODS:
+        raise UserError(f"{key}.backbone_intervals: only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) takes an "
+                        f"interval a backbone, not {block.method}: leave it empty")
+    unknown = sorted(set(block.backbone_intervals) - set(model.family.backbone_attributes))
+    if unknown:
+        raise UserError(f"{key}.backbone_intervals: model={model.name} has no backbone {', '.join(unknown)}: "
+                        f"name {' or '.join(model.family.backbone_attributes)}")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -52,13 +53,20 @@ class HookCache:
     block_stacks: tuple[str, ...]
     # TaylorSeer's full passes before its first prediction (config.CacheBlock.warmup).
     warmup: int = 3
+    # (backbone attribute, interval) pairs, sorted: the backbones whose interval is not `interval`.
+    backbone_intervals: tuple[tuple[str, int], ...] = ()
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
     @property
     def stages_key(self) -> tuple:
         """What its stages depend on: every setting, which the hook on the module holds."""
-        return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup)
+        return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals)
+
+    def for_backbone(self, attribute: str) -> HookCache:
+        """The hook one backbone runs under: its own interval where one is named for it."""
+        interval = dict(self.backbone_intervals).get(attribute, self.interval)
+        return dataclasses.replace(self, interval=interval, backbone_intervals=())
 
     def config(self, transformer):
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
@@ -76,6 +84,10 @@ class HookCache:
             raise UserError(f"{key}.threshold={self.threshold}: give 0 (never skip) or more")
         if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
+        for attribute, interval in self.backbone_intervals:
+            if interval < 1:
+                raise UserError(f"{key}.backbone_intervals.{attribute}={interval}: give a full pass every 1 or "
+                                "more steps")
         if self.method in TAYLORSEER_METHODS and self.warmup < 1:
             raise UserError(f"{key}.warmup={self.warmup}: give 1 or more full passes before TaylorSeer predicts "
                             "(it predicts from what the full passes computed)")
@@ -84,7 +96,8 @@ class HookCache:
         if self.method == "first_block":
             return f"First Block Cache, threshold {self.threshold}"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
-        return f"TaylorSeer{scope}, a full pass every {self.interval} steps after the first {self.warmup}"
+        own = "".join(f", {attribute} every {interval}" for attribute, interval in self.backbone_intervals)
+        return f"TaylorSeer{scope}, a full pass every {self.interval} steps{own} after the first {self.warmup}"
 
 
 def allow_recompiles(transformer) -> None:
