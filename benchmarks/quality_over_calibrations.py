@@ -29,6 +29,12 @@ TAYLORSEER_BLOCKS_2 = "{method:taylorseer_blocks,interval:2}"
 # One full pass before TaylorSeer's first prediction instead of diffusers' three: what the Wan video's
 # speed needs, since each of its two experts starts its own cache.
 TAYLORSEER_BLOCKS_2_WARMUP_1 = "{method:taylorseer_blocks,interval:2,warmup:1}"
+# Fewer full passes: a longer interval for both experts, or for the low-noise expert alone, whose
+# output changes far less from step to step (A14B, 20 steps: 7 of the high-noise expert, 13 of the
+# low-noise one; full passes 11 at 2 and 2, 8 at 3 and 3 or 2 and 4, 7 at 2 and 6, 3 and 4, 4 and 4).
+TAYLORSEER_BLOCKS_WARMUP_1 = {f"{high}_{low}": "{method:taylorseer_blocks,interval:%d,warmup:1%s}" % (
+    high, "" if low == high else ",backbone_intervals:{transformer_2:%d}" % low)
+    for high, low in ((3, 3), (2, 4), (2, 6), (3, 4), (4, 4))}
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ SETTINGS = {
                     "fp16_taylorseer_blocks2": Setting(None, TAYLORSEER_BLOCKS_2),
                     "fp8_l4_taylorseer_blocks2": Setting("fp8_l4", TAYLORSEER_BLOCKS_2),
                     "fp8_l4_taylorseer_blocks2_warmup1": Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
+                    **{f"fp8_l4_taylorseer_blocks_warmup1_{intervals}": Setting("fp8_l4", cache)
+                       for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1.items()},
                     **{name: Setting(name) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
                                                           "fp8_l4_keep_none")},
                     "fp16_window1": Setting(None, window=WINDOW_1),
