@@ -33,7 +33,8 @@ same video, or --warm-steps steps of it where what compiles does not depend on t
 cache hook, or ours, whose TaylorSeer update runs outside the graphs; diffusers' own, as the peer
 runs it, compiles again at each full pass); the VAE decodes eagerly there (its 81-frame compile
 is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
-the first prediction, 3 unless given) / first_block:<threshold> runs it under
+the first prediction, 3 unless given; :<backbone>=<n>,... after it: those experts every n steps) /
+first_block:<threshold> runs it under
 a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
 many latent frames (torch_backend.attention_window); --mlperf <n> runs LoadGen's Offline over n
 prompts instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole video (--variants peer --whole) is what a user runs
@@ -85,7 +86,7 @@ from sdquant.runtime import torch_backend
 from sdquant.runtime.attention import chosen_kernel, use_attention_kernel
 from sdquant.runtime.cache_hooks import HookCache, allow_recompiles
 from sdquant.runtime.compiled_forms import use_persistent_rows
-from harness.caches import cache_block, hook_cache
+from harness.caches import SAYS as CACHE_SAYS, SETTING as CACHE_SETTING, cache_block, hook_cache
 from harness.measure import graphs_compiled, kernel_profile, nonfinite_values, time_calls, timed
 from harness.peers import peer_attention
 from harness.processes import one_process_each, record_variant
@@ -389,7 +390,7 @@ def compile_peer_experts(pipe, args, cache: HookCache | None, device: torch.devi
         if cache is not None:
             # The hook and the recompile limits as our stages have them: with the graph broken at
             # each hooked block, past dynamo's limit the remaining blocks would silently run eager.
-            module.enable_cache(cache.config(module))
+            module.enable_cache(cache.for_backbone(name).config(module))
             allow_recompiles(module)
         # The hook decides on the host: fullgraph=True would refuse its graph breaks.
         setattr(pipe, name, torch.compile(module, fullgraph=cache is None))
@@ -478,7 +479,7 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
     elif args.whole:
         row = (peer_video_row(family, args, device) if variant == "peer"
                else whole_video_row(variant, family, args, device))
-        name = f"{variant}_video" + (f"_{args.cache.replace(':', '_')}" if args.cache else "") + (
+        name = f"{variant}_video" + (f"_{re.sub('[:=,]', '_', args.cache)}" if args.cache else "") + (
             f"_mlperf{args.mlperf}" if args.mlperf else "")
     elif variant == "peer":
         row, name = peer_row(family, args, device), variant
@@ -513,7 +514,7 @@ def main() -> None:
     parser.add_argument("--mlperf", type=int, default=0,
                         help="--whole, ours: LoadGen's Offline over this many prompts, each a video from one latent "
                              "(benchmarks/mlperf_video.py's run), instead of one timed video")
-    parser.add_argument("--cache", default="", help="--whole: taylorseer:<n>[:<w>], taylorseer_blocks:<n>[:<w>], first_block:<t>")
+    parser.add_argument("--cache", default="", help=f"--whole: {CACHE_SAYS}")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
     parser.add_argument("--one-call", action="store_true",
@@ -521,7 +522,8 @@ def main() -> None:
     parser.add_argument("--attention-kernel", default="auto", choices=TORCH_ATTENTION_KERNELS,
                         help="ours: torch_backend.attention_kernel; peer: flash3 runs diffusers' FlashAttention-3 backend")
     parser.add_argument("--every-block", action="store_true",
-                        help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too (a ceiling, not a recipe)")
+                        help="fp8 variants: quantize the blocks the recipe keeps in 16 bits too "
+                             "(quantize.high_precision_blocks=[])")
     parser.add_argument("--window", default="",
                         help="ours: <frames>[:<backbone>,...], self-attention within that many latent frames "
                              "(torch_backend.attention_window)")
@@ -555,9 +557,8 @@ def main() -> None:
                         or "peer" in variants or "vae" in variants):
         parser.error(f"--window {args.window}: give <frames>[:<backbone>,...] (3, 3:transformer_2) for our variants "
                      "(compiled, fp8, fp8_l4), without --split")
-    if args.cache and not re.fullmatch(r"(taylorseer|taylorseer_blocks):\d+(:\d+)?|first_block:[\d.]+", args.cache):
-        parser.error(f"--cache {args.cache}: give taylorseer:<n>[:<warm-up passes>], taylorseer_blocks:<n>[:<warm-up "
-                     "passes>] or first_block:<threshold>")
+    if args.cache and not re.fullmatch(CACHE_SETTING, args.cache):
+        parser.error(f"--cache {args.cache}: give {CACHE_SAYS}")
     if one_process_each(args, variants):
         return
     quiet_libraries()

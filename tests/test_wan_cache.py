@@ -131,6 +131,24 @@ def test_taylorseer_takes_an_interval_per_expert(model_cache):
     assert "transformer_2 every 4" in mixed.first.cache.describe()
 
 
+def test_the_benchmarks_cache_setting_names_an_interval_per_expert():
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from harness.caches import SETTING, cache_block, hook_cache
+    from sdquant.families.wan.family import BLOCK_STACKS
+
+    setting = "taylorseer_blocks:3:1:transformer_2=4"
+    assert cache_block(setting) == {"method": "taylorseer_blocks", "interval": 3, "warmup": 1,
+                                    "backbone_intervals": {"transformer_2": 4}}
+    # The peer's hook: each expert of diffusers' pipeline takes its own.
+    hook = hook_cache(setting, BLOCK_STACKS)
+    assert (hook.for_backbone("transformer").interval, hook.for_backbone("transformer_2").interval) == (3, 4)
+    assert re.fullmatch(SETTING, setting) and not re.fullmatch(SETTING, "taylorseer_blocks:3:1:transformer_2")
+
+
 @pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
                                    ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
                          ids=["first_block", "taylorseer_blocks"])

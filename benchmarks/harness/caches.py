@@ -7,15 +7,28 @@ from sdquant.families.flux import family as flux
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 
 
+# What the command lines take, checked before any work.
+SETTING = r"(taylorseer|taylorseer_blocks):\d+(:\d+(:\w+=\d+(,\w+=\d+)*)?)?|first_block:[\d.]+"
+SAYS = ("taylorseer:<n>[:<warm-up passes>[:<backbone>=<n>,...]], the same for taylorseer_blocks, or "
+        "first_block:<threshold>")
+
+
 def cache_block(setting: str) -> dict | None:
-    """'taylorseer:<interval>[:<warm-up passes>]', 'taylorseer_blocks:<interval>[:<warm-up passes>]'
-    (3 unless given) or 'first_block:<threshold>' as a sampling.cache block; '' as none."""
+    """'taylorseer:<interval>[:<warm-up passes>[:<backbone>=<interval>,...]]', the same for
+    'taylorseer_blocks' (warm-up 3 unless given; the named backbones at their own interval), or
+    'first_block:<threshold>' as a sampling.cache block; '' as none."""
     if not setting:
         return None
-    method, value, *warmup = setting.split(":")
-    if method in TAYLORSEER_METHODS:
-        return {"method": method, "interval": int(value), **({"warmup": int(warmup[0])} if warmup else {})}
-    return {"method": method, "threshold": float(value)}
+    method, value, *rest = setting.split(":")
+    if method not in TAYLORSEER_METHODS:
+        return {"method": method, "threshold": float(value)}
+    block = {"method": method, "interval": int(value)}
+    if rest:
+        block["warmup"] = int(rest[0])
+    if len(rest) > 1:
+        block["backbone_intervals"] = {name: int(interval) for name, interval in
+                                       (pair.split("=") for pair in rest[1].split(","))}
+    return block
 
 
 def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
@@ -23,4 +36,5 @@ def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> Hoo
     default), for a peer that hooks diffusers' own pipeline."""
     block = cache_block(setting)
     return None if block is None else HookCache(block["method"], block.get("interval", 1),
-                                                block.get("threshold", 0.0), stacks, block.get("warmup", 3))
+                                                block.get("threshold", 0.0), stacks, block.get("warmup", 3),
+                                                tuple(sorted(block.get("backbone_intervals", {}).items())))
