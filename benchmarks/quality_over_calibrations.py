@@ -66,6 +66,8 @@ SETTINGS = {
                        for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1.items()},
                     **{name: Setting(name) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
                                                           "fp8_l4_keep_none")},
+                    "fp8_l4_keep_none_taylorseer_blocks2_warmup1": Setting("fp8_l4_keep_none",
+                                                                           TAYLORSEER_BLOCKS_2_WARMUP_1),
                     "fp16_window1": Setting(None, window=WINDOW_1),
                     "fp8_l4_window1": Setting("fp8_l4", window=WINDOW_1),
                     "fp8_l4_window2": Setting("fp8_l4", window=WINDOW_2),
