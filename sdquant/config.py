@@ -369,6 +369,15 @@ class AttentionWindowBlock(Settled):
     backbones: Optional[list[str]] = None
     # Blocks (by index) whose self-attention stays over every frame.
     dense_blocks: list[int] = field(default_factory=list)
+    # A file of each head's share of attention inside the window (written by record_to): only the
+    # heads whose share is at least min_share attend within it, the others to every key. Heads
+    # differ, some near-local, some global, so a window for every head loses what one for the
+    # local ones keeps. null: every head of the chosen layers.
+    heads_file: Optional[str] = None
+    min_share: float = 0.8
+    # infer_trt.py draws with every key and writes each windowable head's share of attention inside
+    # the window of `frames`, over the prompts drawn, to this file (for heads_file).
+    record_to: Optional[str] = None
 
 
 @dataclass
@@ -797,6 +806,13 @@ def validate_attention_window(window: AttentionWindowBlock, key: str) -> None:
                         "of its own (1 or more), or null for every frame")
     if any(index < 0 for index in window.dense_blocks) or len(set(window.dense_blocks)) != len(window.dense_blocks):
         raise UserError(f"{key}.dense_blocks={list(window.dense_blocks)}: give each block's index (0 or more) once")
+    if (window.heads_file or window.record_to) and window.frames is None:
+        raise UserError(f"{key}.{'heads_file' if window.heads_file else 'record_to'}: give {key}.frames, the window "
+                        "the heads' shares are of")
+    if window.heads_file and window.record_to:
+        raise UserError(f"{key}.record_to: a recording draws with every key; drop {key}.heads_file for it")
+    if not 0 < window.min_share <= 1:
+        raise UserError(f"{key}.min_share={window.min_share}: give a share of attention in (0, 1]")
 
 
 def validate_providers(providers) -> None:

@@ -95,9 +95,10 @@ def skip_without_flash3() -> None:
 def test_a_windowed_layer_attends_to_its_frames_on_the_gpus_kernels(flash3):
     """A video's self-attention within 1 latent frame (5 frames of 1,024 tokens, 8 heads of 128),
     bf16 and FP8 on the layer's kernels (torch's SDPA and cuDNN's FP8, or FlashAttention-3's),
-    against attention in fp32 masked to each query's frames."""
+    against attention in fp32 masked to each query's frames; in FP8 with half the heads within
+    the window and the others over every key too."""
     from sdquant.runtime.attention import FLASH3, Fp8Attention, attend
-    from sdquant.runtime.attention_window import WINDOW, TemporalWindow
+    from sdquant.runtime.attention_window import WINDOW, WINDOW_HEADS, HeadSplit, TemporalWindow
 
     if flash3:
         skip_without_flash3()
@@ -129,6 +130,13 @@ def test_a_windowed_layer_attends_to_its_frames_on_the_gpus_kernels(flash3):
     apart = _relative(fp8_out, exact)
     print(f"FP8 within 1 frame{' (flash3)' if flash3 else ''}: {apart:.4f} from fp32")
     assert apart < TWIN_BOUND, f"the windowed FP8 attention is {apart:.4f} from the masked fp32 attention"
+    # Every other head within the window, the others over every key (a heads file's split).
+    setattr(layer, WINDOW_HEADS, HeadSplit(inside=(0, 2, 4, 6), outside=(1, 3, 5, 7)))
+    expected = exact.unflatten(2, (heads, 128)).clone()
+    expected[:, :, 1::2] = dense.unflatten(2, (heads, 128))[:, :, 1::2]
+    apart = _relative(fp8.dequantize(attend(layer, q, k, v), torch.float32), expected.flatten(2))
+    print(f"FP8 within 1 frame for half the heads{' (flash3)' if flash3 else ''}: {apart:.4f} from fp32")
+    assert apart < TWIN_BOUND, f"the split heads' FP8 attention is {apart:.4f} from fp32's"
 
 
 def _quantized(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:

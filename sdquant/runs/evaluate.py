@@ -40,7 +40,9 @@ class Variant:
         if window.frames is not None:
             source += f", attention within {window.frames} frames" + (
                 f" on {', '.join(window.backbones)}" if window.backbones is not None else "") + (
-                f" but blocks {', '.join(map(str, window.dense_blocks))}" if window.dense_blocks else "")
+                f" but blocks {', '.join(map(str, window.dense_blocks))}" if window.dense_blocks else "") + (
+                f", heads of {window.min_share:g} of their attention inside ({window.heads_file})"
+                if window.heads_file else "")
         return source if self.cache is None else f"{source}, cached ({self.cache.describe()})"
 
 
@@ -101,6 +103,9 @@ def _variant(app: EvaluateApp, model: Model, reference: PipelineRun, name: str, 
                         "give its .onnx file (ONNX Runtime runs it here)")
     window_key = f"variant_window.{name}" if name in app.variant_window else "torch_backend.attention_window"
     window = app.variant_window.get(name, app.torch_backend.attention_window)
+    if window.record_to:
+        raise UserError(f"{window_key}.record_to: infer_trt.py records the heads' shares; evaluate.py scores a "
+                        "window with heads_file")
     checkpoint = settle_checkpoint(model, f"variants.{name}", source) if kind == "checkpoint" else None
     check_attention_window(model, window, window_key, {"onnx": "onnxruntime", "engine": "trt"}.get(kind, "torch"),
                            app.torch_backend, checkpoint)

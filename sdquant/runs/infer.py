@@ -87,6 +87,7 @@ def settle_infer(cfg) -> InferRun:
     pipeline = settle_pipeline(app, model, sampling.first.cache, sampling.first.geometry)
     report.require_writer(model.family.output, model.name)
     check_split(pipeline.split, app.torch_backend, app.cuda_graph, model, sampling.first)
+    check_recording(app)
     replicas = parallel.replicas_of(pipeline.split, parallel.current_world())
     parallel.shard(list(sampling.runs), parallel.share_of(replicas, app.shard),
                    "prompt batches (prompts / sampling.batch_size)")
@@ -116,11 +117,24 @@ def settle_called_pipeline(app) -> PipelineRun:
     API's pipeline, serve.py's replicas'): every value checked, the model's folder read without
     its weights."""
     validate_infer(app)
+    if app.torch_backend.attention_window.record_to:
+        raise UserError("torch_backend.attention_window.record_to: infer_trt.py records the heads' shares over its "
+                        "prompts; a pipeline called per request draws with heads_file")
     model = settle_model(app.model, drawing=True)
     defaults = settle_defaults(model, app.sampling)
     run = settle_pipeline(app, model, defaults.cache, defaults.geometry)
     check_split(run.split, app.torch_backend, app.cuda_graph, model, defaults)
     return run
+
+
+def check_recording(app: InferApp) -> None:
+    """A recording of the heads' shares draws every prompt in this one process, which writes it."""
+    if not app.torch_backend.attention_window.record_to:
+        return
+    split = app.shard.count > 1 or app.parallel.cfg > 1 or parallel.current_world().size > 1
+    if split:
+        raise UserError("torch_backend.attention_window.record_to: record the heads' shares in one process (no "
+                        "shard.count, parallel.cfg or torchrun), which draws every prompt")
 
 
 def checked_run_checkpoint(app, model: Model) -> Checkpoint | None:

@@ -27,7 +27,7 @@ from ..errors import UserError
 from .kernels.fp8_layers import Fp8Linear
 from .kernels.exact import KeepsExactTensors
 from .kernels.fp8 import fp8_scales, to_fp8
-from .attention_window import window_of
+from .attention_window import heads_of, recorder_of, window_of
 from .kernels.fp8_attention import FLASH3_MODULES, flash3_attention_rounded, flash3_function, flash3_module, fp8_attention
 from ..quantize.shared_ranges import AttentionProjections, attention_layers, output_groups, projection_groups
 
@@ -189,7 +189,8 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     projections, to (batch, tokens, heads * head_dim): FP8 where the layer has its ranges, else in
     the model's precision, as diffusers runs it; with FlashAttention-3's kernels where the layer is
     marked so (use_attention_kernel); where the layer attends within a window of frames
-    (sdquant.runtime.attention_window), one call per latent frame over the keys of its window.
+    (sdquant.runtime.attention_window), one call per latent frame over the keys of its window, for
+    its heads that do where not all do, and one over every key for the others.
 
     `sequence`: the process group the layer's tokens are split over (parallel.ulysses). Each process
     holds its share of the queries, and of the keys and values unless `keys_whole` (cross-attention
@@ -197,12 +198,16 @@ def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     another gives each its own tokens of every head back (Ulysses attention)."""
     if sequence is not None:
         query, key, value = _heads_of_every_token(query, key, value, sequence, keys_whole)
-    window = window_of(attn)
+    recorder, window, split = recorder_of(attn), window_of(attn), heads_of(attn)
+    if recorder is not None:
+        recorder.add(query, key)
     if window is None:
         out = _attention(attn, query, key, value)
+    elif split is None:
+        out = _windowed(attn, window, query, key, value)
     else:
-        out = _joined([_attention(attn, query[:, queries], key[:, keys], value[:, keys])
-                       for queries, keys in window.spans(query.shape[1])])
+        inside, outside = ([x[:, :, list(heads)] for x in (query, key, value)] for heads in (split.inside, split.outside))
+        out = _joined([_windowed(attn, window, *inside), _attention(attn, *outside)], dim=2, order=split.order)
     if sequence is not None:
         out = _every_head_of_own_tokens(out, sequence)
     return out.flatten(2)
@@ -219,12 +224,21 @@ def _attention(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.transpose(1, 2)
 
 
-def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
-    """Each latent frame's attention (batch, tokens, heads, head_dim) joined along the tokens; FP8
-    outputs joined as bytes, which every device's cat takes."""
-    if frames[0].element_size() != 1:
-        return torch.cat(frames, dim=1)
-    return torch.cat([frame.view(torch.uint8) for frame in frames], dim=1).view(frames[0].dtype)
+def _windowed(attn, window, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Attention within `window`: each latent frame's queries over its window's keys."""
+    return _joined([_attention(attn, query[:, queries], key[:, keys], value[:, keys])
+                    for queries, keys in window.spans(query.shape[1])])
+
+
+def _joined(parts: list[torch.Tensor], dim: int = 1, order: list[int] | None = None) -> torch.Tensor:
+    """Attention outputs (batch, tokens, heads, head_dim) joined along `dim` (each latent frame's
+    tokens, or the heads of two calls, then put in `order`); FP8 outputs joined as bytes, which
+    every device's cat and indexing take."""
+    one_byte = parts[0].element_size() == 1
+    joined = torch.cat([part.view(torch.uint8) if one_byte else part for part in parts], dim=dim)
+    if order is not None:
+        joined = joined[:, :, order]
+    return joined.view(parts[0].dtype) if one_byte else joined
 
 
 def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:

@@ -9,14 +9,34 @@ At the A14B's 720p, 21 latent frames of 3,600 tokens, a window of 3 frames leave
 keys to each query (fewer at the ends): 31% of the scores. The tokens a frame holds are set per call
 from the latent's shape (TemporalWindow.follow, a hook on the backbone), so one setting serves every
 size and length; torch.compile specializes on them as on the shapes.
+
+Heads differ: some put nearly all their attention on nearby frames, others spread it over the
+video, so a window for every head loses what one for the local heads keeps. A recording run
+(`record_to`) draws with every key and notes each head's share of attention inside the window;
+with that file (`heads_file`), the heads of at least `min_share` attend within the window and the
+others to every key, as two attention calls a layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ..artifacts import write_json
 from ..errors import UserError
 
 # An attention layer's mark: the TemporalWindow it attends within.
 WINDOW = "sdquant_window"
+# A windowed layer's mark where only some of its heads attend within the window: a HeadSplit.
+WINDOW_HEADS = "sdquant_window_heads"
+# A layer's mark while its heads' shares inside a window are recorded: a ShareRecorder.
+SHARES = "sdquant_window_shares"
+# The queries of a latent frame a share is estimated from, at most, evenly spaced: all of a frame's
+# would need 40 GB of scores a layer at the A14B's 3,600 tokens a frame.
+SAMPLED_QUERIES = 256
 
 
 class TemporalWindow:
@@ -49,20 +69,67 @@ class TemporalWindow:
                 for frame in range(frames)]
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """The heads of a layer that attend within its window (`inside`) and those that attend to every
+    key (`outside`), each in order."""
+
+    inside: tuple[int, ...]
+    outside: tuple[int, ...]
+
+    @property
+    def order(self) -> list[int]:
+        """Where each head's output lies in the two calls' outputs joined, inside then outside."""
+        joined = [*self.inside, *self.outside]
+        return sorted(range(len(joined)), key=joined.__getitem__)
+
+
+class ShareRecorder:
+    """A layer's heads' mean share of attention inside `window` (each query's softmax weight on the
+    keys of the window, exp(lse over the window's keys - lse over all)), over the calls recorded."""
+
+    def __init__(self, window: TemporalWindow):
+        self.window = window
+        self.total: torch.Tensor | None = None
+        self.queries = 0
+
+    @torch.compiler.disable
+    def add(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        """One call's (batch, tokens, heads, head_dim) queries and keys, before attention."""
+        scale = query.shape[-1] ** -0.5
+        keys = key.float()
+        for queries, window_keys in self.window.spans(query.shape[1]):
+            stride = max(1, (queries.stop - queries.start) // SAMPLED_QUERIES)
+            sampled = query[:, queries.start:queries.stop:stride].float()
+            scores = torch.einsum("bqhd,bkhd->bhqk", sampled, keys) * scale
+            share = (scores[..., window_keys].logsumexp(-1) - scores.logsumexp(-1)).exp()
+            total = share.sum(dim=(0, 2), dtype=torch.float64)
+            self.total = total if self.total is None else self.total + total
+            self.queries += share.shape[0] * share.shape[2]
+
+    def shares(self) -> list[float]:
+        return (self.total / self.queries).cpu().tolist() if self.queries else []
+
+
 def use_attention_window(family, modules: dict, block) -> None:
     """Marks the frame self-attention layers of the chosen backbones (`modules`, by attribute;
     `block.backbones`, None: all) but `block.dense_blocks` to attend within `block.frames` latent
-    frames, each run by the family's own processor (sdquant.runtime.attention.attend), and hooks
-    each such backbone to follow its latent's size. A backbone is windowed once: the pipeline built
-    with it owns it."""
+    frames (with `block.heads_file`, their heads of at least `block.min_share` alone; with
+    `block.record_to`, none, their shares recorded instead), each run by the family's own processor
+    (sdquant.runtime.attention.attend), and hooks each such backbone to follow its latent's size. A
+    backbone is windowed once: the pipeline built with it owns it."""
     if block.frames is None:
         return
+    shares = read_shares(block.heads_file, block.frames) if block.heads_file else None
     for attribute, module in modules.items():
         if block.backbones is not None and attribute not in block.backbones:
             continue
         window = TemporalWindow(block.frames, lambda hidden, backbone=module: family.tokens_per_frame(backbone, hidden))
         for index, attn in family.frame_attention_layers(module).items():
             if index in block.dense_blocks:
+                continue
+            split = head_split(shares, attribute, index, attn.heads, block) if shares is not None else None
+            if split is not None and not split.inside:
                 continue
             processor = attn.processor if hasattr(attn.processor, "sequence_group") else \
                 family.fp8_attention_processor(attn)
@@ -71,13 +138,69 @@ def use_attention_window(family, modules: dict, block) -> None:
                                 f"{type(attn.processor).__name__}, which has no windowed form: set "
                                 "torch_backend.attention_window.frames=null")
             attn.set_processor(processor)
+            if block.record_to:
+                setattr(attn, SHARES, ShareRecorder(window))
+                continue
             setattr(attn, WINDOW, window)
+            if split is not None and split.outside:
+                setattr(attn, WINDOW_HEADS, split)
         module.register_forward_pre_hook(window.follow, with_kwargs=True)
+
+
+def head_split(shares: dict, attribute: str, index: int, heads: int, block) -> HeadSplit:
+    """Layer `index` of backbone `attribute`'s heads by their recorded share inside the window."""
+    layer = shares.get(attribute, {}).get(str(index))
+    if layer is None or len(layer) != heads:
+        found = "no shares" if layer is None else f"{len(layer)} heads' shares"
+        raise UserError(f"torch_backend.attention_window.heads_file={block.heads_file} has {found} for {attribute}'s "
+                        f"block {index}, which has {heads} heads: record it for this model (record_to)")
+    return HeadSplit(tuple(head for head, share in enumerate(layer) if share >= block.min_share),
+                     tuple(head for head, share in enumerate(layer) if share < block.min_share))
+
+
+def read_shares(path: str, frames: int, key: str = "torch_backend.attention_window") -> dict:
+    """A heads file's shares, by backbone attribute and block index, checked to be of `frames`."""
+    try:
+        recorded = json.loads(Path(path).read_text())
+        shares, recorded_frames = recorded["backbones"], recorded["frames"]
+        valid = isinstance(shares, dict) and all(
+            isinstance(layers, dict) and all(isinstance(share, (int, float)) for heads in layers.values()
+                                             for share in heads) for layers in shares.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        raise UserError(f"{key}.heads_file={path} is not a file of heads' shares: write one with infer_trt.py "
+                        "torch_backend.attention_window.record_to")
+    if recorded_frames != frames:
+        raise UserError(f"{key}.heads_file={path} holds shares inside a window of "
+                        f"{recorded_frames} frames, not of frames={frames}: record them for {frames}")
+    return shares
+
+
+def write_shares(family, modules: dict, frames: int, path: Path) -> Path:
+    """Each recorded layer's heads' shares inside the window of `frames`, by backbone and block."""
+    backbones = {}
+    for attribute, module in modules.items():
+        layers = {str(index): recorder.shares() for index, attn in family.frame_attention_layers(module).items()
+                  if (recorder := getattr(attn, SHARES, None)) is not None and recorder.queries}
+        if layers:
+            backbones[attribute] = layers
+    write_json(path, {"frames": frames, "backbones": backbones})
+    return path
 
 
 def window_of(attn) -> TemporalWindow | None:
     """The window layer `attn` attends within; None: every key."""
     return getattr(attn, WINDOW, None)
+
+
+def heads_of(attn) -> HeadSplit | None:
+    """The heads of `attn` that attend within its window, where not all do."""
+    return getattr(attn, WINDOW_HEADS, None)
+
+
+def recorder_of(attn) -> ShareRecorder | None:
+    return getattr(attn, SHARES, None)
 
 
 def check_attention_window(model, block, key: str, backend: str, kernels, checkpoint, ulysses: int = 1) -> None:
@@ -107,3 +230,7 @@ def check_attention_window(model, block, key: str, backend: str, kernels, checkp
     if any(index >= blocks for index in block.dense_blocks):
         raise UserError(f"{key}.dense_blocks={list(block.dense_blocks)}: model={model.name}'s backbones have blocks "
                         f"0 to {blocks - 1}")
+    if block.heads_file:
+        read_shares(block.heads_file, block.frames, key)
+    if block.record_to and Path(block.record_to).is_dir():
+        raise UserError(f"{key}.record_to={block.record_to} is a folder: name the file the shares go to")

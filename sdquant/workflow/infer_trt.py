@@ -14,6 +14,7 @@ from ..assembly import Drawn, Pipeline, assemble
 from ..cli import stage
 from ..report import library_versions, print_summary
 from ..runs.infer import InferRun, settle_infer
+from ..runtime.attention_window import write_shares
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ def infer(run: InferRun) -> dict:
         with report.WRITERS[pipeline.family.output](out, files, run.pipeline.backend) as writer:
             drawing = _draw(pipeline, mine, len(run.sampling.runs), writer if place.writes else None)
         latency = _latency(pipeline, run, drawing)
+        window = run.pipeline.torch_backend.attention_window
+        if window.record_to:
+            drawing.written.append(write_shares(pipeline.family, pipeline.modules, window.frames,
+                                                Path(window.record_to)))
         note = None
         if run.pipeline.backend == "torch":
             from ..runtime.attention import chosen_kernel, fallback_note
