@@ -36,7 +36,9 @@ is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<
 the first prediction, 3 unless given; :<backbone>=<n>,... after it: those experts every n steps) /
 first_block:<threshold> runs it under
 a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
-many latent frames (torch_backend.attention_window); --mlperf <n> runs LoadGen's Offline over n
+many latent frames (torch_backend.attention_window), with --window-heads <fraction> for that share of
+each layer's heads alone (the first of each, in a heads file written for the run: random weights
+have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs LoadGen's Offline over n
 prompts instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole video (--variants peer --whole) is what a user runs
 instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
 expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
@@ -64,7 +66,9 @@ import gc
 import importlib.util
 import dataclasses
 import json
+import math
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -198,7 +202,8 @@ def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
     frames, height, width = geometry(args, family)
     pipeline = from_pipeline(pipe, family.name, None if level is None else ("fp8", level),
                              torch_backend={"compile": True, "attention_kernel": args.attention_kernel,
-                                            "attention_window": attention_window(args.window),
+                                            "attention_window": attention_window(args.window, args.window_heads,
+                                                                                 heads_file_of(pipe, family, args)),
                                             **({"quantized": "fp8"} if level else {})},
                              sampling={"scheduler": "unipc", "num_frames": frames, "height": height, "width": width,
                                        **({"cache": cache} if cache else {})})
@@ -210,12 +215,33 @@ def our_pipeline(pipe, variant: str, family, args, cache: dict | None = None):
     return pipeline, record
 
 
-def attention_window(option: str) -> dict:
-    """--window <frames>[:<backbone>,...] as torch_backend.attention_window ('': none)."""
+def attention_window(option: str, heads: float = 0, heads_file: str | None = None) -> dict:
+    """--window <frames>[:<backbone>,...] as torch_backend.attention_window ('': none); with
+    --window-heads, the heads file that windows the heads marked 1 in it."""
     if not option:
         return {}
     frames, _, backbones = option.partition(":")
-    return {"frames": int(frames), **({"backbones": backbones.split(",")} if backbones else {})}
+    return {"frames": int(frames), **({"backbones": backbones.split(",")} if backbones else {}),
+            **({"heads_file": heads_file, "min_share": 0.5} if heads else {})}
+
+
+def heads_file_of(pipe, family, args) -> str | None:
+    """For --window-heads f: a heads file whose shares are 1 for the first ceil(f x heads) heads of
+    each frame self-attention layer and 0 for the others."""
+    if not args.window_heads:
+        return None
+    frames = int(args.window.partition(":")[0])
+    backbones = {}
+    for attribute in family.backbone_attributes:
+        module = getattr(pipe, attribute, None)
+        if module is None:
+            continue
+        backbones[attribute] = {str(index): [1.0 if head < math.ceil(args.window_heads * attn.heads) else 0.0
+                                             for head in range(attn.heads)]
+                                for index, attn in family.frame_attention_layers(module).items()}
+    path = Path(tempfile.mkdtemp()) / "heads.json"
+    path.write_text(json.dumps({"frames": frames, "backbones": backbones}))
+    return str(path)
 
 
 def umt5_seconds(pipe, family, args, device: torch.device) -> float:
@@ -491,6 +517,8 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
         name += "_every_block"
     if args.window:
         name += "_window" + re.sub(r"[:,]", "_", args.window)
+    if args.window_heads:
+        name += f"_heads{round(args.window_heads * 100)}"
     if args.one_call:
         name += "_one_call"
     row["wall_s"] = time.perf_counter() - start
@@ -527,6 +555,8 @@ def main() -> None:
     parser.add_argument("--window", default="",
                         help="ours: <frames>[:<backbone>,...], self-attention within that many latent frames "
                              "(torch_backend.attention_window)")
+    parser.add_argument("--window-heads", type=float, default=0,
+                        help="with --window: the share of each layer's heads that attends within it (0: all)")
     parser.add_argument("--tiny", action="store_true", help="the tiny architectures (a dry run, CPU or GPU)")
     parser.add_argument("--variant-timeout", type=float, default=0,
                         help="with several variants, seconds after which a variant's process is stopped (0: none)")
@@ -557,6 +587,8 @@ def main() -> None:
                         or "peer" in variants or "vae" in variants):
         parser.error(f"--window {args.window}: give <frames>[:<backbone>,...] (3, 3:transformer_2) for our variants "
                      "(compiled, fp8, fp8_l4), without --split")
+    if args.window_heads and (not args.window or not 0 < args.window_heads < 1):
+        parser.error(f"--window-heads {args.window_heads}: give a share of the heads in (0, 1) with --window")
     if args.cache and not re.fullmatch(CACHE_SETTING, args.cache):
         parser.error(f"--cache {args.cache}: give {CACHE_SAYS}")
     if one_process_each(args, variants):

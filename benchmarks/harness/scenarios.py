@@ -162,8 +162,10 @@ SCENARIOS = {
                 Quality(WAN_QUALITY, "fp8_l4_taylorseer_blocks2_warmup1", "all prompts")),
         )),
     # Attention that computes less: the high-noise expert's step with its self-attention within a window
-    # of latent frames (of the video's 21), one call a frame over its window's keys, on each kernel.
-    # A speed screen beside the window's quality on the scene model (docs/models.md), not a headline.
+    # of 3 latent frames (of the video's 21), one call a frame over its window's keys: for every head
+    # (the bound of what the window gives), then for a share of each layer's heads, the others over
+    # every key, as a heads file recorded on the model chooses them. A speed screen beside the
+    # window's quality on the scene model (docs/models.md), not a headline.
     "wan_window": Scenario(
         family="wan_window",
         title="Wan2.2-T2V-A14B, one denoising step (both guidance halves), 720x1280, 81 frames (21 latent), "
@@ -172,12 +174,14 @@ SCENARIOS = {
         seconds_key=("step_s",),
         rows=(
             *(row for row in wan_step_rows(None) if row.key in ("peer", "ours_fp8", "ours_fp8_flash3")),
-            Row("ours_fp8_window3", "ours, FP8 level 4, within 3 frames", "ours",
-                ("--variants", "fp8_l4", "--attention-kernel", "torch", "--window", "3"), "fp8_l4_torch_window3",
-                "torch", FP8_ATTENTION),
-            *(Row(f"ours_fp8_flash3_window{frames}", f"ours, FP8 level 4 on FlashAttention-3, within {frames} frames",
-                  "ours", ("--variants", "fp8_l4", "--attention-kernel", "flash3", "--window", str(frames)),
-                  f"fp8_l4_flash3_window{frames}", "flash3", FLASH3) for frames in (5, 3)),
+            Row("ours_fp8_flash3_window3", "ours, FP8 level 4 on FlashAttention-3, within 3 frames", "ours",
+                ("--variants", "fp8_l4", "--attention-kernel", "flash3", "--window", "3"), "fp8_l4_flash3_window3",
+                "flash3", FLASH3),
+            *(Row(f"ours_fp8_flash3_window3_heads{percent}",
+                  f"ours, FP8 level 4 on FlashAttention-3, within 3 frames for {percent}% of the heads", "ours",
+                  ("--variants", "fp8_l4", "--attention-kernel", "flash3", "--window", "3", "--window-heads",
+                   str(percent / 100)), f"fp8_l4_flash3_window3_heads{percent}", "flash3", FLASH3)
+              for percent in (50, 30)),
         )),
     "wan_ti2v": Scenario(
         family="wan_ti2v", title="Wan2.2-TI2V-5B, one denoising step, 704x1280, 121 frames (no scene model: unscored)",
