@@ -53,6 +53,11 @@ class Setting:
 WINDOW_1, WINDOW_2 = "{frames:1}", "{frames:2}"
 WINDOW_1_LOW_NOISE = "{frames:1,backbones:[transformer_2]}"
 WINDOW_1_BLOCK_0_DENSE = "{frames:1,dense_blocks:[0]}"
+# Within 1 frame for the heads of at least a share of their attention there, recorded by infer_trt.py
+# (torch_backend.attention_window.record_to) over the 32 validation prompts, unquantized.
+WINDOW_SHARES = "benchmarks/results/window_shares_scenes_wan_validation32_w1.json"
+WINDOW_1_HEADS = {percent: "{frames:1,heads_file:%s,min_share:%g}" % (WINDOW_SHARES, percent / 100)
+                  for percent in (90, 85, 75)}
 # Per kind of backbone, setting -> Setting: the speed tables' headline settings and the recipes beside
 # them.
 SETTINGS = {
@@ -72,7 +77,9 @@ SETTINGS = {
                     "fp8_l4_window1": Setting("fp8_l4", window=WINDOW_1),
                     "fp8_l4_window2": Setting("fp8_l4", window=WINDOW_2),
                     "fp8_l4_window1_low_noise": Setting("fp8_l4", window=WINDOW_1_LOW_NOISE),
-                    "fp8_l4_window1_block0_dense": Setting("fp8_l4", window=WINDOW_1_BLOCK_0_DENSE)},
+                    "fp8_l4_window1_block0_dense": Setting("fp8_l4", window=WINDOW_1_BLOCK_0_DENSE),
+                    **{f"fp8_l4_window1_heads{percent}": Setting("fp8_l4", window=window)
+                       for percent, window in WINDOW_1_HEADS.items()}},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
