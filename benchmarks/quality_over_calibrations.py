@@ -79,7 +79,9 @@ SETTINGS = {
                     "fp8_l4_window1_low_noise": Setting("fp8_l4", window=WINDOW_1_LOW_NOISE),
                     "fp8_l4_window1_block0_dense": Setting("fp8_l4", window=WINDOW_1_BLOCK_0_DENSE),
                     **{f"fp8_l4_window1_heads{percent}": Setting("fp8_l4", window=window)
-                       for percent, window in WINDOW_1_HEADS.items()}},
+                       for percent, window in WINDOW_1_HEADS.items()},
+                    **{f"fp8_l4_window1_heads{percent}_taylorseer_blocks2_warmup1":
+                       Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1, WINDOW_1_HEADS[percent]) for percent in (90, 85)}},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
