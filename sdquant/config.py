@@ -374,7 +374,7 @@ class AttentionWindowBlock(Settled):
     # differ, some near-local, some global, so a window for every head loses what one for the
     # local ones keeps. null: every head of the chosen layers.
     heads_file: Optional[str] = None
-    min_share: float = 0.8
+    min_share: float = 0.9
     # infer_trt.py draws with every key and writes each windowable head's share of attention inside
     # the window of `frames`, over the prompts drawn, to this file (for heads_file).
     record_to: Optional[str] = None
