@@ -48,10 +48,11 @@ def _ours(model: str, *overrides) -> tuple[torch.Tensor, object]:
     return pipeline(run.sampling.first, StageTimer(CPU), progress=False), run.sampling.first
 
 
-@pytest.mark.parametrize("model, second", [("tiny_wan", 3.0), ("tiny_wan_ti2v", None)])
+@pytest.mark.parametrize("model, second", [("tiny_wan", 3.0), ("tiny_wan", 1.0), ("tiny_wan_ti2v", None)])
 def test_torch_stages_draw_diffusers_wan_pipelines_videos(model_cache, model, second):
     """Two experts with their own guidance (or one with its timestep per token), the guidance halves
-    as one batch where WanPipeline runs them one after the other: the same videos."""
+    as one batch where WanPipeline runs them one after the other: the same videos. At scale 1 the
+    second expert takes the conditional half alone, where WanPipeline runs both."""
     overrides = [] if second is None else [f"sampling.guidance_scale_2={second}"]
     ours, sampling = _ours(model, *overrides)
     geometry = sampling.geometry
@@ -64,18 +65,21 @@ def test_torch_stages_draw_diffusers_wan_pipelines_videos(model_cache, model, se
     assert (ours - reference).abs().max() < 1e-4 and reference.std() > 0.01
 
 
-def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_state(model_cache):
+@pytest.mark.parametrize("second", [None, 1.0])
+def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_state(model_cache, second):
     """The torch backend calls the expert once per guidance half, as WanPipeline does, each half in
     a cache context of its own: under TaylorSeer (a fixed schedule, no thresholds) one video is
     WanPipeline's under the same hooks, number for number within rounding; halves sharing one
-    context would predict each from the other's history."""
+    context would predict each from the other's history. At guidance scale 1 the second expert is
+    called with the conditional half alone, whose context then holds that half's history only."""
     from sdquant.config import TorchBackendBlock
     from sdquant.runtime import torch_backend
     from sdquant.runtime.stages import InTurn
 
     taylorseer = ["sampling.cache.method=taylorseer", "sampling.cache.interval=2", "sampling.cache.warmup=1"]
+    scale_2 = [] if second is None else [f"sampling.guidance_scale_2={second}"]
     cfg = _sampling("tiny_wan", "sampling.prompts=['a red fox runs through the snow']", "sampling.steps=6",
-                    *taylorseer)
+                    *taylorseer, *scale_2)
     run = settle_infer(cfg)
     family, first = run.pipeline.family, run.sampling.first
     geometry, cache = first.geometry, first.cache
@@ -84,7 +88,11 @@ def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_st
                                     TorchBackendBlock(), cuda_graph=False, quantized=False)
     experts = (stages["transformer"], stages["transformer_2"])
     assert all(isinstance(stage, InTurn) and stage.size == 1 for stage in experts)
+    samples = {name: [] for name in ("transformer", "transformer_2")}
+    for name, calls in samples.items():
+        stages[name] = _counted(stages[name], calls)
     ours = flow_over(run, stages)(first, StageTimer(CPU), progress=False)
+    assert set(samples["transformer"]) == {2} and set(samples["transformer_2"]) == {1 if second == 1.0 else 2}
 
     def reference(cached: bool) -> torch.Tensor:
         pipe = load_pipeline(cfg.model, CPU, torch.float32)
@@ -92,6 +100,7 @@ def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_st
             if cached:
                 expert.enable_cache(cache.config(expert))
         return pipe(prompt=PROMPTS[:1], negative_prompt="blurry, static", num_inference_steps=6, guidance_scale=4.0,
+                    **({} if second is None else {"guidance_scale_2": second}),
                     height=geometry.height, width=geometry.width, num_frames=geometry.frames, max_sequence_length=64,
                     output_type="pt", generator=[torch.Generator().manual_seed(42)]).frames
 
@@ -99,6 +108,17 @@ def test_the_torch_backend_runs_each_guidance_half_in_turn_with_its_own_cache_st
     assert (ours - cached).abs().max() < 1e-4
     # The hooks predicted steps: the cached video is not the uncached one.
     assert (cached - uncached).abs().max() > 1e-3
+
+
+def _counted(stage, samples: list):
+    """`stage`, noting the samples in each call's batch in `samples`."""
+
+    def call(**inputs):
+        samples.append(inputs["hidden_states"].shape[0])
+        return stage(**inputs)
+
+    call.reset = stage.reset
+    return call
 
 
 def test_the_vae_decodes_in_fp32_as_wanpipelines_documentation_loads_it(model_cache):

@@ -250,8 +250,8 @@ def onnx_file(file: StageFile, network) -> StageFile:
 
 def check_split(split: parallel.SampleSplit, torch_block, cuda_graph: bool, model: Model,
                 settings: SamplingSettings) -> None:
-    """parallel.* as a call can take it: the process count, the guidance halves in each backbone
-    call's batch, the model's heads and tokens; no step caching or CUDA graphs (a cache hook decides
+    """parallel.* as a call can take it: the process count, the guidance halves in a backbone's
+    calls (an expert at guidance scale 1 takes them both when they are split), the model's heads and tokens; no step caching or CUDA graphs (a cache hook decides
     on each process's own share, so the processes of a group could part ways; a captured graph
     would hold the group's collectives), which compile modes that capture graphs use too."""
     if split.size == 1:
@@ -263,7 +263,7 @@ def check_split(split: parallel.SampleSplit, torch_block, cuda_graph: bool, mode
                         "captures none (default or max-autotune-no-cudagraphs)")
     family = model.family
     batches = family.text_to_image({}, model.parts, None, torch.device("cpu")).stage_batches(settings)
-    halves = all(batches[backbone.graph] == 2 * len(settings.image_prompts) for backbone in family.backbones)
+    halves = any(batches[backbone.graph] == 2 * len(settings.image_prompts) for backbone in family.backbones)
     parallel.check_split(split, parallel.current_world(), halves,
                          model.parts["backbone_config"].get("num_attention_heads"),
                          family.sequence_tokens(model.parts, settings.geometry), model.name)

@@ -3,13 +3,15 @@ encode the prompt and the negative prompt with UMT5, draw the video latent's noi
 the high-noise expert while t >= boundary_ratio x 1000 and the low-noise expert after, and decode
 the frames. The two guidance halves reach the expert's stage as one batch of two, which the torch
 backend runs as WanPipeline does, one half after the other (WanFamily.backbone_call_samples says
-why), and an engine as one call: the same predictions."""
+why), and an engine as one call: the same predictions. An expert sampled at guidance scale 1 (a
+scene model's low-noise one) takes the conditional half alone where its stage can."""
 
 from __future__ import annotations
 
 import torch
 
 from ...graphs.networks import FRAMES, HEIGHT, TEXT_TOKENS, WIDTH
+from ...parallel import GuidanceHalf
 from .graphs import LATENT_TOKENS
 from ..pipeline import SamplingSettings, TextToImage, shortened, warn_if_not_finite
 
@@ -94,8 +96,28 @@ class WanTextToVideo(TextToImage):
 
     def stage_batches(self, settings: SamplingSettings) -> dict[str, int]:
         videos = len(settings.image_prompts)
-        samples = 2 * videos if settings.guided else videos
-        return {"umt5": len(self.texts(settings)), **{expert: samples for expert in self.experts}, "vae": videos}
+        return {"umt5": len(self.texts(settings)),
+                **{graph: self.halves(settings, expert) * videos for expert, graph in enumerate(self.experts)},
+                "vae": videos}
+
+    @staticmethod
+    def scales(settings: SamplingSettings) -> tuple[float, float]:
+        """Each expert's guidance scale: the second's guidance_scale_2, else guidance_scale."""
+        second = settings.guidance_scale if settings.guidance_scale_2 is None else settings.guidance_scale_2
+        return settings.guidance_scale, second
+
+    def halves(self, settings: SamplingSettings, expert: int) -> int:
+        """The samples a video's call of this expert holds: both guidance halves under guidance, the
+        conditional one alone where the expert's scale is 1 or less (its guided velocity is then the
+        conditional one, so the unconditional half is work WanPipeline does for nothing) and its stage
+        takes one. An expert's engine or ONNX graph is traced on both halves (WanFamily.graph_specs),
+        and a stage that runs the halves on two processes (parallel.cfg) takes both."""
+        if not settings.guided:
+            return 1
+        if self.scales(settings)[expert] > 1.0:
+            return 2
+        stage = self.stages.get(self.experts[expert])
+        return 2 if hasattr(stage, "profiles") or isinstance(stage, GuidanceHalf) else 1
 
     def axis_sizes(self, settings: SamplingSettings) -> dict[str, int]:
         height, width = self.latent_size(settings)
@@ -179,21 +201,23 @@ class WanTextToVideo(TextToImage):
         self.scheduler.set_timesteps(settings.steps, device=self.device)
         latents = self.initial_latents(settings) if latents is None else latents
         self.scheduler.set_begin_index(0)
-        guided = settings.guided
-        scales = (settings.guidance_scale,
-                  settings.guidance_scale if settings.guidance_scale_2 is None else settings.guidance_scale_2)
+        scales = self.scales(settings)
+        both = [self.halves(settings, expert) == 2 for expert in range(len(self.experts))]
+        conditional_text = text[text.shape[0] // 2:] if settings.guided else text
         # Each step's expert, read once from the host's copy of the schedule: no wait inside the loop.
         experts = [self.expert_at(t) for t in self.scheduler.timesteps.cpu()]
-        # 3. Denoise: each step's expert, the guidance halves as one batch; a new video starts every
-        # expert's cache hook afresh, the second expert's too.
+        # 3. Denoise: each step's expert, the guidance halves as one batch where it takes both; a new
+        # video starts every expert's cache hook afresh, the second expert's too.
         self.restart_caches(settings, self.experts)
         for step, t in enumerate(Progress(self.scheduler.timesteps, "denoising", "steps", show=progress, leave=False)):
-            x = torch.cat([latents] * 2) if guided else latents
-            inputs = {"hidden_states": x, "timestep": self.timesteps_for(t, x), "encoder_hidden_states": text}
-            velocity = self.velocity(experts[step], inputs, timer).float()
-            if guided:
+            expert = experts[step]
+            x = torch.cat([latents] * 2) if both[expert] else latents
+            inputs = {"hidden_states": x, "timestep": self.timesteps_for(t, x),
+                      "encoder_hidden_states": text if both[expert] else conditional_text}
+            velocity = self.velocity(expert, inputs, timer).float()
+            if both[expert]:
                 uncond, cond = velocity.chunk(2)
-                velocity = uncond + scales[experts[step]] * (cond - uncond)
+                velocity = uncond + scales[expert] * (cond - uncond)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
         # 4. Decode the frames.
         return self.decode(latents, timer)
