@@ -251,9 +251,10 @@ def onnx_file(file: StageFile, network) -> StageFile:
 def check_split(split: parallel.SampleSplit, torch_block, cuda_graph: bool, model: Model,
                 settings: SamplingSettings) -> None:
     """parallel.* as a call can take it: the process count, the guidance halves in a backbone's
-    calls (an expert at guidance scale 1 takes them both when they are split), the model's heads and tokens; no step caching or CUDA graphs (a cache hook decides
-    on each process's own share, so the processes of a group could part ways; a captured graph
-    would hold the group's collectives), which compile modes that capture graphs use too."""
+    calls (an expert at guidance scale 1 takes them both when they are split), the model's heads
+    and tokens; no step caching or CUDA graphs (a cache hook decides on each process's own share,
+    so the processes of a group could part ways; a captured graph would hold the group's
+    collectives), which compile modes that capture graphs use too."""
     if split.size == 1:
         return
     captures = torch_block.compile and torch_block.compile_mode in CAPTURING_COMPILE_MODES
