@@ -47,8 +47,8 @@ PEERS = {"peer": ("default", None), "peer_cudagraphs": ("reduce-overhead", None)
 
 def torchao_fp8(backbone, granularity: str) -> dict:
     """Turns `backbone`'s Linear layers into torchao's dynamic FP8 at `granularity` (PerRow or
-    PerTensor) as torchao_probe.torchao_config sets it up (torchao's recommended compiler settings,
-    the activation scale floored); returns what it did and what torchao's import said (its version,
+    PerTensor) as torchao_probe.torchao_config sets it up (the activation scale floored), compiled
+    with torch's default settings; returns what it did and what torchao's import said (its version,
     which of its C++ extensions loaded: its FP8 Linear layers call torch._scaled_mm and need none
     of them)."""
     from torchao_probe import import_torchao, torchao_config
@@ -59,7 +59,11 @@ def torchao_fp8(backbone, granularity: str) -> dict:
     print(f"torchao {status['version']}, C++ extensions loaded: {status['cpp_extensions_loaded'] or 'none'}; "
           f"quantize_ with {granularity}", flush=True)
     start = time.perf_counter()
-    config = torchao_config(granularity)
+    # Not the compiler settings torchao recommends (set_inductor_config: coordinate descent tuning,
+    # every direction, for the whole process): under them SDXL's UNet at batch 8 had not compiled
+    # after 13 minutes on an H100, where torch's defaults take about 3, and a family's rows must fit
+    # one lease of a GPU. Our rows are not tuned either (torch_backend.tune_kernels defaults off).
+    config = torchao_config(granularity, inductor_config=False)
     quantize_(backbone, config)
     linear = [module for module in backbone.modules() if isinstance(module, torch.nn.Linear)]
     return {**status, "granularity": granularity, "activation_value_lb": config.activation_value_lb,

@@ -93,8 +93,9 @@ SCENARIOS = {
         rows=(
             Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer"), "peer", "torch",
                 quality=Quality(SDXL_QUALITY, None, "two objects")),
-            Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row, bf16)", "peer",
-                ("--variants", "torchao_row"), "torchao_row", "torch", TORCHAO),
+            Row("peer_torchao",
+                "diffusers' compiled pipeline + torchao's dynamic FP8 (per row, bf16), torch's compiler defaults",
+                "peer", ("--variants", "torchao_row"), "torchao_row", "torch", TORCHAO),
             Row("ours_16bit", "ours, fp16 compiled + CUDA graphs", "ours", ("--variants", "compiled"), "compiled",
                 "torch", quality=Quality(SDXL_QUALITY, None, "two objects")),
             Row("ours_fp8", "ours, FP8 level 3", "ours", ("--variants", "fp8"), "fp8", "torch",
@@ -109,8 +110,9 @@ SCENARIOS = {
         rows=(
             Row("peer", "diffusers' compiled pipeline", "peer", ("--variants", "peer", "--attention-kernel", "torch"),
                 "peer_torch", "torch", quality=Quality(FLUX_QUALITY, None, "two objects")),
-            Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row)", "peer",
-                ("--variants", "torchao_row", "--attention-kernel", "torch"), "torchao_row_torch", "torch", TORCHAO),
+            Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row), torch's compiler defaults",
+                "peer", ("--variants", "torchao_row", "--attention-kernel", "torch"), "torchao_row_torch", "torch",
+                TORCHAO),
             Row("ours_16bit", "ours, bf16 compiled + CUDA graphs", "ours",
                 ("--variants", "compiled", "--attention-kernel", "torch"), "compiled_torch", "torch",
                 quality=Quality(FLUX_QUALITY, None, "two objects")),
