@@ -65,6 +65,7 @@ SETTINGS = {
              "fp16_deepcache2": Setting(None, DEEPCACHE_2), "fp8_l3_deepcache2": Setting("fp8_l3", DEEPCACHE_2)},
     "transformer": {"int8_l3": Setting("int8_l3"), "fp8_l3": Setting("fp8_l3"), "fp8_l4": Setting("fp8_l4"),
                     "fp16_taylorseer_blocks2": Setting(None, TAYLORSEER_BLOCKS_2),
+                    "fp16_taylorseer_blocks2_warmup1": Setting(None, TAYLORSEER_BLOCKS_2_WARMUP_1),
                     "fp8_l4_taylorseer_blocks2": Setting("fp8_l4", TAYLORSEER_BLOCKS_2),
                     "fp8_l4_taylorseer_blocks2_warmup1": Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
                     **{f"fp8_l4_taylorseer_blocks_warmup1_{intervals}": Setting("fp8_l4", cache)
