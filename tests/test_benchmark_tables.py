@@ -1,5 +1,5 @@
-"""The README's headline tables are written from the benchmark harness's result files, and
-run_all.py writes such a file from rows each run in a process of its own."""
+"""The headline tables of the README and docs/models.md are written from the benchmark harness's
+result files, and run_all.py writes such a file from rows each run in a process of its own."""
 
 import json
 import subprocess
@@ -20,6 +20,16 @@ def test_the_readme_tables_are_the_headline_files():
     result = subprocess.run([sys.executable, str(BENCHMARKS / "write_tables.py"), "--check"], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_family_and_the_serving_table_have_their_place_in_one_document():
+    families = [*SCENARIOS, "serving"]
+    texts = [(REPO / name).read_text() for name in tables.DOCUMENTS]
+    for family in families:
+        start, end = tables.marker(family)
+        holding = [text for text in texts if start in text]
+        assert len(holding) == 1 and holding[0].count(start) == 1, family
+        assert holding[0].index(start) < holding[0].index(end), family
 
 
 def test_every_headline_row_names_a_quality_figure_that_exists():

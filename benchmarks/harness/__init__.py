@@ -4,5 +4,6 @@ settings both sides take (caches), what names the code and the machine (provenan
 rows of each family (scenarios) and the README's tables written from their results (tables).
 
 The benchmark scripts beside this folder import it; `benchmarks/run_all.py` runs a family's
-headline rows and `benchmarks/write_tables.py` writes the README's tables from them.
+headline rows and `benchmarks/write_tables.py` writes the tables of README.md and docs/models.md
+from them.
 """

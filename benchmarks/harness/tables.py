@@ -1,7 +1,8 @@
-"""The README's headline tables, written from the headline files: one table per family, its rows
-against the peer of the same run, the quality of each setting beside it, and a line naming the run
-(GPU, driver, code, file); and the serving table, a row per served model from its serve_load.py
-Server results, with a line naming each file's run."""
+"""The headline tables, written from the headline files into the documents that hold their markers
+(the README: a table per family and the serving one; docs/models.md: the Wan video's, TI2V-5B's
+and the window's): one table per family, its rows against the peer of the same run, the quality of
+each setting beside it, and a line naming the run (GPU, driver, code, file); and the serving table,
+a row per served model from its serve_load.py Server results, with a line naming each file's run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from .loadgen import MLPERF_MIN_DURATION_S
 from .scenarios import SCENARIOS, SERVING, Quality, Scenario, Served
 
 REPO = RESULTS.parents[1]
+# The documents whose markers the tables go between, from the repository's root.
+DOCUMENTS = ("README.md", "docs/models.md")
 
 
 def quality_cell(quality: Quality | None) -> str:
@@ -213,12 +216,11 @@ def written_into(text: str, made: dict[str, str]) -> str:
     return text
 
 
-def write_readme(readme: Path) -> list[str]:
-    """Writes the tables into `readme` (a temporary file renamed); the tables written."""
-    text = readme.read_text()
-    made = tables()
+def write_document(document: Path, made: dict[str, str]) -> list[str]:
+    """Writes the tables `made` into `document` (a temporary file renamed); the tables written."""
+    text = document.read_text()
     updated = written_into(text, made)
-    temporary = readme.with_name(readme.name + ".tmp")
+    temporary = document.with_name(document.name + ".tmp")
     temporary.write_text(updated)
-    os.replace(temporary, readme)
+    os.replace(temporary, document)
     return [family for family in made if marker(family)[0] in text]
