@@ -10,11 +10,15 @@ everything the machine does not have.
     python tools/maintainer/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
     python tools/maintainer/fetch_wheels.py --extras peers      # and an optional extra's wheels (torchao)
     python tools/maintainer/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
+    python tools/maintainer/fetch_wheels.py --extras peers \
+        --alone nvidia-cudnn-frontend==1.32.0 fa3-fwd==0.0.3    # what the headline rows need
 
 With --extras, the optional dependencies of those extras in pyproject.toml are resolved with the
 rest; install them there with `pip install --no-index --find-links .whl -e ".[peers]"`. (`peers`
 adds 3.3 MB; `fp8-attention` brings nvidia-cutlass-dsl's ~190 MB with nvidia-cudnn-frontend,
-more than the device tool carries: its wheel alone, installed with --no-deps, has been enough.)
+more than the device tool carries: its wheel alone has been enough.) --alone fetches such wheels
+without their dependencies into .whl/alone/, which gpu_install.sh installs with --no-deps after
+its checks.
 pulp, which ModelOpt imports, travels without the CBC solver binaries its wheel bundles (SLIMMED).
 
 Run it with the project's own Python (it reads packaging and pyproject.toml); it needs PyPI and pip
@@ -39,7 +43,9 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# The GPU image's glibc takes any manylinux tag up to 2.28; pip matches --platform tags literally.
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64")
 # Published as a source archive only: built into a (pure Python) wheel here.
 SOURCE_ONLY = ("antlr4-python3-runtime",)
 # Wheels carried without a folder that sdquant never runs, which alone would overfill the device
@@ -182,6 +188,8 @@ def main() -> None:
     parser.add_argument("--image", type=Path, default=REPO / "tools" / "maintainer" / "gpu_image_packages.txt",
                         help="packages the machine has, one per line, NAME or NAME==VERSION")
     parser.add_argument("--extras", default="", help="comma-separated optional extras of pyproject.toml to fetch too")
+    parser.add_argument("--alone", nargs="*", default=[], metavar="NAME==VERSION",
+                        help="wheels fetched without their dependencies, into .whl/alone/")
     args = parser.parse_args()
     require_recent_pip()
     requirements = requirements_with(pyproject()["project"], args.extras)
@@ -220,7 +228,10 @@ def main() -> None:
     print(f"build backend: {', '.join(build_requires)}")
     for name, metadata in sorted(missing.items()):
         print(f"missing: {name} {metadata['version']}")
-    wheels = sorted(dest.glob("*.whl"))
+    if args.alone:
+        pip("download", "--quiet", "--no-deps", *flags, "-d", str(dest / "alone"), *args.alone)
+        print(f"alone (installed with --no-deps): {', '.join(args.alone)}")
+    wheels = sorted(dest.rglob("*.whl"))
     print(f"{len(wheels)} wheels, {sum(w.stat().st_size for w in wheels) / 2**20:.1f} MiB in {dest}")
 
 

@@ -37,6 +37,12 @@ if new=$(grep -vxF -f "$out/pip_check_before.txt" "$out/pip_check_after.txt" | g
 fi
 echo "gpu_install: sdquant $("$python" -c 'import sdquant; print(sdquant.__version__)') installed; torch $after kept;" \
      "pip check: $(cat "$out/pip_check_after.txt")"
+# Wheels fetched without their dependencies (fetch_wheels.py --alone), after the checks: pip check
+# would rightly name what they leave out (nvidia-cutlass-dsl, which the device tool cannot carry).
+if compgen -G ".whl/alone/*.whl" > /dev/null; then
+    "$python" -m pip install --no-index --no-deps --no-compile .whl/alone/*.whl
+    echo "gpu_install: installed without their dependencies: $(cd .whl/alone && ls *.whl | tr '\n' ' ')"
+fi
 
 if [ "${1:-}" = extensions ]; then
     "$python" -c "from modelopt.torch.quantization import extensions as e
