@@ -29,12 +29,24 @@ TAYLORSEER_BLOCKS_2 = "{method:taylorseer_blocks,interval:2}"
 # One full pass before TaylorSeer's first prediction instead of diffusers' three: what the Wan video's
 # speed needs, since each of its two experts starts its own cache.
 TAYLORSEER_BLOCKS_2_WARMUP_1 = "{method:taylorseer_blocks,interval:2,warmup:1}"
+
+
+def taylorseer_blocks_after_one(high: int, low: int, order: int = 1) -> str:
+    """TaylorSeer over blocks after one full pass, a full pass every `high` steps of the high-noise
+    expert and every `low` of the low-noise one, extrapolating to `order`."""
+    extrapolated = "" if order == 1 else ",order:%d" % order
+    own = "" if low == high else ",backbone_intervals:{transformer_2:%d}" % low
+    return "{method:taylorseer_blocks,interval:%d,warmup:1%s%s}" % (high, extrapolated, own)
+
+
 # Fewer full passes: a longer interval for both experts, or for the low-noise expert alone, whose
 # output changes far less from step to step (A14B, 20 steps: 7 of the high-noise expert, 13 of the
 # low-noise one; full passes 11 at 2 and 2, 8 at 3 and 3 or 2 and 4, 7 at 2 and 6, 3 and 4, 4 and 4).
-TAYLORSEER_BLOCKS_WARMUP_1 = {f"{high}_{low}": "{method:taylorseer_blocks,interval:%d,warmup:1%s}" % (
-    high, "" if low == high else ",backbone_intervals:{transformer_2:%d}" % low)
-    for high, low in ((3, 3), (2, 4), (2, 6), (3, 4), (4, 4))}
+TAYLORSEER_BLOCKS_WARMUP_1 = {f"{high}_{low}": taylorseer_blocks_after_one(high, low)
+                              for high, low in ((3, 3), (2, 4), (2, 6), (3, 4), (4, 4))}
+# Some of them with TaylorSeer's second order: a parabola through the last three full passes.
+TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2 = {f"{high}_{low}": taylorseer_blocks_after_one(high, low, order=2)
+                                      for high, low in ((2, 2), (3, 3), (3, 4))}
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,8 @@ SETTINGS = {
                     "fp8_l4_taylorseer_blocks2_warmup1": Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1),
                     **{f"fp8_l4_taylorseer_blocks_warmup1_{intervals}": Setting("fp8_l4", cache)
                        for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1.items()},
+                    **{f"fp8_l4_taylorseer_blocks_warmup1_order2_{intervals}": Setting("fp8_l4", cache)
+                       for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2.items()},
                     **{name: Setting(name) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
                                                           "fp8_l4_keep_none")},
                     "fp8_l4_keep_none_taylorseer_blocks2_warmup1": Setting("fp8_l4_keep_none",

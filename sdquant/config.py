@@ -264,6 +264,9 @@ class CacheBlock(Settled):
     # a Wan2.2 low-noise expert's output changes far less from step to step than the high-noise
     # one's, so it can predict more of its steps ({transformer_2: 4}).
     backbone_intervals: dict[str, int] = field(default_factory=dict)
+    # TaylorSeer's highest order (diffusers' max_order): 1 extrapolates along the line through the
+    # last two full passes' outputs, 2 along the parabola through the last three.
+    order: int = 1
 
 
 CACHE_METHODS = ("none", "deepcache", "first_block", "taylorseer", "taylorseer_blocks")

@@ -131,6 +131,20 @@ def test_taylorseer_takes_an_interval_per_expert(model_cache):
     assert "transformer_2 every 4" in mixed.first.cache.describe()
 
 
+def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):
+    """sampling.cache.order reaches diffusers' hooks: at order 2 a prediction made after three full
+    passes (the low-noise expert's from its fourth call on) follows a parabola, not a line, so the
+    video differs from order 1's while the experts compute the same full passes."""
+    plain = Videos("tiny_wan").draw()
+    blocks = ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2", "sampling.cache.warmup=1"]
+    line, parabola = Videos("tiny_wan", *blocks), Videos("tiny_wan", *blocks, "sampling.cache.order=2")
+    by_line, by_parabola = line.draw(), parabola.draw()
+    assert parabola.counted("feed-forward") == line.counted("feed-forward") == FULL_PASSES_AFTER_ONE["tiny_wan"]
+    assert (by_parabola - by_line).abs().max() > 1e-5
+    assert (by_parabola - plain).abs().mean() < 0.02
+    assert parabola.first.cache.describe().endswith("order 2") and "order" not in line.first.cache.describe()
+
+
 def test_the_benchmarks_cache_setting_names_an_interval_per_expert():
     import re
     import sys
@@ -228,8 +242,12 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
      "sampling.cache.backbone_intervals: model=tiny_wan has no backbone unet: name transformer or transformer_2"),
     (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_intervals={transformer_2:0}"],
      "sampling.cache.backbone_intervals.transformer_2=0: give a full pass every 1 or more steps"),
+    (["sampling.cache.method=taylorseer_blocks", "sampling.cache.order=0"],
+     "sampling.cache.order=0: give 1 (a line through the last two full passes) or more"),
+    ([*FIRST_BLOCK, "sampling.cache.order=2"],
+     "sampling.cache.order=2: only TaylorSeer (taylorseer and taylorseer_blocks) extrapolates, not first_block"),
 ], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs", "intervals_method",
-        "intervals_backbone", "intervals_value"])
+        "intervals_backbone", "intervals_value", "order_value", "order_method"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"

@@ -395,7 +395,8 @@ class HookCaching:
 
         return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
                                                              self.hook_block_stacks, block.warmup,
-                                                             tuple(sorted(block.backbone_intervals.items())))
+                                                             tuple(sorted(block.backbone_intervals.items())),
+                                                             block.order)
 
     def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.cache_hooks import HookedStage

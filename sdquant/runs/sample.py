@@ -111,6 +111,9 @@ def settle_cache(model: Model, block: CacheBlock, key: str):
         raise UserError(f"{key}.method={block.method}: model={model.name}'s {' and '.join(family.backbone_attributes)} "
                         f"{takes} {' or '.join(family.cache_methods)}")
     check_backbone_intervals(model, block, key)
+    if block.order != 1 and block.method not in TAYLORSEER_METHODS:
+        raise UserError(f"{key}.order={block.order}: only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) "
+                        f"extrapolates, not {block.method}: leave it at 1")
     cache = family.step_cache(block)
     if cache is not None:
         cache.check(model.parts.get("backbone_config", {}), key)

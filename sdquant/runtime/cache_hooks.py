@@ -55,13 +55,16 @@ class HookCache:
     warmup: int = 3
     # (backbone attribute, interval) pairs, sorted: the backbones whose interval is not `interval`.
     backbone_intervals: tuple[tuple[str, int], ...] = ()
+    # TaylorSeer's highest order (config.CacheBlock.order).
+    order: int = 1
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
     @property
     def stages_key(self) -> tuple:
         """What its stages depend on: every setting, which the hook on the module holds."""
-        return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals)
+        return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals,
+                self.order)
 
     def for_backbone(self, attribute: str) -> HookCache:
         """The hook one backbone runs under: its own interval where one is named for it."""
@@ -77,7 +80,7 @@ class HookCache:
         # defaults, so every block's feed-forward GEMMs still run on a predicted step.
         identifiers = (whole_block_identifiers if self.method == "taylorseer_blocks" else attention_identifiers)
         return TaylorSeerCacheConfig(cache_interval=self.interval, disable_cache_before_step=self.warmup,
-                                     **identifiers(transformer, self.block_stacks))
+                                     max_order=self.order, **identifiers(transformer, self.block_stacks))
 
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:
@@ -88,6 +91,8 @@ class HookCache:
             if interval < 1:
                 raise UserError(f"{key}.backbone_intervals.{attribute}={interval}: give a full pass every 1 or "
                                 "more steps")
+        if self.method in TAYLORSEER_METHODS and self.order < 1:
+            raise UserError(f"{key}.order={self.order}: give 1 (a line through the last two full passes) or more")
         if self.method in TAYLORSEER_METHODS and self.warmup < 1:
             raise UserError(f"{key}.warmup={self.warmup}: give 1 or more full passes before TaylorSeer predicts "
                             "(it predicts from what the full passes computed)")
@@ -97,7 +102,9 @@ class HookCache:
             return f"First Block Cache, threshold {self.threshold}"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
         own = "".join(f", {attribute} every {interval}" for attribute, interval in self.backbone_intervals)
-        return f"TaylorSeer{scope}, a full pass every {self.interval} steps{own} after the first {self.warmup}"
+        order = f", order {self.order}" if self.order != 1 else ""
+        return (f"TaylorSeer{scope}, a full pass every {self.interval} steps{own} after the first {self.warmup}"
+                f"{order}")
 
 
 def allow_recompiles(transformer) -> None:
