@@ -24,8 +24,8 @@ transformer with fullgraph=True and of the VAE decoder, in the default mode (the
 max-autotune takes longer than the device's ten minutes a call). The torchao variants add, between
 the fusion and the compilation, what diffusers-torchao runs for FP8 on Flux:
 `quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` (or
-PerTensor()), with torchao's recommended compiler settings (set_inductor_config) and with
-activation_value_lb=1e-12 so that an all-zero row does not quantize to NaN (as in
+PerTensor()), compiled with torch's default settings (harness/peers.py says why not torchao's
+set_inductor_config), and with activation_value_lb=1e-12 so that an all-zero row does not quantize to NaN (as in
 torch_backend_full_size.py). The FP8 variant calibrates the
 transformer with quantize.py's own calibration (sdquant.quantize.calibrate.quantize_backbones: format=fp8,
 quant_level=3, two denoising steps of one prompt at 1024x1024; the GEMMs' speed does not depend on

@@ -26,9 +26,6 @@ from quality_recipes import RECIPES, add_kernels_argument, calibrated, evaluate_
 RESULTS = Path(__file__).resolve().parent / "results"
 DEEPCACHE_2 = "{method:deepcache,interval:2,branch:0}"
 TAYLORSEER_BLOCKS_2 = "{method:taylorseer_blocks,interval:2}"
-# One full pass before TaylorSeer's first prediction instead of diffusers' three: what the Wan video's
-# speed needs, since each of its two experts starts its own cache.
-TAYLORSEER_BLOCKS_2_WARMUP_1 = "{method:taylorseer_blocks,interval:2,warmup:1}"
 
 
 def taylorseer_blocks_after_one(high: int, low: int, order: int = 1) -> str:
@@ -39,12 +36,15 @@ def taylorseer_blocks_after_one(high: int, low: int, order: int = 1) -> str:
     return "{method:taylorseer_blocks,interval:%d,warmup:1%s%s}" % (high, extrapolated, own)
 
 
+# One full pass before TaylorSeer's first prediction instead of diffusers' three: what the Wan video's
+# speed needs, since each of its two experts starts its own cache.
+TAYLORSEER_BLOCKS_2_WARMUP_1 = taylorseer_blocks_after_one(2, 2)
 # Fewer full passes: a longer interval for both experts, or for the low-noise expert alone, whose
 # output changes far less from step to step (A14B, 20 steps: 7 of the high-noise expert, 13 of the
 # low-noise one; full passes 11 at 2 and 2, 8 at 3 and 3 or 2 and 4, 7 at 2 and 6, 3 and 4, 4 and 4).
 TAYLORSEER_BLOCKS_WARMUP_1 = {f"{high}_{low}": taylorseer_blocks_after_one(high, low)
                               for high, low in ((3, 3), (2, 4), (2, 6), (3, 4), (4, 4))}
-# Some of them with TaylorSeer's second order: a parabola through the last three full passes.
+# Some of them with TaylorSeer's second order, to see whether a curvature term predicts the longer gaps better.
 TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2 = {f"{high}_{low}": taylorseer_blocks_after_one(high, low, order=2)
                                       for high, low in ((2, 2), (3, 3), (3, 4))}
 

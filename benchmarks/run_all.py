@@ -1,7 +1,7 @@
 """Runs a family's headline rows (benchmarks/harness/scenarios.py) in one run on one GPU, each row
 in a process of its own, warm (each row counts the graphs compiled while timed), and writes
 benchmarks/results/headline_<family>_<gpu>.json, from which benchmarks/write_tables.py writes the
-README's table.
+family's table in README.md or docs/models.md.
 
     python benchmarks/run_all.py --family sdxl
     python benchmarks/run_all.py --family wan --rows peer,ours_fp8     # some rows, into the same file

@@ -18,9 +18,8 @@ other peers (PEERS) change one thing each: peer_cudagraphs compiles in mode="red
 graphs), peer_autotune in "max-autotune-no-cudagraphs" (past the device's ten minutes a call on
 SDXL so far), and torchao_row / torchao_tensor first turn the UNet's Linear layers into torchao's
 dynamic FP8 (`quantize_(unet, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() or
-PerTensor(), activation_value_lb=1e-12))`, with the compiler settings torchao recommends
-(set_inductor_config, on by default: coordinate descent tuning for the variant's own process);
-the activation scale has a floor, without which the rows of SDXL's zeroed negative-prompt
+PerTensor(), activation_value_lb=1e-12))`, compiled with torch's default settings (harness/peers.py
+says why not torchao's set_inductor_config); the activation scale has a floor, without which the rows of SDXL's zeroed negative-prompt
 embeddings quantize to NaN per row, pytorch/ao issue 4713). Per-row FP8 takes bf16
 weights only: torchao_row runs the whole pipeline in bf16 (its row says "dtype"). Needs torchao
 (the `peers` extra); where it does not import, the variant's row holds the error:

@@ -265,7 +265,7 @@ class CacheBlock(Settled):
     # one's, so it can predict more of its steps ({transformer_2: 4}).
     backbone_intervals: dict[str, int] = field(default_factory=dict)
     # TaylorSeer's highest order (diffusers' max_order): 1 extrapolates along the line through the
-    # last two full passes' outputs, 2 along the parabola through the last three.
+    # last two full passes' outputs, 2 adds a second-order term from the last three passes' differences.
     order: int = 1
 
 

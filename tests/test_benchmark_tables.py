@@ -54,6 +54,13 @@ def test_a_table_divides_by_the_peer_of_its_own_run_and_goes_between_its_markers
     assert tables.written_into(readme, {"wan": body}) == f"before\n{start}\n{body}\n{end}\nafter\n"
 
 
+def test_a_setting_with_nothing_calibrated_shows_its_one_run_without_a_range():
+    peer = tables.quality_cell(SCENARIOS["wan_video"].row("peer").quality)
+    ours = tables.quality_cell(SCENARIOS["wan_video"].row("ours_fp8_cache").quality)
+    assert peer.endswith("(one run: nothing calibrated), +0.8 points") and peer.startswith("83.6%")
+    assert "one run" not in ours and "-" in ours.split("(")[1]
+
+
 def test_run_all_runs_each_row_in_its_own_process_on_its_lane_and_records_what_compiled_while_timed(tmp_path):
     out = tmp_path / "headline_wan_cpu.json"
     result = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), "--family", "wan", "--rows",

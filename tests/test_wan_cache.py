@@ -133,16 +133,16 @@ def test_taylorseer_takes_an_interval_per_expert(model_cache):
 
 def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):
     """sampling.cache.order reaches diffusers' hooks: at order 2 a prediction made after three full
-    passes (the low-noise expert's from its fourth call on) follows a parabola, not a line, so the
-    video differs from order 1's while the experts compute the same full passes."""
+    passes (the low-noise expert's from its fourth call on) adds a second-order term to the line, so
+    the video differs from order 1's while the experts compute the same full passes."""
     plain = Videos("tiny_wan").draw()
     blocks = ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2", "sampling.cache.warmup=1"]
-    line, parabola = Videos("tiny_wan", *blocks), Videos("tiny_wan", *blocks, "sampling.cache.order=2")
-    by_line, by_parabola = line.draw(), parabola.draw()
-    assert parabola.counted("feed-forward") == line.counted("feed-forward") == FULL_PASSES_AFTER_ONE["tiny_wan"]
-    assert (by_parabola - by_line).abs().max() > 1e-5
-    assert (by_parabola - plain).abs().mean() < 0.02
-    assert parabola.first.cache.describe().endswith("order 2") and "order" not in line.first.cache.describe()
+    line, second = Videos("tiny_wan", *blocks), Videos("tiny_wan", *blocks, "sampling.cache.order=2")
+    by_line, by_second = line.draw(), second.draw()
+    assert second.counted("feed-forward") == line.counted("feed-forward") == FULL_PASSES_AFTER_ONE["tiny_wan"]
+    assert (by_second - by_line).abs().max() > 1e-5
+    assert (by_second - plain).abs().mean() < 0.02
+    assert second.first.cache.describe().endswith("order 2") and "order" not in line.first.cache.describe()
 
 
 def test_the_benchmarks_cache_setting_names_an_interval_per_expert():

@@ -3,6 +3,7 @@ for a peer's diffusers pipeline (the same cache hook)."""
 
 from __future__ import annotations
 
+from sdquant.config import CacheBlock
 from sdquant.families.flux import family as flux
 from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 
@@ -35,6 +36,4 @@ def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> Hoo
     """cache_block's setting as a cache hook on a transformer of these block lists (Flux's by
     default), for a peer that hooks diffusers' own pipeline."""
     block = cache_block(setting)
-    return None if block is None else HookCache(block["method"], block.get("interval", 1),
-                                                block.get("threshold", 0.0), stacks, block.get("warmup", 3),
-                                                tuple(sorted(block.get("backbone_intervals", {}).items())))
+    return None if block is None else HookCache.of_block(CacheBlock(**block), stacks)

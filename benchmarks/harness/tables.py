@@ -30,8 +30,10 @@ def quality_cell(quality: Quality | None) -> str:
     if quality.setting is None:
         return f"{reference:.1f}% (unquantized)"
     figure = summary["settings"][quality.setting][quality.judged]
-    return (f"{figure['mean']:.1f}% ({figure['low']:.1f}-{figure['high']:.1f}), "
-            f"{figure['mean'] - reference:+.1f} points")
+    # An unquantized setting (a cache alone) has no calibration to vary: one run, no range.
+    spread = (f"({figure['low']:.1f}-{figure['high']:.1f})" if len(figure["values"]) > 1
+              else "(one run: nothing calibrated)")
+    return f"{figure['mean']:.1f}% {spread}, {figure['mean'] - reference:+.1f} points"
 
 
 def table(scenario: Scenario, headline: dict, source: str) -> str:

@@ -393,10 +393,7 @@ class HookCaching:
     def step_cache(self, block):
         from ..runtime.cache_hooks import HookCache
 
-        return None if block.method == "none" else HookCache(block.method, block.interval, block.threshold,
-                                                             self.hook_block_stacks, block.warmup,
-                                                             tuple(sorted(block.backbone_intervals.items())),
-                                                             block.order)
+        return HookCache.of_block(block, self.hook_block_stacks)
 
     def cache_stages(self, modules: dict, dtype, cache) -> dict:
         from ..runtime.cache_hooks import HookedStage

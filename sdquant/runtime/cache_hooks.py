@@ -66,6 +66,15 @@ class HookCache:
         return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals,
                 self.order)
 
+    @classmethod
+    def of_block(cls, block, block_stacks: tuple[str, ...]) -> HookCache | None:
+        """The hook a sampling.cache block (config.CacheBlock) asks for on transformers of these
+        block lists; None for none."""
+        if block.method == "none":
+            return None
+        return cls(block.method, block.interval, block.threshold, block_stacks, block.warmup,
+                   tuple(sorted(block.backbone_intervals.items())), block.order)
+
     def for_backbone(self, attribute: str) -> HookCache:
         """The hook one backbone runs under: its own interval where one is named for it."""
         interval = dict(self.backbone_intervals).get(attribute, self.interval)

@@ -10,8 +10,8 @@ everything the machine does not have.
     python tools/maintainer/fetch_wheels.py                     # the GPU machine: Python 3.12, x86-64
     python tools/maintainer/fetch_wheels.py --extras peers      # and an optional extra's wheels (torchao)
     python tools/maintainer/fetch_wheels.py --python-version 3.11 --image freeze.txt   # another machine
-    python tools/maintainer/fetch_wheels.py --extras peers \
-        --alone nvidia-cudnn-frontend==1.32.0 fa3-fwd==0.0.3    # what the headline rows need
+    python tools/maintainer/fetch_wheels.py \
+        --alone nvidia-cudnn-frontend==1.32.0 fa3-fwd==0.0.3 torchao==0.18.0   # what the headline rows need
 
 With --extras, the optional dependencies of those extras in pyproject.toml are resolved with the
 rest; install them there with `pip install --no-index --find-links .whl -e ".[peers]"`. (`peers`

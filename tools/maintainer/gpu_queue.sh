@@ -8,7 +8,7 @@
 #   bash tools/maintainer/gpu_queue.sh collect <file> ...       (waits for the queue, puts files and logs in $OUT)
 # Each command runs in the copy's root, with /tmp/queue/results for its files and its log in
 # /tmp/queue/<n>.log; one that fails does not stop the next. The headline rows need .whl from
-# `fetch_wheels.py --extras peers --alone nvidia-cudnn-frontend==1.32.0 fa3-fwd==0.0.3` (54 MiB):
+# `fetch_wheels.py --alone nvidia-cudnn-frontend==1.32.0 fa3-fwd==0.0.3 torchao==0.18.0` (54 MiB):
 # with it the tree must stay under the device tool's 64 MiB, so the first call goes without the
 # scene models (sdquant/models/scenes_*) and benchmarks/results, which no GPU benchmark reads.
 set -euo pipefail
