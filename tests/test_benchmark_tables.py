@@ -54,6 +54,40 @@ def test_a_table_divides_by_the_peer_of_its_own_run_and_goes_between_its_markers
     assert tables.written_into(readme, {"wan": body}) == f"before\n{start}\n{body}\n{end}\nafter\n"
 
 
+def test_a_second_peer_is_divided_by_the_first_as_ours_are():
+    headline = {"device": "NVIDIA H100", "code": "abc", "versions": {"torch": "2"},
+                "rows": {"peer": {"seconds": 4.0, "attention_kernel": "torch"},
+                         "peer_torchao": {"seconds": 3.2, "attention_kernel": "torch"},
+                         "ours_fp8": {"seconds": 2.5, "attention_kernel": "torch"}}}
+    body = tables.table(SCENARIOS["flux"], headline, "benchmarks/results/headline_flux_h100.json")
+    rows = {line.split(" | ")[0]: line.split(" | ")[3] for line in body.splitlines() if line.startswith("| ")}
+    assert rows["| diffusers' compiled pipeline"] == "-"
+    assert [rows[label] for label in rows if "torchao" in label] == ["1.25x"]
+    assert rows["| ours, FP8 level 4"] == "1.60x"
+
+
+def test_a_commit_is_named_changed_only_where_a_digested_file_changed(tmp_path):
+    from harness.provenance import code_digest, commit
+
+    def git(*arguments):
+        subprocess.run(["git", *arguments], cwd=tmp_path, check=True, capture_output=True)
+
+    for path, text in {"sdquant/api.py": "x = 1\n", "benchmarks/run.sh": "true\n",
+                       "benchmarks/results/row.json": "{}\n", "sdquant/models/scenes/weights.bin": "w"}.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "t")
+    digest = code_digest(tmp_path)
+    # A lease's tree goes without its results and scene models: the same code, the same commit.
+    (tmp_path / "benchmarks/results/row.json").unlink()
+    (tmp_path / "sdquant/models/scenes/weights.bin").unlink()
+    assert not commit(tmp_path).endswith("+changes") and code_digest(tmp_path) == digest
+    (tmp_path / "benchmarks/run.sh").write_text("false\n")
+    assert commit(tmp_path).endswith("+changes") and code_digest(tmp_path) != digest
+
+
 def test_a_setting_with_nothing_calibrated_shows_its_one_run_without_a_range():
     peer = tables.quality_cell(SCENARIOS["wan_video"].row("peer").quality)
     ours = tables.quality_cell(SCENARIOS["wan_video"].row("ours_fp8_cache").quality)

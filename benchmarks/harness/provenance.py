@@ -14,6 +14,8 @@ from sdquant import report
 
 REPO = Path(__file__).resolve().parents[2]
 CODE_FOLDERS = ("sdquant", "benchmarks")
+# The files code_digest reads, as git pathspecs.
+DIGESTED = tuple(f":(glob){folder}/**/*.{suffix}" for folder in CODE_FOLDERS for suffix in ("py", "sh"))
 # Beyond sdquant's own provenance: the attention kernels and the peers' libraries.
 MORE_PACKAGES = ("nvidia-cudnn-frontend", "fa3-fwd", "flash_attn_3", "torchao", "triton")
 
@@ -29,11 +31,11 @@ def code_digest(repo: Path = REPO) -> str:
 
 
 def commit(repo: Path = REPO) -> str | None:
-    """The checkout's commit, with "+changes" where the tree differs from it; None without git
-    (a GPU machine's copy of the tree)."""
+    """The checkout's commit, with "+changes" where a file the digest covers differs from it (a
+    lease's tree goes without its results and scene models); None without git."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
-        changed = subprocess.run(["git", "status", "--porcelain", "--", *CODE_FOLDERS], cwd=repo,
+        changed = subprocess.run(["git", "status", "--porcelain", "--", *DIGESTED], cwd=repo,
                                  capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
