@@ -9,8 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
+from sdquant.assembly import assemble
 from sdquant.errors import EXIT_USER_ERROR, UserError
-from sdquant.workflow.evaluate import run_evaluate
+from sdquant.runs.evaluate import settle_evaluate
+from sdquant.workflow.evaluate import evaluate, run_evaluate
 from sdquant.workflow.export_trt import run_export
 from sdquant.workflow.quantize import run_quantize
 
@@ -96,6 +98,21 @@ def _tiny_clip(folder):
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(folder)
     return folder
+
+
+def test_a_variant_is_drawn_with_the_pipeline_the_caller_built(tmp_path, model_cache):
+    run = settle_evaluate(compose_config("sd_xl_evaluate", [
+        "model=tiny_sdxl", f"out_path={tmp_path}", "device=cpu", f"sampling.prompts={json.dumps(PROMPTS[:1])}",
+        f"sampling.steps={STEPS}", f"sampling.width={SIZE}", f"sampling.height={SIZE}", "+variants.peer=null"]))
+    built = assemble(run.reference)
+    # A peer library's change to the backbone, which no config names: its Linear weights in bf16.
+    with torch.no_grad():
+        for module in built.modules["unet"].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    drawn = evaluate(run, built={"peer": built})["variants"]["peer"]
+    # Drawn as an unquantized variant alone, it would be the reference again: infinite PSNR, no step error.
+    assert 15 < drawn["mean"]["psnr"] < math.inf and all(error > 0 for error in drawn["step_error"])
 
 
 def test_clip_score_from_a_local_model_and_notes_for_missing_weights(tmp_path, model_cache):

@@ -25,9 +25,11 @@ def run_evaluate(cfg) -> dict:
     return evaluate(settle_evaluate(cfg))
 
 
-def evaluate(run: EvaluateRun) -> dict:
+def evaluate(run: EvaluateRun, built: dict[str, Pipeline] | None = None) -> dict:
     """Each variant's images and teacher-forced noise predictions against the unquantized
-    backbone's, this process's share of the prompt batches (all of them in one process)."""
+    backbone's, this process's share of the prompt batches (all of them in one process). `built`:
+    variants whose pipeline the caller built (a peer library's quantization of the backbones, which
+    no config names), drawn as given instead of assembled from their settings, and closed after."""
     start = time.perf_counter()
     world = parallel.current_world()
     try:
@@ -37,7 +39,7 @@ def evaluate(run: EvaluateRun) -> dict:
                        scoring.clip_metric(run.metrics.clip_model, reference.device))
         part = parallel.share_of(world, run.shard)
         mine = parallel.shard(list(run.sampling.runs), part, "prompt batches (prompts / sampling.batch_size)")
-        batches = _part_results(run, reference, mine, metrics)
+        batches = _part_results(run, reference, mine, metrics, built or {})
         batches = {index: batch for each in parallel.gather(batches, world) for index, batch in each.items()}
         if not world.is_main:
             return {}
@@ -64,7 +66,8 @@ def evaluate(run: EvaluateRun) -> dict:
         parallel.stop(world)
 
 
-def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, object]], metrics: tuple) -> dict:
+def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, object]], metrics: tuple,
+                  built: dict[str, Pipeline]) -> dict:
     """This process's prompt batches, each as a record of the reference's and every variant's
     images and scores (so that parts merge in the run's batch order)."""
     lpips, clip = metrics
@@ -88,7 +91,7 @@ def _part_results(run: EvaluateRun, reference: Pipeline, mine: list[tuple[int, o
     for name, variant in run.variants.items():
         with stage(f"the runs of variant {name}"):
             shares = variant.kind == "unquantized" and runs_shared_backbones(variant.pipeline, reference)
-            pipeline = reference if shares else assemble(variant.pipeline, shared=reference)
+            pipeline = built.get(name) or (reference if shares else assemble(variant.pipeline, shared=reference))
             runs = _variant_runs(pipeline, name, variant.cache, references, [lpips, clip], scores)
             if pipeline is reference:
                 reference.use_cache(None)
