@@ -270,12 +270,17 @@ def summary_markdown(summary: dict) -> str:
     unquantized, judged = summary["unquantized"], summary.get("judged", "two objects")
     first = next(iter(summary["settings"].values()))
     names = [name for name in FIGURES | TEMPORAL_FIGURES if name in first]
-    lines = [f"# Quality over {summary['calibrations']} calibrations: {summary['model']}", "",
+    # A peer's dynamic quantization (peer_quality.py) calibrates nothing: one run.
+    size = summary["calib_size"]
+    calibrations = (f"calibration k: captions {size}k to {size}(k+1), seed {FIRST_SEED}+k" if size
+                    else "nothing calibrated, one run")
+    lines = [f"# Quality over {summary['calibrations']} calibrations: {summary['model']}" if size
+             else f"# Quality: {summary['model']}", "",
              f"{summary['device']}, checkpoints run as {summary['kernels']}, {summary['prompts']} held-out prompts; "
-             f"calibration k: captions {summary['calib_size']}k to {summary['calib_size']}(k+1), seed {FIRST_SEED}+k. "
-             f"Unquantized ({summary['reference']}): "
+             f"{calibrations}. Unquantized ({summary['reference']}): "
              + ", ".join(f"{name} {value:.1f}{(FIGURES | TEMPORAL_FIGURES)[name].unit}" for name, value in unquantized.items())
-             + ". Each cell: the mean over the calibrations, then its lowest and highest; a setting is within "
+             + (". Each cell: the mean over the calibrations, then its lowest and highest" if size
+                else ". Each cell: the run's figure") + "; a setting is within "
              f"target where its mean {judged} adherence is at most {WITHIN:g} points under the unquantized model's"
              + ("; temporally within where no mean temporal figure is further past the unquantized model's than "
                 + ", ".join(f"{name} {shown.worse_by:g}" for name, shown in TEMPORAL_FIGURES.items())
@@ -285,7 +290,8 @@ def summary_markdown(summary: dict) -> str:
              + " | against unquantized | within |" + (" temporally within |" if "temporal within" in first else ""),
              "| --- " * (len(names) + 3 + ("temporal within" in first)) + "|"]
     for setting, row in summary["settings"].items():
-        cells = [f"{row[name]['mean']:.1f} ({row[name]['low']:.1f}-{row[name]['high']:.1f})" for name in names]
+        cells = [f"{row[name]['mean']:.1f}" + (f" ({row[name]['low']:.1f}-{row[name]['high']:.1f})" if size else "")
+                 for name in names]
         lines.append(f"| {setting} | " + " | ".join(cells)
                      + f" | {row[f'{judged} against unquantized']:+.1f} | {'yes' if row['within'] else 'no'} |"
                      + (f" {'yes' if row['temporal within'] else 'no'} |" if "temporal within" in row else ""))

@@ -55,6 +55,9 @@ SDXL_QUALITY = "benchmarks/results/quality_means_scenes_sdxl_cpu_summary.json"
 FLUX_QUALITY = "benchmarks/results/quality_means_scenes_flux_cpu_fp8_summary.json"
 WAN_QUALITY = "benchmarks/results/quality_means_scenes_wan_cpu_fp8_summary.json"
 WAN_CACHED_QUALITY = "benchmarks/results/quality_means_scenes_wan_cpu_cached_summary.json"
+# torchao's dynamic FP8 on the scene models' Linear layers (benchmarks/peer_quality.py): one run each.
+SDXL_TORCHAO_QUALITY = "benchmarks/results/quality_means_scenes_sdxl_cpu_torchao_summary.json"
+FLUX_TORCHAO_QUALITY = "benchmarks/results/quality_means_scenes_flux_cpu_torchao_summary.json"
 FP8_ATTENTION = "fp8-attention extra"
 FLASH3 = "fp8-attention extra, a Hopper GPU"
 TORCHAO = "peers extra (torchao)"
@@ -96,7 +99,8 @@ SCENARIOS = {
                 quality=Quality(SDXL_QUALITY, None, "two objects")),
             Row("peer_torchao",
                 "diffusers' compiled pipeline + torchao's dynamic FP8 (per row, bf16), torch's compiler defaults",
-                "peer", ("--variants", "torchao_row"), "torchao_row", "torch", TORCHAO),
+                "peer", ("--variants", "torchao_row"), "torchao_row", "torch", TORCHAO,
+                Quality(SDXL_TORCHAO_QUALITY, "torchao_row", "two objects")),
             Row("ours_16bit", "ours, fp16 compiled + CUDA graphs", "ours", ("--variants", "compiled"), "compiled",
                 "torch", quality=Quality(SDXL_QUALITY, None, "two objects")),
             Row("ours_fp8", "ours, FP8 level 3", "ours", ("--variants", "fp8"), "fp8", "torch",
@@ -113,7 +117,7 @@ SCENARIOS = {
                 "peer_torch", "torch", quality=Quality(FLUX_QUALITY, None, "two objects")),
             Row("peer_torchao", "diffusers' compiled pipeline + torchao's dynamic FP8 (per row), torch's compiler defaults",
                 "peer", ("--variants", "torchao_row", "--attention-kernel", "torch"), "torchao_row_torch", "torch",
-                TORCHAO),
+                TORCHAO, Quality(FLUX_TORCHAO_QUALITY, "torchao_row", "two objects")),
             Row("ours_16bit", "ours, bf16 compiled + CUDA graphs", "ours",
                 ("--variants", "compiled", "--attention-kernel", "torch"), "compiled_torch", "torch",
                 quality=Quality(FLUX_QUALITY, None, "two objects")),
