@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -26,9 +27,12 @@ import torch
 
 from harness.peers import torchao_fp8
 from quality_over_calibrations import RESULTS, Setting, summarized, summary_markdown
-from quality_recipes import compose_app, held_out_file
+from quality_recipes import held_out_file
+from sdquant.api import compose
 from sdquant.assembly import assemble
+from sdquant.cli import exits_cleanly
 from sdquant.config import register_schemas
+from sdquant.errors import UserError
 from sdquant.runs.evaluate import settle_evaluate
 from sdquant.workflow.evaluate import evaluate
 
@@ -70,13 +74,17 @@ def main() -> None:
     parser.add_argument("--work", default=".scratch/peer_quality", help="the report's folder")
     parser.add_argument("--prompts-file", help="default: the shipped model's held-out prompts")
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    exits_cleanly(measure)(parser.parse_args())
+
+
+def measure(args) -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("torchao is not installed: pip install -e \".[peers]\"")
     register_schemas()
     name = f"quality_means_{args.model}_{args.device}_torchao"
-    run = settle_evaluate(compose_app("sd_xl_evaluate", [
-        f"out_path={Path(args.work) / 'report'}", "sampling.batch_size=16", f"model={args.model}",
-        f"device={args.device}", f"sampling.prompts_file={held_out_file(args)}", "sampling.steps=20",
-        f"+variants.{VARIANT}=null"]))
+    run = settle_evaluate(compose("sd_xl_evaluate", args.model, [
+        f"out_path={Path(args.work) / 'report'}", "sampling.batch_size=16", f"device={args.device}",
+        f"sampling.prompts_file={held_out_file(args)}", "sampling.steps=20", f"+variants.{VARIANT}=null"]))
     peer = assemble(run.reference)
     record = {attribute: torchao_linear_layers(module, peer.dtype) for attribute, module in peer.modules.items()}
     described = ("torchao's dynamic FP8 per row on the Linear layers (bf16 between casts), "
