@@ -110,6 +110,8 @@ def test_a_variant_is_drawn_with_the_pipeline_the_caller_built(tmp_path, model_c
         for module in built.modules["unet"].modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    with pytest.raises(UserError, match="built pipelines for pear: no such variant"):
+        evaluate(run, built={"pear": built})
     drawn = evaluate(run, built={"peer": built})["variants"]["peer"]
     # Drawn as an unquantized variant alone, it would be the reference again: infinite PSNR, no step error.
     assert 15 < drawn["mean"]["psnr"] < math.inf and all(error > 0 for error in drawn["step_error"])

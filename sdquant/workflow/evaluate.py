@@ -14,6 +14,7 @@ from .. import parallel, report
 from ..assembly import Pipeline, assemble, runs_shared_backbones
 from ..quality import scoring
 from ..cli import stage
+from ..errors import UserError
 from ..progress import Progress
 from ..report import library_versions, print_summary
 from ..runs.evaluate import EvaluateRun, settle_evaluate
@@ -30,6 +31,9 @@ def evaluate(run: EvaluateRun, built: dict[str, Pipeline] | None = None) -> dict
     backbone's, this process's share of the prompt batches (all of them in one process). `built`:
     variants whose pipeline the caller built (a peer library's quantization of the backbones, which
     no config names), drawn as given instead of assembled from their settings, and closed after."""
+    stray = sorted(set(built or {}) - set(run.variants))
+    if stray:
+        raise UserError(f"built pipelines for {', '.join(stray)}: no such variant (variants: {', '.join(run.variants)})")
     start = time.perf_counter()
     world = parallel.current_world()
     try:
