@@ -1,13 +1,13 @@
 """Quality of the speed tables' second peer, torchao's dynamic FP8 per row on the backbone's Linear
 layers (harness.peers.torchao_fp8, as its speed row sets it up), on a scene model's held-out
-prompts beside the unquantized model of the same run: evaluate.py's report, and a summary
+prompts beside the unquantized model of the same run: evaluate.py's report and grid, and a summary
 in quality_over_calibrations.py's form (one run: torchao calibrates nothing) for the tables'
 quality cell.
 
     python benchmarks/peer_quality.py                          # scenes_sdxl on a CPU
     python benchmarks/peer_quality.py --model scenes_flux
 
-Only the Linear layers change, as in our quantized variants: each runs in bf16 (torchao's per-row
+Only the Linear layers change: each runs in bf16 (torchao's per-row
 FP8 takes bf16 weights; its speed row runs the whole backbone so), its output back in the
 reference's dtype. torchao refuses FP8 below compute capability 8.9 by a check ahead of its
 arithmetic; off such a GPU the check is set aside and torch's _scaled_mm computes the same scaled
@@ -20,14 +20,13 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from harness.peers import torchao_fp8
 from quality_over_calibrations import RESULTS, Setting, summarized, summary_markdown
-from quality_recipes import held_out_file
+from quality_recipes import copy_report, held_out_file
 from sdquant.api import compose
 from sdquant.assembly import assemble
 from sdquant.cli import exits_cleanly
@@ -44,8 +43,9 @@ def torchao_linear_layers(backbone: torch.nn.Module, dtype: torch.dtype) -> dict
     casts from and back to `dtype`; returns what torchao_fp8 recorded."""
     allow_torchao_off_fp8_gpus()
 
-    def to_bf16(_module, args):
-        return tuple(arg.to(torch.bfloat16) if torch.is_tensor(arg) else arg for arg in args)
+    def to_bf16(_module, args, kwargs):
+        cast = [arg.to(torch.bfloat16) if torch.is_tensor(arg) else arg for arg in [*args, *kwargs.values()]]
+        return tuple(cast[:len(args)]), dict(zip(kwargs, cast[len(args):]))
 
     def back(_module, _args, output):
         return output.to(dtype)
@@ -53,7 +53,7 @@ def torchao_linear_layers(backbone: torch.nn.Module, dtype: torch.dtype) -> dict
     for module in backbone.modules():
         if isinstance(module, torch.nn.Linear):
             module.to(torch.bfloat16)
-            module.register_forward_pre_hook(to_bf16)
+            module.register_forward_pre_hook(to_bf16, with_kwargs=True)
             module.register_forward_hook(back)
     return torchao_fp8(backbone, "PerRow")
 
@@ -95,7 +95,7 @@ def measure(args) -> None:
     summary = summarized(report, {VARIANT: Setting(None)}, args) | {"torchao": record}
     (RESULTS / f"{name}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (RESULTS / f"{name}_summary.md").write_text(summary_markdown(summary))
-    shutil.copy(Path(args.work) / "report" / "quality.md", RESULTS / f"{name}.md")
+    copy_report(name, Path(args.work) / "report")
     print(summary_markdown(summary))
 
 

@@ -111,16 +111,22 @@ def held_out_file(args) -> Path:
 def evaluate_into_results(name: str, report_dir: Path, overrides: list[str]) -> dict:
     """evaluate.py with `overrides` (16 prompts a batch), its report and grid copied to
     benchmarks/results/<name>.md and <name>_grid.png; returns the report."""
+    report = run_evaluate(compose_app("sd_xl_evaluate", [f"out_path={report_dir}", "sampling.batch_size=16", *overrides]))
+    copy_report(name, report_dir)
+    return report
+
+
+def copy_report(name: str, report_dir: Path) -> None:
+    """evaluate.py's report and grid in `report_dir` copied to benchmarks/results/<name>.md and
+    <name>_grid.png."""
     from PIL import Image
 
-    report = run_evaluate(compose_app("sd_xl_evaluate", [f"out_path={report_dir}", "sampling.batch_size=16", *overrides]))
     results = REPO / "benchmarks" / "results"
     shutil.copy(report_dir / "quality.md", results / f"{name}.md")
     # The grid is for looking at: in 256 colours, 128 prompts x 16 columns take 1.6 MB, not 7.8.
     grid = Image.open(report_dir / "grid.png").convert("RGB")
     grid.quantize(colors=256, dither=Image.Dither.NONE).save(results / f"{name}_grid.png", optimize=True)
     print(f"wrote {results / f'{name}.md'}")
-    return report
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ def table(scenario: Scenario, headline: dict, source: str) -> str:
             continue
         seconds = entry["seconds"]
         rate_cell = f" | {scenario.per_call / seconds:.3f}" if scenario.rate else ""
-        # A second peer (torchao's FP8 on the first) has its ratio too: ours beside it says what 8 bits
-        # of ours buy over 8 bits of theirs.
+        # A second peer (torchao's FP8 on the first) has its ratio against the first too, so that our
+        # 8-bit row's ratio stands beside what their 8 bits buy.
         against = "-" if peer is None or row.key == "peer" else f"{peer / seconds:.2f}x"
         lines.append(f"| {row.label} | {seconds:.3f}{rate_cell} | {against} | {entry['attention_kernel']} | "
                      f"{row.needs or '-'} | {quality_cell(row.quality)} |")
