@@ -5,6 +5,7 @@
 # goes on while later calls look at it.
 #   bash tools/maintainer/gpu_queue.sh start "<command>" ...    (carry .whl; copies the tree, installs once)
 #   bash tools/maintainer/gpu_queue.sh status                   (the tail of each log so far)
+#   bash tools/maintainer/gpu_queue.sh wait <seconds>           (until the queue ends or the seconds pass, then status)
 #   bash tools/maintainer/gpu_queue.sh collect <file> ...       (waits for the queue, puts files and logs in $OUT)
 # Each command runs in the copy's root, with /tmp/queue/results for its files and its log in
 # /tmp/queue/<n>.log; one that fails does not stop the next. The headline rows need .whl from
@@ -50,6 +51,13 @@ status)
     cat "$queue/queue.log"
     for log in "$queue"/[0-9]*.log; do echo "== $log"; tail -c 600 "$log"; echo; done
     ;;
+wait)
+    # A call that sleeps a fixed time holds the machine idle once the queue is done; this one returns
+    # as the queue ends, so the lease's next command starts at once.
+    end=$((SECONDS + $1))
+    while [ ! -f "$queue/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 10; done
+    bash "$0" status
+    ;;
 collect)
     while [ ! -f "$queue/done" ]; do sleep 10; done
     for file in "$@"; do cp "$queue/results/$file" "$OUT/"; done
@@ -57,7 +65,7 @@ collect)
     cat "$queue/queue.log"
     ;;
 *)
-    echo "gpu_queue.sh: install, start, status or collect, not $action" >&2
+    echo "gpu_queue.sh: install, start, status, wait or collect, not $action" >&2
     exit 2
     ;;
 esac
