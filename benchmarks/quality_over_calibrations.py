@@ -48,6 +48,10 @@ TAYLORSEER_BLOCKS_WARMUP_1 = {f"{high}_{low}": taylorseer_blocks_after_one(high,
 TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2 = {f"{high}_{low}": taylorseer_blocks_after_one(high, low, order=2)
                                       for high, low in ((2, 2), (3, 3), (3, 4))}
 
+# First Block Cache: the rest of each expert skipped while its first block's output changes less than
+# the threshold, the skipped blocks' residual taken from the last full pass.
+FIRST_BLOCK = {percent: "{method:first_block,threshold:%g}" % (percent / 100) for percent in (10, 15, 20, 30)}
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -84,6 +88,7 @@ SETTINGS = {
                        for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1.items()},
                     **{f"fp8_l4_taylorseer_blocks_warmup1_order2_{intervals}": Setting("fp8_l4", cache)
                        for intervals, cache in TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2.items()},
+                    **{f"fp8_l4_first_block{percent}": Setting("fp8_l4", cache) for percent, cache in FIRST_BLOCK.items()},
                     **{name: Setting(name) for name in ("fp8_l4_keep12", "fp8_l4_keep02", "fp8_l4_keep01",
                                                           "fp8_l4_keep_none")},
                     "fp8_l4_keep_none_taylorseer_blocks2_warmup1": Setting("fp8_l4_keep_none",
