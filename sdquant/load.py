@@ -63,6 +63,7 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
                         f"in the cache folder ({cache_folder(model.name)}, from $SDQUANT_CACHE): leave model.source "
                         "at its default, or give the folder of one built before")
     # Another process may finish the same build first: its folder is as good as ours.
+    quiet_libraries()  # saving draws transformers' progress bar, ahead of any one-line refusal
     family = family_of(model.family)
     with atomic_folder(folder, replace=False) as staging:
         family.build_pipeline(family.sizes["tiny"]).save_pretrained(staging)

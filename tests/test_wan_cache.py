@@ -256,6 +256,16 @@ def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, 
     assert not out.exists()
 
 
+def test_a_refusal_that_builds_the_tiny_model_first_is_still_one_line(tmp_path, monkeypatch, capsys):
+    """The first use of a tiny model builds it into the cache; a value refused after that build
+    still leaves the console one line."""
+    monkeypatch.setenv("SDQUANT_CACHE", str(tmp_path / "fresh_cache"))
+    cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", *RUN, f"out_path={tmp_path / 'videos'}",
+                                                 "sampling.cache.method=taylorseer", "sampling.cache.order=0"])
+    assert "sampling.cache.order=0" in refused_in_one_line(run_infer, cfg, capsys)
+    assert (tmp_path / "fresh_cache" / "tiny_wan" / "model_index.json").exists()
+
+
 def test_a_compiled_expert_under_taylorseer_compiles_once_not_at_each_step(model_cache):
     """Warmed by a call of 2 steps, a call of 12 compiles nothing and draws what the eager experts
     draw under the same hook: the hook's update runs outside the graphs, which otherwise specialized
