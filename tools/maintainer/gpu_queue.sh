@@ -53,9 +53,11 @@ status)
     ;;
 wait)
     # A call that sleeps a fixed time holds the machine idle once the queue is done; this one returns
-    # as the queue ends, so the lease's next command starts at once.
-    end=$((SECONDS + $1))
-    while [ ! -f "$queue/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 10; done
+    # as the queue ends, so the lease's next command starts at once. A fresh machine (the last one
+    # given back) has no queue to wait for: say so at once rather than spend the seconds.
+    [ -f "$queue/run.sh" ] || { echo "gpu_queue.sh wait: no queue on this machine (start one)" >&2; exit 1; }
+    end=$((SECONDS + ${1:?give the seconds to wait at most}))
+    while [ ! -f "$queue/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
     bash "$0" status
     ;;
 collect)
