@@ -62,9 +62,9 @@ def ensure_tiny_model(model: ModelConfig) -> Path:
         raise UserError(f"model.source={model.source}: no tiny model there; model={model.name} is built on first use "
                         f"in the cache folder ({cache_folder(model.name)}, from $SDQUANT_CACHE): leave model.source "
                         "at its default, or give the folder of one built before")
-    # Another process may finish the same build first: its folder is as good as ours.
     quiet_libraries()  # saving draws transformers' progress bar, ahead of any one-line refusal
     family = family_of(model.family)
+    # Another process may finish the same build first: its folder is as good as ours.
     with atomic_folder(folder, replace=False) as staging:
         family.build_pipeline(family.sizes["tiny"]).save_pretrained(staging)
     return folder

@@ -163,6 +163,23 @@ def test_the_benchmarks_cache_setting_names_an_interval_per_expert():
     assert re.fullmatch(SETTING, setting) and not re.fullmatch(SETTING, "taylorseer_blocks:3:1:transformer_2")
 
 
+@pytest.mark.parametrize("setting, shares", [("first_block:0", (1.0, 1.0)),
+                                             ("taylorseer_blocks:2:1", (2 / 4, 4 / 8))])
+def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_cache, setting, shares):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cache_passes import main, parse
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox runs through the snow\n")
+    counted = main(parse(["--model", "tiny_wan", "--cache", setting, "--prompts-file", str(prompts),
+                          "--steps", str(STEPS)]))
+    assert tuple(counted["full_pass_share"][name] for name in ("transformer", "transformer_2")) == shares
+    assert counted["counts"]["transformer"]["calls"] * 2 == counted["counts"]["transformer_2"]["calls"]
+
+
 @pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
                                    ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
                          ids=["first_block", "taylorseer_blocks"])
@@ -259,6 +276,10 @@ def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, 
 def test_a_refusal_that_builds_the_tiny_model_first_is_still_one_line(tmp_path, monkeypatch, capsys):
     """The first use of a tiny model builds it into the cache; a value refused after that build
     still leaves the console one line."""
+    import transformers
+
+    # As a fresh process has it: an earlier test on this worker may have quieted the libraries.
+    transformers.utils.logging.enable_progress_bar()
     monkeypatch.setenv("SDQUANT_CACHE", str(tmp_path / "fresh_cache"))
     cfg = compose_config("sd_xl_trt_inference", ["model=tiny_wan", *RUN, f"out_path={tmp_path / 'videos'}",
                                                  "sampling.cache.method=taylorseer", "sampling.cache.order=0"])

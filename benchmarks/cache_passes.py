@@ -1,0 +1,79 @@
+"""How many of a backbone's calls a step cache ran as full passes, per backbone, over prompts: the
+speed side of a cache setting whose skips depend on the model (First Block Cache decides per call),
+which a random-weight speed run cannot show.
+
+    python benchmarks/cache_passes.py --model scenes_wan --cache first_block:0.2 \\
+        --quantized <fp8 checkpoint folder> --prompts-file <prompts, one a line>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from harness.caches import SAYS as CACHE_SAYS, SETTING as CACHE_SETTING, cache_block
+
+from sdquant.api import load
+from sdquant.artifacts import write_json
+from sdquant.cli import exits_cleanly
+from sdquant.errors import UserError
+from sdquant.progress import Progress
+from sdquant.runtime.cache_hooks import stacked_blocks
+
+
+def count_full_passes(backbone, stacks: tuple[str, ...], counts: dict, name: str) -> None:
+    """Counts the backbone's calls and those that ran its second block: a cached call runs none
+    of the blocks after the first (First Block Cache) or predicts them (TaylorSeer over blocks)."""
+    second = backbone.get_submodule(stacked_blocks(backbone, stacks)[1])
+    counts[name] = {"calls": 0, "full_passes": 0}
+    backbone.register_forward_pre_hook(lambda *_: counts[name].__setitem__("calls", counts[name]["calls"] + 1))
+    # A child of the block: the block's own call happens under the hook either way.
+    child = next(module for module in second.children() if any(True for _ in module.parameters()))
+    child.register_forward_pre_hook(lambda *_: counts[name].__setitem__("full_passes", counts[name]["full_passes"] + 1))
+
+
+def main(args) -> dict:
+    prompts = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts-file {args.prompts_file}: no prompts in it")
+    settings = {"quantized_backbone": args.quantized, "torch_backend": {"quantized": args.kernels}} if args.quantized else {}
+    counts: dict = {}
+    with load(args.model, backend="torch", device="cpu", **settings) as pipe:
+        stacks = pipe.family.hook_block_stacks
+        for name in pipe.family.backbone_attributes:
+            count_full_passes(pipe.modules[name], stacks, counts, name)
+        for prompt in Progress(prompts, "cache passes", "prompts"):
+            pipe([prompt], seed=args.seed, steps=args.steps, cache=cache_block(args.cache))
+    shares = {name: round(count["full_passes"] / count["calls"], 3) for name, count in counts.items()}
+    return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
+            "steps": args.steps, "counts": counts, "full_pass_share": shares}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="scenes_wan")
+    parser.add_argument("--cache", required=True, help=CACHE_SAYS)
+    parser.add_argument("--quantized", help="a checkpoint folder of quantize.py (default: the 16-bit backbones)")
+    parser.add_argument("--kernels", default="fp8", choices=("fake", "fp8", "int8"))
+    parser.add_argument("--prompts-file", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--out", help="a JSON file for the counts (default: printed)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(CACHE_SETTING, args.cache):
+        parser.error(f"--cache {args.cache}: give {CACHE_SAYS}")
+    if not Path(args.prompts_file).is_file():
+        parser.error(f"--prompts-file {args.prompts_file}: no such file")
+    return args
+
+
+if __name__ == "__main__":
+    options = parse()
+    result = exits_cleanly(main)(options)
+    if options.out:
+        write_json(Path(options.out), result)
+        print(f"wrote {options.out}: full-pass shares {result['full_pass_share']}")
+    else:
+        print(json.dumps(result, indent=1))
