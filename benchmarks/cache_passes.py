@@ -40,12 +40,13 @@ def main(args) -> dict:
         raise UserError(f"--prompts-file {args.prompts_file}: no prompts in it")
     settings = {"quantized_backbone": args.quantized, "torch_backend": {"quantized": args.kernels}} if args.quantized else {}
     counts: dict = {}
+    cache = cache_block(args.cache)
     with load(args.model, backend="torch", device="cpu", **settings) as pipe:
         stacks = pipe.family.hook_block_stacks
         for name in pipe.family.backbone_attributes:
             count_full_passes(pipe.modules[name], stacks, counts, name)
         for prompt in Progress(prompts, "cache passes", "prompts"):
-            pipe([prompt], seed=args.seed, steps=args.steps, cache=cache_block(args.cache))
+            pipe([prompt], seed=args.seed, steps=args.steps, cache=cache)
     shares = {name: round(count["full_passes"] / count["calls"], 3) for name, count in counts.items()}
     return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
             "steps": args.steps, "counts": counts, "full_pass_share": shares}
