@@ -20,18 +20,7 @@ from sdquant.artifacts import write_json
 from sdquant.cli import exits_cleanly
 from sdquant.errors import UserError
 from sdquant.progress import Progress
-from sdquant.runtime.cache_hooks import stacked_blocks
-
-
-def count_full_passes(backbone, stacks: tuple[str, ...], counts: dict, name: str) -> None:
-    """Counts the backbone's calls and those that ran its second block: a cached call runs none
-    of the blocks after the first (First Block Cache) or predicts them (TaylorSeer over blocks)."""
-    second = backbone.get_submodule(stacked_blocks(backbone, stacks)[1])
-    counts[name] = {"calls": 0, "full_passes": 0}
-    backbone.register_forward_pre_hook(lambda *_: counts[name].__setitem__("calls", counts[name]["calls"] + 1))
-    # A child of the block: the block's own call happens under the hook either way.
-    child = next(module for module in second.children() if any(True for _ in module.parameters()))
-    child.register_forward_pre_hook(lambda *_: counts[name].__setitem__("full_passes", counts[name]["full_passes"] + 1))
+from sdquant.report import summed_passes
 
 
 def main(args) -> dict:
@@ -39,14 +28,10 @@ def main(args) -> dict:
     if not prompts:
         raise UserError(f"--prompts-file {args.prompts_file}: no prompts in it")
     settings = {"quantized_backbone": args.quantized, "torch_backend": {"quantized": args.kernels}} if args.quantized else {}
-    counts: dict = {}
     cache = cache_block(args.cache)
     with load(args.model, backend="torch", device="cpu", **settings) as pipe:
-        stacks = pipe.family.hook_block_stacks
-        for name in pipe.family.backbone_attributes:
-            count_full_passes(pipe.modules[name], stacks, counts, name)
-        for prompt in Progress(prompts, "cache passes", "prompts"):
-            pipe([prompt], seed=args.seed, steps=args.steps, cache=cache)
+        counts = summed_passes([pipe([prompt], seed=args.seed, steps=args.steps, cache=cache).cache_passes
+                                for prompt in Progress(prompts, "cache passes", "prompts")])
     shares = {name: round(count["full_passes"] / count["calls"], 3) for name, count in counts.items()}
     return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
             "steps": args.steps, "counts": counts, "full_pass_share": shares}

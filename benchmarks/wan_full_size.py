@@ -344,7 +344,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
     call_ms = {name: [round(seconds * 1000, 1) for seconds in calls] for name, calls in drawn[-1].stage_seconds.items()}
     return {**record, **row, "ms": stage["ms"], "stage_ms": stage["stage_ms"], "stage_calls": stage["stage_calls"],
             "stage_call_ms": call_ms, "steps": settings.steps, "warm_up_steps": warm_settings.steps,
-            "cache": settings.cache.describe() if settings.cache else None}
+            "cache": settings.cache.describe() if settings.cache else None, "cache_passes": drawn[-1].cache_passes}
 
 
 def mlperf_offline(pipeline, settings, count: int) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,12 +29,14 @@ from .runtime.stages import OnnxRuntimeStage, StageTimer
 class Drawn:
     """What one call drew: its samples in [0, 1] (images N x 3 x H x W, videos N x F x 3 x H x W,
     float32, on the pipeline's device), the seconds from its start until they were ready, each
-    stage's seconds per call, and the settings it ran."""
+    stage's seconds per call, the settings it ran, and under a cache hook (the torch backend's
+    sampling.cache first_block or taylorseer*) each backbone's calls and how many ran in full."""
 
     samples: torch.Tensor | None
     seconds: float
     stage_seconds: dict[str, list[float]]
     settings: SamplingSettings
+    cache_passes: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -120,10 +122,11 @@ class Pipeline:
             raise UserError("this pipeline was closed, which released what it held: load it again")
         self.use_cache(settings.cache)
         timer = StageTimer(self.device)
+        passes_before = self._cache_passes()
         start = time.perf_counter()
         if self.stream is None:
             samples = self.flow(settings, timer, progress=progress, latents=latents)
-            return self._drawn(samples, start, timer, settings)
+            return self._drawn(samples, start, timer, settings, passes_before)
         # The stages run on a stream of the pipeline's own (TensorRT would synchronize extra on the
         # legacy default stream), after what the caller queued (its latents) and before what it
         # queues next on its samples.
@@ -133,13 +136,20 @@ class Pipeline:
             samples = self.flow(settings, timer, progress=progress, latents=latents)
         caller.wait_stream(self.stream)
         samples.record_stream(caller)
-        return self._drawn(samples, start, timer, settings)
+        return self._drawn(samples, start, timer, settings, passes_before)
 
-    @staticmethod
-    def _drawn(samples: torch.Tensor, start: float, timer: StageTimer, settings: SamplingSettings) -> Drawn:
+    def _cache_passes(self) -> dict[str, tuple[int, int]]:
+        """Each hooked backbone stage's (full passes, calls) so far."""
+        counted = {name: getattr(each, "passes", None) for name, each in self.flow.stages.items()}
+        return {name: (passes.full, passes.calls) for name, passes in counted.items() if passes is not None}
+
+    def _drawn(self, samples: torch.Tensor, start: float, timer: StageTimer, settings: SamplingSettings,
+               passes_before: dict[str, tuple[int, int]]) -> Drawn:
         """The call's record, its seconds once the device has finished it (the timer waits for it)."""
         stage_seconds = timer.finish()
-        return Drawn(samples, time.perf_counter() - start, stage_seconds, settings)
+        passes = {name: {"full_passes": full - passes_before[name][0], "calls": calls - passes_before[name][1]}
+                  for name, (full, calls) in self._cache_passes().items()}
+        return Drawn(samples, time.perf_counter() - start, stage_seconds, settings, passes)
 
     def use_cache(self, cache) -> None:
         """Puts the backbone stages of step cache `cache` under the data flow: those built at assembly,

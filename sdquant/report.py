@@ -323,9 +323,24 @@ def print_latency(report: dict) -> None:
         told = (f"compiling and setting up: {setup:.1f} s once per shape" if setup >= SETUP_SHOWN
                 else "no set-up beyond a timed run")
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
+    if report.get("cache_passes"):
+        ran = ", ".join(f"{name} {each['full_passes']} of {each['calls']}" for name, each in report["cache_passes"].items())
+        print(f"  {'step cache':<18} calls run in full: {ran}")
     if report.get("nonfinite_values"):
         print(f"  warning: the {report.get('output', 'image')}s held {report['nonfinite_values']} NaN values "
               "(written black)")
+
+
+def summed_passes(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Each backbone's calls under a cache hook, and those run in full, summed over several calls'
+    or processes' counts (sdquant.assembly.Drawn.cache_passes)."""
+    summed: dict[str, dict[str, int]] = {}
+    for count in counts:
+        for name, each in count.items():
+            total = summed.setdefault(name, {"full_passes": 0, "calls": 0})
+            total["full_passes"] += each["full_passes"]
+            total["calls"] += each["calls"]
+    return summed
 
 
 def after_first_batch(images: int, seconds: float) -> dict:
@@ -368,6 +383,8 @@ def merged_latency(parts: list[dict]) -> dict:
     merged["images_per_second"] = sum(part["images_per_second"] for part in parts)
     merged["images_written"] = sum(part["images_written"] for part in parts)
     merged["nonfinite_values"] = sum(part.get("nonfinite_values", 0) for part in parts)
+    if any("cache_passes" in part for part in parts):
+        merged["cache_passes"] = summed_passes([part.get("cache_passes", {}) for part in parts])
     merged["after_first_batch"] = _after_first_batch_together(parts)
     merged["first_call_seconds"] = max(part["first_call_seconds"] for part in parts)
     merged["setup_seconds"] = max(part["setup_seconds"] for part in parts)

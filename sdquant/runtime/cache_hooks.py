@@ -4,6 +4,7 @@ a time."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -21,16 +22,20 @@ def stacked_blocks(transformer, stacks: tuple[str, ...]) -> list[str]:
     return [f"{stack}.{index}" for stack in stacks for index in range(len(getattr(transformer, stack, ())))]
 
 
+def attention_modules(transformer, stacks: tuple[str, ...]) -> list[str]:
+    """The module names of every block's attention modules, first to last."""
+    from diffusers.models.attention import AttentionModuleMixin
+
+    return [f"{block}.{child}" for block in stacked_blocks(transformer, stacks)
+            for child, module in transformer.get_submodule(block).named_children()
+            if isinstance(module, AttentionModuleMixin)]
+
+
 def attention_identifiers(transformer, stacks: tuple[str, ...]) -> dict[str, list[str]]:
     """TaylorSeer's module patterns for predicting every block's attention modules, named one by one:
     what diffusers' default patterns (`^blocks.*attn`, ...) name in Flux, whose blocks call theirs
     `attn`, but they miss Wan's `attn1` and `attn2`, which would leave every step computed."""
-    from diffusers.models.attention import AttentionModuleMixin
-
-    names = [f"{block}.{child}" for block in stacked_blocks(transformer, stacks)
-             for child, module in transformer.get_submodule(block).named_children()
-             if isinstance(module, AttentionModuleMixin)]
-    return {"cache_identifiers": [re.escape(name) for name in names]}
+    return {"cache_identifiers": [re.escape(name) for name in attention_modules(transformer, stacks)]}
 
 
 def whole_block_identifiers(transformer, stacks: tuple[str, ...]) -> dict[str, list[str]]:
@@ -90,6 +95,24 @@ class HookCache:
         identifiers = (whole_block_identifiers if self.method == "taylorseer_blocks" else attention_identifiers)
         return TaylorSeerCacheConfig(cache_interval=self.interval, disable_cache_before_step=self.warmup,
                                      max_order=self.order, **identifiers(transformer, self.block_stacks))
+
+    def full_pass_probe(self, transformer):
+        """A function that says whether the transformer's last call ran in full (First Block Cache:
+        its blocks after the first; TaylorSeer: the modules it predicts), read from the hook's state
+        in the cache context the call ran in, so that counting adds nothing to the compiled code."""
+        if self.method == "first_block":
+            leader = transformer.get_submodule(stacked_blocks(transformer, self.block_stacks)[0])
+            manager = leader._diffusers_hook.get_hook("fbc_leader_block_hook").state_manager
+            return lambda: manager.get_state().should_compute
+        predicted = (stacked_blocks(transformer, self.block_stacks)[-1] if self.method == "taylorseer_blocks"
+                     else attention_modules(transformer, self.block_stacks)[0])
+        manager = transformer.get_submodule(predicted)._diffusers_hook.get_hook("taylorseer_cache").state_manager
+
+        def computed() -> bool:
+            state = manager.get_state()
+            return state.last_update_step == state.current_step
+
+        return computed
 
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:
@@ -159,21 +182,32 @@ def eager_update_state() -> type:
     return type("EagerUpdateState", (TaylorSeerState,), {"update": torch.compiler.disable(TaylorSeerState.update)})
 
 
+@dataclass
+class Passes:
+    """A hooked backbone's calls and how many of them ran in full, since its stage was built."""
+
+    full: int = 0
+    calls: int = 0
+
+
 class HookedStage(InTurn):
     """The transformer's stage with the hook on its module: each call (each part of it, where the
     torch backend runs its batch in turn) in a cache context of its own, as diffusers' pipelines
-    call the guidance halves, the hook's state cleared at each generation's first step."""
+    call the guidance halves, the hook's state cleared at each generation's first step. It counts
+    the calls and those that ran in full (`passes`)."""
 
     def __init__(self, stage, transformer, cache: HookCache):
         super().__init__(stage)
         self.transformer = transformer
         self.cache = cache
+        self.passes = Passes()
         self.enable()
 
     def enable(self) -> None:
         """Puts the hook on the module (again, after the family's release_cache took it off)."""
         self.transformer.enable_cache(self.cache.config(self.transformer))
         update_taylorseer_eagerly(self.transformer)
+        self.ran_in_full = self.cache.full_pass_probe(self.transformer)
 
     def allow_recompiles(self) -> None:
         allow_recompiles(self.transformer)
@@ -181,5 +215,9 @@ class HookedStage(InTurn):
     def reset(self) -> None:
         self.transformer._reset_stateful_cache()
 
+    @contextlib.contextmanager
     def context(self, index: int):
-        return self.transformer.cache_context(f"part{index}")
+        with self.transformer.cache_context(f"part{index}"):
+            yield
+            self.passes.calls += 1
+            self.passes.full += self.ran_in_full()

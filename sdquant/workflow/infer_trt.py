@@ -127,6 +127,9 @@ def _latency(pipeline: Pipeline, run: InferRun, drawing: Drawing) -> dict:
                                     len(settings.image_prompts), settings.steps,
                                     [backbone.graph for backbone in pipeline.family.backbones])
     latency["timed"] = source
+    passes = report.summed_passes([drawn.cache_passes for drawn in timed])
+    if passes:
+        latency["cache_passes"] = passes
     # The first call compiles (torch_backend.compile) or sets engines and graphs up: its excess
     # over a later call is what a user waits once per process and shape.
     latency["first_call_seconds"] = first.seconds
