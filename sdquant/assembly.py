@@ -30,7 +30,8 @@ class Drawn:
     """What one call drew: its samples in [0, 1] (images N x 3 x H x W, videos N x F x 3 x H x W,
     float32, on the pipeline's device), the seconds from its start until they were ready, each
     stage's seconds per call, the settings it ran, and under a cache hook (the torch backend's
-    sampling.cache first_block or taylorseer*) each backbone's calls and how many ran in full."""
+    sampling.cache first_block or taylorseer*) each backbone's hooked calls (one per cache context:
+    Wan's guidance halves are two a step) and how many of them ran in full."""
 
     samples: torch.Tensor | None
     seconds: float

@@ -325,7 +325,7 @@ def print_latency(report: dict) -> None:
         print(f"  {'first call':<18} {1000 * report['first_call_seconds']:10.2f} ms  ({told})")
     if report.get("cache_passes"):
         ran = ", ".join(f"{name} {each['full_passes']} of {each['calls']}" for name, each in report["cache_passes"].items())
-        print(f"  {'step cache':<18} calls run in full: {ran}")
+        print(f"  {'step cache':<18} hooked calls run in full over the timed call(s): {ran}")
     if report.get("nonfinite_values"):
         print(f"  warning: the {report.get('output', 'image')}s held {report['nonfinite_values']} NaN values "
               "(written black)")
@@ -383,8 +383,11 @@ def merged_latency(parts: list[dict]) -> dict:
     merged["images_per_second"] = sum(part["images_per_second"] for part in parts)
     merged["images_written"] = sum(part["images_written"] for part in parts)
     merged["nonfinite_values"] = sum(part.get("nonfinite_values", 0) for part in parts)
-    if any("cache_passes" in part for part in parts):
-        merged["cache_passes"] = summed_passes([part.get("cache_passes", {}) for part in parts])
+    # A part without the counts (a shard job of an older version) leaves the sum out, not short.
+    if all("cache_passes" in part for part in parts):
+        merged["cache_passes"] = summed_passes([part["cache_passes"] for part in parts])
+    else:
+        merged.pop("cache_passes", None)
     merged["after_first_batch"] = _after_first_batch_together(parts)
     merged["first_call_seconds"] = max(part["first_call_seconds"] for part in parts)
     merged["setup_seconds"] = max(part["setup_seconds"] for part in parts)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from sdquant.api import load as load_api
 from sdquant.load import load_pipeline
 from sdquant.runtime.stages import StageTimer
 from sdquant.workflow.evaluate import run_evaluate
@@ -72,6 +73,8 @@ def test_first_block_cache_at_threshold_0_draws_the_uncached_video_and_above_run
     always = Videos(model, *FIRST_BLOCK, "sampling.cache.threshold=10")
     skipped = always.draw()
     assert always.counted("feed-forward") == always.full_passes() == {attribute: 1 for attribute in CALLS[model]}
+    assert {name: stage.passes.calls for name, stage in always.flow.stages.items() if hasattr(stage, "passes")} == \
+        CALLS[model]
     assert 1e-4 < (skipped - plain).abs().max() and (skipped - plain).abs().mean() < 0.05
 
 
@@ -327,4 +330,15 @@ def test_infer_reports_the_calls_each_expert_ran_in_full_under_a_cache(tmp_path,
     assert latency["cache_passes"] == {"transformer": {"full_passes": 4, "calls": 8},
                                        "transformer_2": {"full_passes": 8, "calls": 16}}
     assert json.loads((tmp_path / "latency.json").read_text())["cache_passes"] == latency["cache_passes"]
-    assert "calls run in full: transformer 4 of 8, transformer_2 8 of 16" in capsys.readouterr().out
+    assert "run in full over the timed call(s): transformer 4 of 8, transformer_2 8 of 16" in capsys.readouterr().out
+
+
+def test_a_compiled_expert_under_first_block_cache_counts_its_full_passes(model_cache):
+    """Past any change (threshold 10), each guidance half's cache context runs its expert in full at
+    its first call only; counted the same compiled as eager."""
+    cache = {"method": "first_block", "threshold": 10.0}
+    expected = {name: {"full_passes": 2, "calls": 2 * calls} for name, calls in CALLS["tiny_wan"].items()}
+    for compile in (True, False):
+        with load_api("tiny_wan", backend="torch", device="cpu", torch_backend={"compile": compile},
+                      sampling={"cache": cache}) as pipe:
+            assert pipe("a red fox runs through the snow", seed=1, steps=STEPS).cache_passes == expected

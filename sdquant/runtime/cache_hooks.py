@@ -101,12 +101,13 @@ class HookCache:
         its blocks after the first; TaylorSeer: the modules it predicts), read from the hook's state
         in the cache context the call ran in, so that counting adds nothing to the compiled code."""
         if self.method == "first_block":
-            leader = transformer.get_submodule(stacked_blocks(transformer, self.block_stacks)[0])
-            manager = leader._diffusers_hook.get_hook("fbc_leader_block_hook").state_manager
+            # Whichever block diffusers made the leader: every block's hook shares its state.
+            manager = next(hook for module in transformer.modules()
+                           if (hook := _hook(module, "fbc_leader_block_hook"))).state_manager
             return lambda: manager.get_state().should_compute
         predicted = (stacked_blocks(transformer, self.block_stacks)[-1] if self.method == "taylorseer_blocks"
                      else attention_modules(transformer, self.block_stacks)[0])
-        manager = transformer.get_submodule(predicted)._diffusers_hook.get_hook("taylorseer_cache").state_manager
+        manager = _hook(transformer.get_submodule(predicted), "taylorseer_cache").state_manager
 
         def computed() -> bool:
             state = manager.get_state()
@@ -137,6 +138,12 @@ class HookCache:
         order = f", order {self.order}" if self.order != 1 else ""
         return (f"TaylorSeer{scope}, a full pass every {self.interval} steps{own} after the first {self.warmup}"
                 f"{order}")
+
+
+def _hook(module, name: str):
+    """The diffusers hook of that name on the module, else None."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry.get_hook(name) if registry is not None else None
 
 
 def allow_recompiles(transformer) -> None:
@@ -184,7 +191,8 @@ def eager_update_state() -> type:
 
 @dataclass
 class Passes:
-    """A hooked backbone's calls and how many of them ran in full, since its stage was built."""
+    """A hooked backbone's calls (one per cache context entered) and how many ran in full, since
+    its stage was built."""
 
     full: int = 0
     calls: int = 0
@@ -194,7 +202,8 @@ class HookedStage(InTurn):
     """The transformer's stage with the hook on its module: each call (each part of it, where the
     torch backend runs its batch in turn) in a cache context of its own, as diffusers' pipelines
     call the guidance halves, the hook's state cleared at each generation's first step. It counts
-    the calls and those that ran in full (`passes`)."""
+    the hooked calls, one per cache context entered (Wan's guidance halves two a step), and those
+    that ran in full (`passes`)."""
 
     def __init__(self, stage, transformer, cache: HookCache):
         super().__init__(stage)
