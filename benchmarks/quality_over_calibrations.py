@@ -101,7 +101,9 @@ SETTINGS = {
                     **{f"fp8_l4_window1_heads{percent}": Setting("fp8_l4", window=window)
                        for percent, window in WINDOW_1_HEADS.items()},
                     **{f"fp8_l4_window1_heads{percent}_taylorseer_blocks2_warmup1":
-                       Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1, WINDOW_1_HEADS[percent]) for percent in (90, 85)}},
+                       Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1, WINDOW_1_HEADS[percent]) for percent in (90, 85)},
+                    **{f"fp8_l4_window1_heads90_first_block{percent}":
+                       Setting("fp8_l4", FIRST_BLOCK[percent], WINDOW_1_HEADS[90]) for percent in (15, 20)}},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
