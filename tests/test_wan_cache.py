@@ -52,9 +52,11 @@ class Videos:
     def counted(self, layer: str) -> dict[str, int]:
         return {attribute: n for (attribute, counted), n in self.calls.items() if counted == layer}
 
-    def full_passes(self) -> dict[str, int]:
-        """Each expert's calls run in full as its hooked stage counted them (Drawn.cache_passes)."""
-        return {name: stage.passes.full for name, stage in self.flow.stages.items() if hasattr(stage, "passes")}
+    def passes(self, counted: str = "full") -> dict[str, int]:
+        """Each expert's calls run in full (or, "calls", all its hooked calls) as its hooked stage
+        counted them (Drawn.cache_passes)."""
+        return {name: getattr(stage.passes, counted) for name, stage in self.flow.stages.items()
+                if hasattr(stage, "passes")}
 
 
 # Each expert's calls in a video of STEPS steps.
@@ -67,14 +69,13 @@ def test_first_block_cache_at_threshold_0_draws_the_uncached_video_and_above_run
     plain = Videos(model).draw()
     never = Videos(model, *FIRST_BLOCK, "sampling.cache.threshold=0")
     assert torch.equal(never.draw(), plain)
-    assert never.counted("feed-forward") == never.full_passes() == CALLS[model]
+    assert never.counted("feed-forward") == never.passes() == CALLS[model]
     # Past any relative change of the first block's output: each expert computes its blocks at its
     # first call of the video only (nothing to compare with yet), then reuses their residual.
     always = Videos(model, *FIRST_BLOCK, "sampling.cache.threshold=10")
     skipped = always.draw()
-    assert always.counted("feed-forward") == always.full_passes() == {attribute: 1 for attribute in CALLS[model]}
-    assert {name: stage.passes.calls for name, stage in always.flow.stages.items() if hasattr(stage, "passes")} == \
-        CALLS[model]
+    assert always.counted("feed-forward") == always.passes() == {attribute: 1 for attribute in CALLS[model]}
+    assert always.passes("calls") == CALLS[model]
     assert 1e-4 < (skipped - plain).abs().max() and (skipped - plain).abs().mean() < 0.05
 
 
@@ -91,11 +92,11 @@ def test_taylorseer_runs_each_experts_attention_or_whole_blocks_on_about_half_it
     attention = Videos(model, "sampling.cache.method=taylorseer", *every_second)
     predicted_attention = attention.draw()
     # Only the attention is predicted: the feed-forward layers still run at every call.
-    assert attention.counted("attention") == attention.full_passes() == FULL_PASSES[model]
+    assert attention.counted("attention") == attention.passes() == FULL_PASSES[model]
     assert attention.counted("feed-forward") == CALLS[model]
     blocks = Videos(model, "sampling.cache.method=taylorseer_blocks", *every_second)
     predicted_blocks = blocks.draw()
-    assert blocks.counted("attention") == blocks.counted("feed-forward") == blocks.full_passes() == FULL_PASSES[model]
+    assert blocks.counted("attention") == blocks.counted("feed-forward") == blocks.passes() == FULL_PASSES[model]
     # Close to the uncached video (frames in [0, 1]: 0.0005 to 0.003 on average here), not equal to it.
     for video in (predicted_attention, predicted_blocks):
         difference = (video - plain).abs()
@@ -113,7 +114,7 @@ def test_taylorseer_with_one_warm_up_pass_predicts_from_each_experts_second_call
     blocks = Videos(model, "sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2",
                     "sampling.cache.warmup=1")
     predicted = blocks.draw()
-    assert blocks.counted("feed-forward") == blocks.full_passes() == FULL_PASSES_AFTER_ONE[model]
+    assert blocks.counted("feed-forward") == blocks.passes() == FULL_PASSES_AFTER_ONE[model]
     difference = (predicted - plain).abs()
     assert difference.max() > 1e-4 and difference.mean() < 0.02
 
@@ -300,12 +301,10 @@ def test_a_compiled_expert_under_taylorseer_compiles_once_not_at_each_step(model
     on its step counter and compiled again at each full pass."""
     from torch._dynamo.utils import counters
 
-    from sdquant.api import load
-
     cache = {"method": "taylorseer_blocks", "interval": 2, "warmup": 1}
     prompt = "a red fox runs through the snow"
-    with load("tiny_wan", backend="torch", device="cpu", torch_backend={"compile": True},
-              sampling={"cache": cache}) as compiled:
+    with load_api("tiny_wan", backend="torch", device="cpu", torch_backend={"compile": True},
+                  sampling={"cache": cache}) as compiled:
         compiled(prompt, seed=1, steps=2)
         warm = counters["stats"]["unique_graphs"]
         drawn = compiled(prompt, seed=2, steps=STEPS)
@@ -315,7 +314,7 @@ def test_a_compiled_expert_under_taylorseer_compiles_once_not_at_each_step(model
     assert drawn.cache_passes == {name: {"full_passes": 2 * full, "calls": 2 * CALLS["tiny_wan"][name]}
                                   for name, full in FULL_PASSES_AFTER_ONE["tiny_wan"].items()}
     drawn = drawn.samples
-    with load("tiny_wan", backend="torch", device="cpu", sampling={"cache": cache}) as eager:
+    with load_api("tiny_wan", backend="torch", device="cpu", sampling={"cache": cache}) as eager:
         expected = eager(prompt, seed=2, steps=STEPS).samples
     # Measured: 3e-5 apart; the cache itself moves the video by 0.02.
     assert (drawn - expected).abs().max() < 1e-3
