@@ -204,3 +204,14 @@ def test_a_serving_file_stopped_half_way_is_left_out(results_folder):
 def test_run_all_refuses_a_family_or_row_it_does_not_know(arguments, says):
     result = subprocess.run([sys.executable, str(BENCHMARKS / "run_all.py"), *arguments], capture_output=True, text=True)
     assert result.returncode != 0 and says in result.stdout + result.stderr
+
+
+def test_a_family_reads_its_own_headline_file_not_one_whose_family_begins_with_its_name(results_folder):
+    # headline_wan_*.json matches TI2V-5B's file too; a newer one of it must not stand for the A14B's.
+    for family, date in (("wan", "2026-01-01"), ("wan_ti2v", "2026-02-01")):
+        run = {"family": family, "date": date, "device": "NVIDIA H100", "code": "abc", "versions": {"torch": "2"},
+               "rows": {"peer": {"seconds": 2.0, "attention_kernel": "torch"}}}
+        (results_folder / f"headline_{family}_h100.json").write_text(json.dumps(run))
+    assert tables.newest_headline("wan")[1] == "benchmarks/results/headline_wan_h100.json"
+    assert tables.newest_headline("wan_ti2v")[1] == "benchmarks/results/headline_wan_ti2v_h100.json"
+    assert tables.newest_headline("wan_video") is None

@@ -94,12 +94,14 @@ def driver_and_torch(run: dict) -> str:
 def newest_headline(family: str) -> tuple[dict, str] | None:
     """The family's newest headline file (by its date, then the code's), and its path from the
     repository's root."""
-    found = sorted(RESULTS.glob(f"headline_{family}_*.json"),
-                   key=lambda path: (json.loads(path.read_text()).get("date", ""),
-                                     json.loads(path.read_text()).get("code") is not None))
-    if not found:
+    runs = [(json.loads(path.read_text()), path) for path in RESULTS.glob(f"headline_{family}_*.json")]
+    # One family's name can begin another's (wan, wan_ti2v): each file names its own.
+    runs = sorted(((run, path) for run, path in runs if run.get("family") == family),
+                  key=lambda found: (found[0].get("date", ""), found[0].get("code") is not None))
+    if not runs:
         return None
-    return json.loads(found[-1].read_text()), found[-1].relative_to(REPO).as_posix()
+    run, path = runs[-1]
+    return run, path.relative_to(REPO).as_posix()
 
 
 SERVING_HEADER = ("| served model, setting | Offline images/s | Server queries/s | p50 / p99 s at that rate | "
