@@ -78,6 +78,9 @@ class ModelFamily:
     # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
     # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
     channels_last = True
+    # Whether the compiled torch backend compiles its decoder and replays it as CUDA graphs, as it
+    # does its backbones (an image VAE's decode runs faster so).
+    compiles_decoder = True
     # What its attention layers call the projections that read one input or one attention output
     # (diffusers' names): the layers that share an FP8 range and run as one kernel.
     attention_projections = AttentionProjections(QKV, KV, ADDED_QKV, output="to_out.0", added_output="to_add_out")

@@ -24,7 +24,8 @@ VIDEO_LATENT = {0: BATCH, 2: FRAMES, 3: HEIGHT, 4: WIDTH}
 
 class Role(str, Enum):
     """What a network does in the pipeline, which decides how the runtimes treat it: backbones and
-    the decoder are compiled and replayed as CUDA graphs, text encoders run once per prompt batch."""
+    (where the family says so) the decoder are compiled and replayed as CUDA graphs, text encoders
+    run once per prompt batch."""
 
     text = "text"
     backbone = "backbone"

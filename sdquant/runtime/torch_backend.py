@@ -353,7 +353,7 @@ def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: 
         return
     for module in modules.values():
         compiled_backbone_forms(module, family, quantized)
-    if vae is not None:
+    if vae is not None and family.compiles_decoder:
         if family.channels_last:
             vae.to(memory_format=torch.channels_last)
         use_compiled_forms(vae)
@@ -363,15 +363,17 @@ def prepare_modules(family, modules: dict, vae, block, quantized: bool, device: 
 
 def fast_stages(family, stages: dict, block, cuda_graph: bool, device: torch.device) -> dict:
     """`stages` (any of a pipeline's, by graph name) at the torch backend's settings, in place:
-    a family's backbones run a few samples a call where it says so; the backbones' and the
-    decoder's stages (each cached pass its own) compiled, the decoder run on vae_batch images at a
-    time, and each replayed as one CUDA graph per shape; returns them."""
+    a family's backbones run a few samples a call where it says so; the backbones' stages (each
+    cached pass its own) and, where the family compiles it, the decoder's compiled, the decoder run
+    on vae_batch images at a time, and each compiled stage replayed as one CUDA graph per shape;
+    returns them."""
     from ..graphs.networks import Role
 
     for backbone in family.backbones:
         if family.backbone_call_samples and backbone.graph in stages:
             stages[backbone.graph] = in_turn(stages[backbone.graph], family.backbone_call_samples)
-    replayed = [name for name in stages if family.network(name).role in (Role.backbone, Role.decoder)]
+    roles = (Role.backbone, Role.decoder) if family.compiles_decoder else (Role.backbone,)
+    replayed = [name for name in stages if family.network(name).role in roles]
     if block.compile:
         for name in replayed:
             stages[name].graph = torch.compile(stages[name].graph, dynamic=block.dynamic, **compile_settings(block))

@@ -37,6 +37,11 @@ class WanFamily(HookCaching, ModelFamily):
     level_table = LEVELS
     output = "video"
     channels_last = False
+    # The Wan VAE decodes a few frames a call, with a cache of the last in Python: compiled, the
+    # 81-frame 720p decode took 47 s against 4.2 eager in bf16, after a 104 s compile (H200,
+    # benchmarks/results/wan_vae_h200.json), and a captured graph would hold its 11-22 GiB of
+    # activations for good.
+    compiles_decoder = False
     # Its pipeline's switch to the second expert (a fraction of the training timesteps; None: one
     # expert throughout), whether its timestep is one per latent token, and its own geometry.
     boundary_ratio: float | None = None
