@@ -388,8 +388,9 @@ class TorchBackendBlock(Settled):
     """How backend=torch runs the diffusers modules."""
 
     # torch.compile the UNet and the VAE decoder (channels-last, and for an unquantized UNet
-    # fused q/k/v projections, as diffusers' own speed recipe does). Each new input shape
-    # compiles again (one to three minutes for a full-size SDXL) unless dynamic is true.
+    # fused q/k/v projections, as diffusers' own speed recipe does; Wan's decoder stays eager:
+    # ModelFamily.compiles_decoder). Each new input shape compiles again (one to three minutes
+    # for a full-size SDXL) unless dynamic is true.
     compile: bool = False
     compile_mode: str = "default"
     dynamic: bool = False

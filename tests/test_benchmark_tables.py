@@ -207,11 +207,12 @@ def test_run_all_refuses_a_family_or_row_it_does_not_know(arguments, says):
 
 
 def test_a_family_reads_its_own_headline_file_not_one_whose_family_begins_with_its_name(results_folder):
-    # headline_wan_*.json matches TI2V-5B's file too; a newer one of it must not stand for the A14B's.
-    for family, date in (("wan", "2026-01-01"), ("wan_ti2v", "2026-02-01")):
+    # headline_wan_*.json matches the other Wan families' files too; newer ones must not stand for
+    # the A14B's step.
+    for family, date in (("wan", "2026-01-01"), ("wan_ti2v", "2026-02-01"), ("wan_video", "2026-03-01")):
         run = {"family": family, "date": date, "device": "NVIDIA H100", "code": "abc", "versions": {"torch": "2"},
                "rows": {"peer": {"seconds": 2.0, "attention_kernel": "torch"}}}
         (results_folder / f"headline_{family}_h100.json").write_text(json.dumps(run))
-    assert tables.newest_headline("wan")[1] == "benchmarks/results/headline_wan_h100.json"
-    assert tables.newest_headline("wan_ti2v")[1] == "benchmarks/results/headline_wan_ti2v_h100.json"
-    assert tables.newest_headline("wan_video") is None
+    for family in ("wan", "wan_ti2v", "wan_video"):
+        assert tables.newest_headline(family)[1] == f"benchmarks/results/headline_{family}_h100.json"
+    assert tables.newest_headline("wan_window") is None

@@ -252,7 +252,8 @@ def test_the_compiled_torch_backend_draws_the_eager_video(model_cache):
 def test_the_compiled_backend_compiles_a_video_familys_experts_and_leaves_its_decoder_eager(
         model_cache, model, compiled):
     """The Wan VAE decodes a few frames a call with a cache of the last in Python, which compiled
-    code served 11x slower at 720p; an image family's decoder compiles."""
+    code served 11x slower at 720p (benchmarks/results/wan_vae_h200.json); an image family's decoder
+    compiles."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     from sdquant.api import load

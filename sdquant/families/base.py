@@ -78,8 +78,8 @@ class ModelFamily:
     # Whether its backbones' and VAE's convolutions take the channels-last layout the compiled torch
     # backend gives them (2-D ones do; a video family's 3-D ones have no such layout).
     channels_last = True
-    # Whether the compiled torch backend compiles its decoder and replays it as CUDA graphs, as it
-    # does its backbones (an image VAE's decode runs faster so).
+    # Whether the torch backend compiles its decoder (torch_backend.compile) and replays it as CUDA
+    # graphs (cuda_graph), as it does its backbones (an image VAE's decode runs faster so).
     compiles_decoder = True
     # What its attention layers call the projections that read one input or one attention output
     # (diffusers' names): the layers that share an FP8 range and run as one kernel.

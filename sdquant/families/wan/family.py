@@ -38,7 +38,7 @@ class WanFamily(HookCaching, ModelFamily):
     output = "video"
     channels_last = False
     # The Wan VAE decodes a few frames a call, with a cache of the last in Python: compiled, the
-    # 81-frame 720p decode took 47 s against 4.2 eager in bf16, after a 104 s compile (H200,
+    # 81-frame 720p decode took 47 s against 4.2 eager in bf16, its first call 104 s (H200,
     # benchmarks/results/wan_vae_h200.json), and a captured graph would hold its 11-22 GiB of
     # activations for good.
     compiles_decoder = False

@@ -221,7 +221,7 @@ class WanTextToVideo(TextToImage):
                 velocity = uncond + scales[expert] * (cond - uncond)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
         # 4. Decode the frames, the caches' state dropped first: past the last step it only takes the
-        # room the decoder's activations need (at 720p First Block Cache keeps three 0.7 GiB copies of
-        # the hidden states for each expert's guidance half, 8.7 GiB in all).
+        # room the decoder's activations need (for the A14B at 720p First Block Cache keeps three 0.7 GiB
+        # copies of the hidden states for each expert's guidance half, 8.7 GiB in all).
         self.restart_caches(settings, self.experts)
         return self.decode(latents, timer)
