@@ -48,7 +48,8 @@ def table(scenario: Scenario, headline: dict, source: str) -> str:
         if entry is None or "seconds" not in entry:
             continue
         seconds = entry["seconds"]
-        rate_cell = f" | {scenario.per_call / seconds:.3f}" if scenario.rate else ""
+        # Significant figures, not decimals: a video's rate is a few thousandths of one a second.
+        rate_cell = f" | {scenario.per_call / seconds:.3g}" if scenario.rate else ""
         # A second peer (torchao's FP8 on the first) has its ratio against the first too, so that our
         # 8-bit row's ratio stands beside what their 8 bits buy.
         against = "-" if peer is None or row.key == "peer" else f"{peer / seconds:.2f}x"
