@@ -264,6 +264,9 @@ class CacheBlock(Settled):
     # a Wan2.2 low-noise expert's output changes far less from step to step than the high-noise
     # one's, so it can predict more of its steps ({transformer_2: 4}).
     backbone_intervals: dict[str, int] = field(default_factory=dict)
+    # First Block Cache's `threshold` for the named backbones, the others keeping `threshold`: at one
+    # threshold a Wan2.2 low-noise expert skips more of its calls than the high-noise one.
+    backbone_thresholds: dict[str, float] = field(default_factory=dict)
     # TaylorSeer's highest order (diffusers' max_order): 1 extrapolates along the line through the
     # last two full passes' outputs, 2 adds a second-order term from the last three passes' differences.
     order: int = 1

@@ -139,6 +139,17 @@ def test_taylorseer_takes_an_interval_per_expert(model_cache):
     assert "transformer_2 every 4" in mixed.first.cache.describe()
 
 
+def test_first_block_cache_takes_a_threshold_per_expert(model_cache):
+    """backbone_thresholds gives the named expert its own threshold: past any change for the
+    high-noise expert (its blocks at its first call only), never skipping for the low-noise one (every
+    call in full), each as that threshold for both would run it."""
+    mixed = Videos("tiny_wan", *FIRST_BLOCK, "sampling.cache.threshold=10",
+                   "+sampling.cache.backbone_thresholds={transformer_2:0}")
+    mixed.draw()
+    assert mixed.counted("feed-forward") == {"transformer": 1, "transformer_2": CALLS["tiny_wan"]["transformer_2"]}
+    assert mixed.first.cache.describe() == "First Block Cache, threshold 10.0, transformer_2 0.0"
+
+
 def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):
     """sampling.cache.order reaches diffusers' hooks: at order 2 a prediction made after three full
     passes (the low-noise expert's from its fourth call on) adds a second-order term to the line, so
@@ -153,7 +164,7 @@ def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(mo
     assert second.first.cache.describe().endswith("order 2") and "order" not in line.first.cache.describe()
 
 
-def test_the_benchmarks_cache_setting_names_an_interval_per_expert():
+def test_the_benchmarks_cache_setting_names_an_interval_or_threshold_per_expert():
     import re
     import sys
     from pathlib import Path
@@ -169,9 +180,16 @@ def test_the_benchmarks_cache_setting_names_an_interval_per_expert():
     hook = hook_cache(setting, BLOCK_STACKS)
     assert (hook.for_backbone("transformer").interval, hook.for_backbone("transformer_2").interval) == (3, 4)
     assert re.fullmatch(SETTING, setting) and not re.fullmatch(SETTING, "taylorseer_blocks:3:1:transformer_2")
+    per_threshold = "first_block:0.2:transformer_2=0.25"
+    assert cache_block(per_threshold) == {"method": "first_block", "threshold": 0.2,
+                                          "backbone_thresholds": {"transformer_2": 0.25}}
+    hook = hook_cache(per_threshold, BLOCK_STACKS)
+    assert (hook.for_backbone("transformer").threshold, hook.for_backbone("transformer_2").threshold) == (0.2, 0.25)
+    assert re.fullmatch(SETTING, per_threshold) and not re.fullmatch(SETTING, "first_block:0.2:transformer_2")
 
 
 @pytest.mark.parametrize("setting, shares", [("first_block:0", (1.0, 1.0)),
+                                             ("first_block:0:transformer_2=10", (1.0, 2 / 16)),
                                              ("taylorseer_blocks:2:1", (2 / 4, 4 / 8))])
 def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_cache, setting, shares):
     import sys
@@ -311,8 +329,15 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
      "sampling.cache.order=0: give 1 (a line through the last two full passes) or more"),
     ([*FIRST_BLOCK, "sampling.cache.order=2"],
      "sampling.cache.order=2: only TaylorSeer (taylorseer and taylorseer_blocks) extrapolates, not first_block"),
+    (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_thresholds={transformer_2:0.3}"],
+     "sampling.cache.backbone_thresholds: only first_block takes a threshold a backbone, not taylorseer_blocks"),
+    ([*FIRST_BLOCK, "+sampling.cache.backbone_thresholds={unet:0.3}"],
+     "sampling.cache.backbone_thresholds: model=tiny_wan has no backbone unet: name transformer or transformer_2"),
+    ([*FIRST_BLOCK, "+sampling.cache.backbone_thresholds={transformer_2:-0.1}"],
+     "sampling.cache.backbone_thresholds.transformer_2=-0.1: give 0 (never skip) or more"),
 ], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs", "intervals_method",
-        "intervals_backbone", "intervals_value", "order_value", "order_method"])
+        "intervals_backbone", "intervals_value", "order_value", "order_method", "thresholds_method",
+        "thresholds_backbone", "thresholds_value"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"

@@ -9,26 +9,34 @@ from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 
 
 # What the command lines take, checked before any work.
-SETTING = r"(taylorseer|taylorseer_blocks):\d+(:\d+(:\w+=\d+(,\w+=\d+)*)?)?|first_block:[\d.]+"
+SETTING = (r"(taylorseer|taylorseer_blocks):\d+(:\d+(:\w+=\d+(,\w+=\d+)*)?)?"
+           r"|first_block:[\d.]+(:\w+=[\d.]+(,\w+=[\d.]+)*)?")
 SAYS = ("taylorseer:<n>[:<warm-up passes>[:<backbone>=<n>,...]], the same for taylorseer_blocks, or "
-        "first_block:<threshold>")
+        "first_block:<threshold>[:<backbone>=<threshold>,...]")
+
+
+def per_backbone(pairs: str, kind) -> dict:
+    """'<backbone>=<value>,...' as {backbone: value}."""
+    return {name: kind(value) for name, value in (pair.split("=") for pair in pairs.split(","))}
 
 
 def cache_block(setting: str) -> dict | None:
     """'taylorseer:<interval>[:<warm-up passes>[:<backbone>=<interval>,...]]', the same for
     'taylorseer_blocks' (warm-up 3 unless given; the named backbones at their own interval), or
-    'first_block:<threshold>' as a sampling.cache block; '' as none."""
+    'first_block:<threshold>[:<backbone>=<threshold>,...]' as a sampling.cache block; '' as none."""
     if not setting:
         return None
     method, value, *rest = setting.split(":")
     if method not in TAYLORSEER_METHODS:
-        return {"method": method, "threshold": float(value)}
+        block = {"method": method, "threshold": float(value)}
+        if rest:
+            block["backbone_thresholds"] = per_backbone(rest[0], float)
+        return block
     block = {"method": method, "interval": int(value)}
     if rest:
         block["warmup"] = int(rest[0])
     if len(rest) > 1:
-        block["backbone_intervals"] = {name: int(interval) for name, interval in
-                                       (pair.split("=") for pair in rest[1].split(","))}
+        block["backbone_intervals"] = per_backbone(rest[1], int)
     return block
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,12 +60,12 @@ def _check_values(values: dict, prefix: str) -> None:
     """The values alone, before the model is asked: their types, counts positive, scales finite,
     names known (a None is the model's own, checked by its family)."""
     for key in ("steps", "num_images_per_prompt"):
-        if not _whole(values[key]) or values[key] < 1:
+        if not _number(values[key], int) or values[key] < 1:
             raise UserError(f"{prefix}{key}={values[key]!r} must be a whole number, at least 1")
     for key in ("height", "width", "num_frames", "fps"):
-        if values[key] is not None and not _whole(values[key]):
+        if values[key] is not None and not _number(values[key], int):
             raise UserError(f"{prefix}{key}={values[key]!r} must be a whole number")
-    if not _whole(values["seed"]) or not 0 <= values["seed"] < 2**63:
+    if not _number(values["seed"], int) or not 0 <= values["seed"] < 2**63:
         raise UserError(f"{prefix}seed={values['seed']!r} must be a whole number from 0 to 2**63 - 1")
     for key in ("guidance_scale", "guidance_scale_2"):
         scale = values[key]
@@ -85,19 +86,22 @@ def cache_block(asked, key: str) -> CacheBlock:
     known = {field.name for field in dataclasses.fields(CacheBlock)}
     if not isinstance(asked, dict) or set(asked) - known:
         raise UserError(f"{key}={asked!r}: give a dict of {', '.join(sorted(known))} (sampling.cache's keys)")
-    defaults = CacheBlock()
+    defaults, hints = CacheBlock(), typing.get_type_hints(CacheBlock)
     for name, value in asked.items():
         kind = type(getattr(defaults, name))
         if kind is dict:
-            if not isinstance(value, dict) or not all(isinstance(k, str) and _whole(v) for k, v in value.items()):
-                raise UserError(f"{key}.{name}={value!r} must be a dict of backbone names to whole numbers")
-        elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            number = typing.get_args(hints[name])[1]
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _number(v, number) for k, v in value.items()):
+                says = "whole numbers" if number is int else "numbers"
+                raise UserError(f"{key}.{name}={value!r} must be a dict of backbone names to {says}")
+        elif not _number(value, kind):
             raise UserError(f"{key}.{name}={value!r} must be {'a number' if kind is float else kind.__name__}")
     return CacheBlock(**asked)
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _number(value, kind: type) -> bool:
+    """Whether a value is of that kind (a float may be given as an int), not a bool."""
+    return isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
 
 
 def settle_cache(model: Model, block: CacheBlock, key: str):
@@ -110,7 +114,7 @@ def settle_cache(model: Model, block: CacheBlock, key: str):
         takes = "takes" if len(family.backbones) == 1 else "take"
         raise UserError(f"{key}.method={block.method}: model={model.name}'s {' and '.join(family.backbone_attributes)} "
                         f"{takes} {' or '.join(family.cache_methods)}")
-    check_backbone_intervals(model, block, key)
+    check_per_backbone(model, block, key)
     if block.order != 1 and block.method not in TAYLORSEER_METHODS:
         raise UserError(f"{key}.order={block.order}: only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) "
                         f"extrapolates, not {block.method}: leave it at 1")
@@ -120,16 +124,21 @@ def settle_cache(model: Model, block: CacheBlock, key: str):
     return cache
 
 
-def check_backbone_intervals(model: Model, block: CacheBlock, key: str) -> None:
-    if not block.backbone_intervals:
-        return
-    if block.method not in TAYLORSEER_METHODS:
-        raise UserError(f"{key}.backbone_intervals: only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) takes an "
-                        f"interval a backbone, not {block.method}: leave it empty")
-    unknown = sorted(set(block.backbone_intervals) - set(model.family.backbone_attributes))
-    if unknown:
-        raise UserError(f"{key}.backbone_intervals: model={model.name} has no backbone {', '.join(unknown)}: "
-                        f"name {' or '.join(model.family.backbone_attributes)}")
+def check_per_backbone(model: Model, block: CacheBlock, key: str) -> None:
+    """A per-backbone setting names backbones of the model and belongs to the method that reads it."""
+    for setting, methods, takes in (
+            ("backbone_intervals", TAYLORSEER_METHODS, f"only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) takes an "
+                                                       "interval"),
+            ("backbone_thresholds", ("first_block",), "only first_block takes a threshold")):
+        named = getattr(block, setting)
+        if not named:
+            continue
+        if block.method not in methods:
+            raise UserError(f"{key}.{setting}: {takes} a backbone, not {block.method}: leave it empty")
+        unknown = sorted(set(named) - set(model.family.backbone_attributes))
+        if unknown:
+            raise UserError(f"{key}.{setting}: model={model.name} has no backbone {', '.join(unknown)}: "
+                            f"name {' or '.join(model.family.backbone_attributes)}")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class HookCache:
     backbone_intervals: tuple[tuple[str, int], ...] = ()
     # TaylorSeer's highest order (config.CacheBlock.order).
     order: int = 1
+    # (backbone attribute, threshold) pairs, sorted: the backbones whose threshold is not `threshold`.
+    backbone_thresholds: tuple[tuple[str, float], ...] = ()
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
@@ -69,7 +71,7 @@ class HookCache:
     def stages_key(self) -> tuple:
         """What its stages depend on: every setting, which the hook on the module holds."""
         return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals,
-                self.order)
+                self.order, self.backbone_thresholds)
 
     @classmethod
     def of_block(cls, block, block_stacks: tuple[str, ...]) -> HookCache | None:
@@ -78,12 +80,14 @@ class HookCache:
         if block.method == "none":
             return None
         return cls(block.method, block.interval, block.threshold, block_stacks, block.warmup,
-                   tuple(sorted(block.backbone_intervals.items())), block.order)
+                   tuple(sorted(block.backbone_intervals.items())), block.order,
+                   tuple(sorted(block.backbone_thresholds.items())))
 
     def for_backbone(self, attribute: str) -> HookCache:
-        """The hook one backbone runs under: its own interval where one is named for it."""
-        interval = dict(self.backbone_intervals).get(attribute, self.interval)
-        return dataclasses.replace(self, interval=interval, backbone_intervals=())
+        """The hook one backbone runs under: its own interval or threshold where one is named for it."""
+        return dataclasses.replace(self, interval=dict(self.backbone_intervals).get(attribute, self.interval),
+                                   threshold=dict(self.backbone_thresholds).get(attribute, self.threshold),
+                                   backbone_intervals=(), backbone_thresholds=())
 
     def config(self, transformer):
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
@@ -118,6 +122,9 @@ class HookCache:
     def check(self, backbone_config, key: str) -> None:
         if self.method == "first_block" and self.threshold < 0:
             raise UserError(f"{key}.threshold={self.threshold}: give 0 (never skip) or more")
+        for attribute, threshold in self.backbone_thresholds:
+            if threshold < 0:
+                raise UserError(f"{key}.backbone_thresholds.{attribute}={threshold}: give 0 (never skip) or more")
         if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
         for attribute, interval in self.backbone_intervals:
@@ -132,7 +139,8 @@ class HookCache:
 
     def describe(self) -> str:
         if self.method == "first_block":
-            return f"First Block Cache, threshold {self.threshold}"
+            own = "".join(f", {attribute} {threshold}" for attribute, threshold in self.backbone_thresholds)
+            return f"First Block Cache, threshold {self.threshold}{own}"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
         own = "".join(f", {attribute} every {interval}" for attribute, interval in self.backbone_intervals)
         order = f", order {self.order}" if self.order != 1 else ""
