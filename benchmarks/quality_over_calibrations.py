@@ -50,7 +50,10 @@ TAYLORSEER_BLOCKS_WARMUP_1_ORDER_2 = {f"{high}_{low}": taylorseer_blocks_after_o
 
 # First Block Cache: the rest of each expert skipped while its first block's output changes less than
 # the threshold, the skipped blocks' residual taken from the last full pass.
-FIRST_BLOCK = {percent: "{method:first_block,threshold:%g}" % (percent / 100) for percent in (10, 15, 20, 30)}
+FIRST_BLOCK = {percent: "{method:first_block,threshold:%g}" % (percent / 100) for percent in (10, 15, 20, 25, 30)}
+# A threshold per expert: (high-noise, low-noise) in hundredths.
+FIRST_BLOCK_PER_EXPERT = {(high, low): "{method:first_block,threshold:%g,backbone_thresholds:{transformer_2:%g}}"
+                          % (high / 100, low / 100) for high, low in ((20, 25), (25, 20))}
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ SETTINGS = {
                                                           "fp8_l4_keep_none")},
                     "fp8_l4_keep_none_taylorseer_blocks2_warmup1": Setting("fp8_l4_keep_none",
                                                                            TAYLORSEER_BLOCKS_2_WARMUP_1),
+                    "fp8_l4_keep_none_first_block20": Setting("fp8_l4_keep_none", FIRST_BLOCK[20]),
+                    **{f"fp8_l4_first_block{high}_low{low}": Setting("fp8_l4", cache)
+                       for (high, low), cache in FIRST_BLOCK_PER_EXPERT.items()},
                     "fp16_window1": Setting(None, window=WINDOW_1),
                     "fp8_l4_window1": Setting("fp8_l4", window=WINDOW_1),
                     "fp8_l4_window2": Setting("fp8_l4", window=WINDOW_2),
