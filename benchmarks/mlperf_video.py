@@ -51,6 +51,9 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--latent", type=Path, help="the initial latent every video starts from (a torch file)")
     parser.add_argument("--seed", type=int, default=42, help="without --latent: the seed of the one latent drawn")
     parser.add_argument("--scenario", choices=("offline", "singlestream"), default="offline")
+    parser.add_argument("--warm-steps", type=int, default=0,
+                        help="the warm-up video's first WARM_STEPS steps alone, where what compiles does not depend "
+                             "on the step count (0: the whole video)")
     parser.add_argument("--min-duration-s", type=float, default=0.0, help="each run's least duration (MLPerf's: 600)")
     parser.add_argument("--expected-video-s", type=float,
                         help="a video's seconds, from which LoadGen plans a --min-duration-s run (default: the warm-up "
@@ -59,6 +62,8 @@ def parsed_arguments(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error(f"--count {args.count}: give how many prompts to run, 1 or more")
+    if args.warm_steps < 0:
+        parser.error(f"--warm-steps {args.warm_steps}: give a number of steps, or 0 for the whole video")
     if args.min_duration_s < 0:
         parser.error(f"--min-duration-s {args.min_duration_s}: give 0 or more seconds")
     if args.expected_video_s is not None and args.expected_video_s <= 0:
@@ -137,26 +142,31 @@ class VideoSut:
         self.videos.append({"prompt": index, "seconds": done - started, "since_issued_s": done - issued,
                             "nonfinite_values": int(samples.numel() - torch.isfinite(samples).sum()),
                             "checksum": float(samples.double().sum())})
+        # One line a video: a run of many minutes shows where it is, and a log cut short keeps them.
+        print(f"video {len(self.videos)}: prompt {index}, {done - started:.2f} s", flush=True)
         lg.QuerySamplesComplete([lg.QuerySampleResponse(query_id, 0, 0)])
 
 
-def measured(args, pipeline, prompts: list[str], **asked) -> dict:
-    """The warm-up video, then one LoadGen run of the scenario (args.scenario, .min_duration_s) over
-    the prompts, each video from one latent (args.latent, else drawn from args.seed); `asked`: the
-    calls' settings beside the pipeline's defaults (steps, guidance_scale, ...)."""
+def measured(args, pipeline, prompts: list[str], warm_up_steps: int = 0, **asked) -> dict:
+    """The warm-up video (the first prompt's, or its first `warm_up_steps` steps where what compiles
+    does not depend on the step count), then one LoadGen run of the scenario (args.scenario,
+    .min_duration_s) over the prompts, each video from one latent (args.latent, else drawn from
+    args.seed); `asked`: the calls' settings beside the pipeline's defaults (steps, guidance_scale, ...)."""
     from harness.loadgen import NS, loadgen_summary, test_settings
     from harness.measure import graphs_compiled
 
     settings = [pipeline.settle([prompt], seed=args.seed, **asked) for prompt in prompts]
     latent = initial_latent(args, pipeline, settings[0])
+    warm_up = pipeline.settle(prompts[:1], seed=args.seed, **{**asked, "steps": warm_up_steps}) if warm_up_steps \
+        else settings[0]
     start = time.perf_counter()
-    pipeline.run(settings[0], progress=False, latents=latent)
+    pipeline.run(warm_up, progress=False, latents=latent)
     warm_up_s = time.perf_counter() - start
     sut = VideoSut(pipeline, settings, latent)
     compiled = graphs_compiled()
     # Offline issues max(count, expected rate x duration x 1.1) queries: the count, unless a
     # duration asks for more. SingleStream runs at least the count, one after the other.
-    expected_s = args.expected_video_s or warm_up_s
+    expected_s = args.expected_video_s or warm_up_s * settings[0].steps / warm_up.steps
     loadgen = test_settings(args.scenario, args.min_duration_s, len(prompts), expected_qps=1 / expected_s,
                             expected_latency_s=expected_s)
     summary = loadgen_summary(sut, loadgen, len(prompts), meanwhile=sut.answer_next)
@@ -167,7 +177,7 @@ def measured(args, pipeline, prompts: list[str], **asked) -> dict:
             "videos_per_s": rate, "gpu_s_per_video": 1 / rate if rate else None,
             "p50_s": summary.get("50.00 percentile latency (ns)", float("nan")) / NS,
             "p90_s": summary.get("90.00 percentile latency (ns)", float("nan")) / NS,
-            "warm_up_video_s": warm_up_s, "graphs_compiled_while_timed": graphs_compiled() - compiled,
+            "warm_up_video_s": warm_up_s, "warm_up_steps": warm_up.steps, "graphs_compiled_while_timed": graphs_compiled() - compiled,
             "nonfinite_values": sum(video["nonfinite_values"] for video in sut.videos),
             "latent": str(args.latent) if args.latent else f"drawn from seed {args.seed}",
             "loadgen": {key: summary[key] for key in ("Result is", "Min duration satisfied", "Min queries satisfied")
@@ -197,7 +207,7 @@ def main(argv=None) -> None:
             raise UserError(f"--model {args.model} draws images: give a video model")
         prompts = chosen_prompts(args, app.model)
         with build(app) as pipeline:
-            row = measured(args, pipeline, prompts)
+            row = measured(args, pipeline, prompts, warm_up_steps=args.warm_steps)
         results["runs"].append(row)
         write_results(results, out)
         print(f"{args.scenario}: {row['videos']} videos, {row['videos_per_s']:.5f} videos/s, "

@@ -332,7 +332,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
 
     settings = settled(args.steps or chosen["steps"])
     if args.mlperf:
-        return {**record, **mlperf_offline(pipeline, settings, args.mlperf), "steps": settings.steps,
+        return {**record, **mlperf_offline(pipeline, settings, args.mlperf, args.warm_steps), "steps": settings.steps,
                 "cache": settings.cache.describe() if settings.cache else None}
     warm_settings = settled(args.warm_steps) if args.warm_steps else settings
     drawn = []
@@ -347,10 +347,10 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
             "cache": settings.cache.describe() if settings.cache else None, "cache_passes": drawn[-1].cache_passes}
 
 
-def mlperf_offline(pipeline, settings, count: int) -> dict:
+def mlperf_offline(pipeline, settings, count: int, warm_up_steps: int) -> dict:
     """LoadGen's Offline over the first `count` of the package's evaluation prompts at `settings`'
-    steps, guidance and geometry, every video from one latent, after a warm-up video
-    (benchmarks/mlperf_video.py's run)."""
+    steps, guidance and geometry, every video from one latent, after a warm-up video (of
+    `warm_up_steps` steps where given; benchmarks/mlperf_video.py's run)."""
     from mlperf_video import measured
 
     from sdquant.load import builtin_prompts_path
@@ -360,7 +360,7 @@ def mlperf_offline(pipeline, settings, count: int) -> dict:
     geometry = settings.geometry
     run = measured(options, pipeline, prompts[:count], steps=settings.steps, guidance_scale=settings.guidance_scale,
                    guidance_scale_2=settings.guidance_scale_2, height=geometry.height, width=geometry.width,
-                   num_frames=geometry.frames)
+                   num_frames=geometry.frames, warm_up_steps=warm_up_steps)
     return {**run, "video_s": run["gpu_s_per_video"]}
 
 
@@ -572,9 +572,9 @@ def main() -> None:
         parser.error("--split runs our variants (compiled, fp8, fp8_l4), not peer or vae")
     if args.mlperf and importlib.util.find_spec("mlperf_loadgen") is None:
         parser.error("--mlperf: MLPerf's LoadGen is not installed: pip install -e \".[serve-load]\" (mlcommons-loadgen)")
-    if args.mlperf and (not args.whole or args.mlperf < 0 or "peer" in variants or args.warm_steps):
+    if args.mlperf and (not args.whole or args.mlperf < 0 or "peer" in variants):
         parser.error(f"--mlperf {args.mlperf}: a number of prompts (1 or more) for --whole's videos of ours "
-                     "(compiled, fp8, fp8_l4), without --warm-steps (a whole video warms it)")
+                     "(compiled, fp8, fp8_l4)")
     if args.warm_steps and not args.whole or args.warm_steps < 0:
         parser.error(f"--warm-steps {args.warm_steps}: a number of steps (1 or more) for --whole's warm-up video")
     if args.whole and "vae" in variants:
