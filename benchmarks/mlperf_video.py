@@ -85,10 +85,18 @@ def chosen_prompts(args, model_config) -> list[str]:
     path = args.prompts or Path(model_config.eval_prompts or builtin_prompts_path("eval_prompts.txt")).expanduser()
     if not path.is_file():
         raise UserError(f"model.eval_prompts={path}: no such file; give --prompts")
+    return first_prompts(path, args.count, "--count")
+
+
+def first_prompts(path: Path, count: int, option: str) -> list[str]:
+    """The first `count` non-empty lines of `path`; `option` names the count in the message where
+    the file holds fewer."""
+    from sdquant.errors import UserError
+
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if len(prompts) < args.count:
-        raise UserError(f"--count {args.count}: {path} holds {len(prompts)} prompts")
-    return prompts[:args.count]
+    if len(prompts) < count:
+        raise UserError(f"{option} {count}: {path} holds {len(prompts)} prompts")
+    return prompts[:count]
 
 
 def initial_latent(args, pipeline, settings):

@@ -38,9 +38,10 @@ first_block:<threshold> runs it under
 a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
 many latent frames (torch_backend.attention_window), with --window-heads <fraction> for that share of
 each layer's heads alone (the first of each, in a heads file written for the run: random weights
-have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs LoadGen's Offline over n
-prompts instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole video (--variants peer --whole) is what a user runs
-instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
+have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs
+LoadGen's Offline over n prompts (--mlperf-prompts; the package's evaluation prompts unless given)
+instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole
+video (--variants peer --whole) is what a user runs instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
 expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
 the VAE in fp32 and eager as ours.
     python benchmarks/wan_full_size.py --variants fp8_l4 --whole --out benchmarks/results/wan_video_h100.json
@@ -332,7 +333,7 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
 
     settings = settled(args.steps or chosen["steps"])
     if args.mlperf:
-        return {**record, **mlperf_offline(pipeline, settings, args.mlperf, args.warm_steps), "steps": settings.steps,
+        return {**record, **mlperf_offline(pipeline, settings, args), "steps": settings.steps,
                 "cache": settings.cache.describe() if settings.cache else None}
     warm_settings = settled(args.warm_steps) if args.warm_steps else settings
     drawn = []
@@ -347,21 +348,19 @@ def whole_video_row(variant: str, family, args, device: torch.device) -> dict:
             "cache": settings.cache.describe() if settings.cache else None, "cache_passes": drawn[-1].cache_passes}
 
 
-def mlperf_offline(pipeline, settings, count: int, warm_up_steps: int) -> dict:
-    """LoadGen's Offline over the first `count` of the package's evaluation prompts at `settings`'
-    steps, guidance and geometry, every video from one latent, after a warm-up video (of
-    `warm_up_steps` steps where given; benchmarks/mlperf_video.py's run)."""
-    from mlperf_video import measured
+def mlperf_offline(pipeline, settings, args) -> dict:
+    """LoadGen's Offline over the first --mlperf prompts of --mlperf-prompts at `settings`' steps,
+    guidance and geometry, every video from one latent, after a warm-up video (of --warm-steps
+    steps where given; benchmarks/mlperf_video.py's run)."""
+    from mlperf_video import first_prompts, measured
 
-    from sdquant.load import builtin_prompts_path
-
-    prompts = [line for line in builtin_prompts_path("eval_prompts.txt").read_text().splitlines() if line.strip()]
+    prompts = first_prompts(args.mlperf_prompts, args.mlperf, "--mlperf")
     options = argparse.Namespace(seed=42, latent=None, scenario="offline", min_duration_s=0.0, expected_video_s=None)
     geometry = settings.geometry
-    run = measured(options, pipeline, prompts[:count], steps=settings.steps, guidance_scale=settings.guidance_scale,
+    run = measured(options, pipeline, prompts, steps=settings.steps, guidance_scale=settings.guidance_scale,
                    guidance_scale_2=settings.guidance_scale_2, height=geometry.height, width=geometry.width,
-                   num_frames=geometry.frames, warm_up_steps=warm_up_steps)
-    return {**run, "video_s": run["gpu_s_per_video"]}
+                   num_frames=geometry.frames, warm_up_steps=args.warm_steps)
+    return {**run, "video_s": run["gpu_s_per_video"], "prompts_file": str(args.mlperf_prompts)}
 
 
 def warm_then_timed(warm_up, video) -> dict:
@@ -529,6 +528,23 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
     return name, row
 
 
+def refused_prompts(parser, args) -> None:
+    """--mlperf's prompts read before any model is built: a missing file, or fewer prompts than
+    asked, stop the run in one line; without --mlperf-prompts, the package's evaluation prompts."""
+    from mlperf_video import first_prompts
+
+    from sdquant.errors import UserError
+    from sdquant.load import builtin_prompts_path
+
+    args.mlperf_prompts = args.mlperf_prompts or builtin_prompts_path("eval_prompts.txt")
+    if not args.mlperf_prompts.is_file():
+        parser.error(f"--mlperf-prompts {args.mlperf_prompts}: no such file")
+    try:
+        first_prompts(args.mlperf_prompts, args.mlperf, "--mlperf")
+    except UserError as error:
+        parser.error(f"{error}: give --mlperf-prompts with as many")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="peer,compiled,fp8_l4",
@@ -544,6 +560,9 @@ def main() -> None:
     parser.add_argument("--mlperf", type=int, default=0,
                         help="--whole, ours: LoadGen's Offline over this many prompts, each a video from one latent "
                              "(benchmarks/mlperf_video.py's run), instead of one timed video")
+    parser.add_argument("--mlperf-prompts", type=Path,
+                        help="--mlperf's prompts, one a line (MLPerf's data/vbench_prompts.txt); default: the "
+                             "package's evaluation prompts")
     parser.add_argument("--cache", default="", help=f"--whole: {CACHE_SAYS}")
     parser.add_argument("--split", default="", help="under torchrun: <cfg>x<ulysses> (1x1: data parallel)")
     parser.add_argument("--profile", action="store_true", help="ours and the peer: GPU time per kernel of one call")
@@ -575,6 +594,8 @@ def main() -> None:
     if args.mlperf and (not args.whole or args.mlperf < 0 or "peer" in variants):
         parser.error(f"--mlperf {args.mlperf}: a number of prompts (1 or more) for --whole's videos of ours "
                      "(compiled, fp8, fp8_l4)")
+    if args.mlperf:
+        refused_prompts(parser, args)
     if args.warm_steps and not args.whole or args.warm_steps < 0:
         parser.error(f"--warm-steps {args.warm_steps}: a number of steps (1 or more) for --whole's warm-up video")
     if args.whole and "vae" in variants:

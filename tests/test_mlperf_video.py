@@ -83,3 +83,19 @@ def test_bad_inputs_are_refused_in_one_line_before_any_video(latent_and_checksum
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--mlperf", "5"], "--mlperf 5: {eval_prompts} holds 4 prompts: give --mlperf-prompts with as many"),
+    (["--mlperf", "2", "--mlperf-prompts", "missing.txt"], "--mlperf-prompts missing.txt: no such file"),
+])
+def test_full_size_mlperf_refuses_too_few_prompts_before_building(tmp_path, arguments, message):
+    from sdquant.load import builtin_prompts_path
+
+    out = tmp_path / "refused.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "wan_full_size.py"), "--variants", "fp8_l4",
+                             "--whole", "--tiny", *arguments, "--out", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert message.format(eval_prompts=builtin_prompts_path("eval_prompts.txt")) in result.stderr, result.stderr
+    assert not out.exists()
