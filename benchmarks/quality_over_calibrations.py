@@ -109,7 +109,9 @@ SETTINGS = {
                     **{f"fp8_l4_window1_heads{percent}_taylorseer_blocks2_warmup1":
                        Setting("fp8_l4", TAYLORSEER_BLOCKS_2_WARMUP_1, WINDOW_1_HEADS[percent]) for percent in (90, 85)},
                     **{f"fp8_l4_window1_heads90_first_block{percent}":
-                       Setting("fp8_l4", FIRST_BLOCK[percent], WINDOW_1_HEADS[90]) for percent in (15, 20)}},
+                       Setting("fp8_l4", FIRST_BLOCK[percent], WINDOW_1_HEADS[90]) for percent in (15, 20)},
+                    "fp8_l4_window1_heads90_first_block20_low25": Setting("fp8_l4", FIRST_BLOCK_PER_EXPERT[20, 25],
+                                                                          WINDOW_1_HEADS[90])},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.
