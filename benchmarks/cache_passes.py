@@ -4,6 +4,10 @@ which a random-weight speed run cannot show.
 
     python benchmarks/cache_passes.py --model scenes_wan --cache first_block:0.2 \\
         --quantized <fp8 checkpoint folder> --prompts-file <prompts, one a line>
+
+--window-frames (with --window-heads-file and --window-min-share) runs the backbones' self-attention
+within that many latent frames (torch_backend.attention_window), which changes what a first block
+computes and so what First Block Cache decides.
 """
 
 from __future__ import annotations
@@ -28,12 +32,17 @@ def main(args) -> dict:
     if not prompts:
         raise UserError(f"--prompts-file {args.prompts_file}: no prompts in it")
     settings = {"quantized_backbone": args.quantized, "torch_backend": {"quantized": args.kernels}} if args.quantized else {}
+    if args.window_frames:
+        window = {"frames": args.window_frames, "heads_file": args.window_heads_file, "min_share": args.window_min_share}
+        settings.setdefault("torch_backend", {})["attention_window"] = {key: value for key, value in window.items()
+                                                                         if value is not None}
     cache = cache_block(args.cache)
     with load(args.model, backend="torch", device="cpu", **settings) as pipe:
         counts = summed_passes([pipe([prompt], seed=args.seed, steps=args.steps, cache=cache).cache_passes
                                 for prompt in Progress(prompts, "cache passes", "prompts")])
     shares = {name: round(count["full_passes"] / count["calls"], 3) for name, count in counts.items()}
     return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
+            "window": settings.get("torch_backend", {}).get("attention_window"),
             "steps": args.steps, "counts": counts, "full_pass_share": shares}
 
 
@@ -46,10 +55,17 @@ def parse(argv=None):
     parser.add_argument("--prompts-file", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--window-frames", type=int, help="self-attention within this many latent frames")
+    parser.add_argument("--window-heads-file", help="with --window-frames: the heads' shares inside the window "
+                                                    "(default: every head windowed)")
+    parser.add_argument("--window-min-share", type=float, help="with --window-heads-file: the least share a "
+                                                               "windowed head has inside")
     parser.add_argument("--out", help="a JSON file for the counts (default: printed)")
     args = parser.parse_args(argv)
     if not re.fullmatch(CACHE_SETTING, args.cache):
         parser.error(f"--cache {args.cache}: give {CACHE_SAYS}")
+    if (args.window_heads_file or args.window_min_share is not None) and not args.window_frames:
+        parser.error("--window-heads-file and --window-min-share go with --window-frames")
     if not Path(args.prompts_file).is_file():
         parser.error(f"--prompts-file {args.prompts_file}: no such file")
     return args

@@ -206,6 +206,23 @@ def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_c
     assert counted["counts"]["transformer"]["calls"] * 2 == counted["counts"]["transformer_2"]["calls"]
 
 
+def test_cache_passes_counts_under_the_attention_window(tmp_path, model_cache):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cache_passes import main, parse
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox runs through the snow\n")
+    arguments = ["--model", "tiny_wan", "--cache", "first_block:0", "--prompts-file", str(prompts),
+                 "--steps", str(STEPS)]
+    counted = main(parse([*arguments, "--window-frames", "1"]))
+    assert counted["window"] == {"frames": 1} and counted["full_pass_share"] == {"transformer": 1.0, "transformer_2": 1.0}
+    with pytest.raises(SystemExit):
+        parse([*arguments, "--window-min-share", "0.9"])
+
+
 @pytest.mark.parametrize("cache", [[*FIRST_BLOCK, "sampling.cache.threshold=10"],
                                    ["sampling.cache.method=taylorseer_blocks", "sampling.cache.interval=2"]],
                          ids=["first_block", "taylorseer_blocks"])
