@@ -33,7 +33,8 @@ def main(args) -> dict:
         raise UserError(f"--prompts-file {args.prompts_file}: no prompts in it")
     settings = {"quantized_backbone": args.quantized, "torch_backend": {"quantized": args.kernels}} if args.quantized else {}
     if args.window_frames:
-        window = {"frames": args.window_frames, "heads_file": args.window_heads_file, "min_share": args.window_min_share}
+        window = {"frames": args.window_frames, "heads_file": args.window_heads_file,
+                  "min_share": args.window_min_share}
         settings.setdefault("torch_backend", {})["attention_window"] = {key: value for key, value in window.items()
                                                                          if value is not None}
     cache = cache_block(args.cache)

@@ -185,7 +185,8 @@ def measured(args, pipeline, prompts: list[str], warm_up_steps: int = 0, **asked
             "videos_per_s": rate, "gpu_s_per_video": 1 / rate if rate else None,
             "p50_s": summary.get("50.00 percentile latency (ns)", float("nan")) / NS,
             "p90_s": summary.get("90.00 percentile latency (ns)", float("nan")) / NS,
-            "warm_up_video_s": warm_up_s, "warm_up_steps": warm_up.steps, "graphs_compiled_while_timed": graphs_compiled() - compiled,
+            "warm_up_video_s": warm_up_s, "warm_up_steps": warm_up.steps,
+            "graphs_compiled_while_timed": graphs_compiled() - compiled,
             "nonfinite_values": sum(video["nonfinite_values"] for video in sut.videos),
             "latent": str(args.latent) if args.latent else f"drawn from seed {args.seed}",
             "loadgen": {key: summary[key] for key in ("Result is", "Min duration satisfied", "Min queries satisfied")

@@ -41,9 +41,9 @@ each layer's heads alone (the first of each, in a heads file written for the run
 have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs
 LoadGen's Offline over n prompts (--mlperf-prompts; the package's evaluation prompts unless given)
 instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole
-video (--variants peer --whole) is what a user runs instead: diffusers' WanPipeline called with the same settings, each expert compiled as the peer's
-expert call (fullgraph=False under --cache, whose hook breaks the graph), under the same cache hook,
-the VAE in fp32 and eager as ours.
+video (--variants peer --whole) is what a user runs instead: diffusers' WanPipeline called with the
+same settings, each expert compiled as the peer's expert call (fullgraph=False under --cache, whose
+hook breaks the graph), under the same cache hook, the VAE in fp32 and eager as ours.
     python benchmarks/wan_full_size.py --variants fp8_l4 --whole --out benchmarks/results/wan_video_h100.json
     python benchmarks/wan_full_size.py --variants peer --whole --cache taylorseer_blocks:2:1 --out ...
 

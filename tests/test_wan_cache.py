@@ -218,7 +218,8 @@ def test_cache_passes_counts_under_the_attention_window(tmp_path, model_cache):
     arguments = ["--model", "tiny_wan", "--cache", "first_block:0", "--prompts-file", str(prompts),
                  "--steps", str(STEPS)]
     counted = main(parse([*arguments, "--window-frames", "1"]))
-    assert counted["window"] == {"frames": 1} and counted["full_pass_share"] == {"transformer": 1.0, "transformer_2": 1.0}
+    assert counted["window"] == {"frames": 1}
+    assert counted["full_pass_share"] == {"transformer": 1.0, "transformer_2": 1.0}
     with pytest.raises(SystemExit):
         parse([*arguments, "--window-min-share", "0.9"])
 
