@@ -5,6 +5,11 @@ which a random-weight speed run cannot show.
     python benchmarks/cache_passes.py --model scenes_wan --cache first_block:0.2 \\
         --quantized <fp8 checkpoint folder> --prompts-file <prompts, one a line>
 
+Under a threshold it also reads off a fixed schedule (`schedule`, and as wan_full_size.py's
+--cache `schedule_setting`): for each backbone, as many steps as its calls ran in full on average,
+those that ran in full most often (an earlier step first among equals); sampling.cache.backbone_full_steps
+runs it.
+
 --window-frames (with --window-heads-file and --window-min-share) runs the backbones' self-attention
 within that many latent frames (torch_backend.attention_window), which changes what a first block
 computes and so what First Block Cache decides.
@@ -42,9 +47,21 @@ def main(args) -> dict:
         counts = summed_passes([pipe([prompt], seed=args.seed, steps=args.steps, cache=cache).cache_passes
                                 for prompt in Progress(prompts, "cache passes", "prompts")])
     shares = {name: round(count["full_passes"] / count["calls"], 3) for name, count in counts.items()}
+    schedule = {name: most_often_full(count) for name, count in counts.items()}
     return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
             "window": settings.get("torch_backend", {}).get("attention_window"),
-            "steps": args.steps, "counts": counts, "full_pass_share": shares}
+            "steps": args.steps, "counts": counts, "full_pass_share": shares, "schedule": schedule,
+            "schedule_setting": "first_block_steps:" + ",".join(f"{name}={'/'.join(map(str, steps))}"
+                                                                for name, steps in schedule.items())}
+
+
+def most_often_full(count: dict) -> list[int]:
+    """A backbone's fixed schedule from its counts: as many steps as each cache context ran in full
+    on average (every context runs its first step in full, so step 0's count is the contexts'), the
+    steps run in full most often."""
+    by_step = count["full_steps"]
+    chosen = round(count["full_passes"] / by_step[0])
+    return sorted(sorted(range(len(by_step)), key=lambda step: (-by_step[step], step))[:chosen])
 
 
 def parse(argv=None):
@@ -77,6 +94,7 @@ if __name__ == "__main__":
     result = exits_cleanly(main)(options)
     if options.out:
         write_json(Path(options.out), result)
-        print(f"wrote {options.out}: full-pass shares {result['full_pass_share']}")
+        print(f"wrote {options.out}: full-pass shares {result['full_pass_share']}, as a fixed schedule "
+              f"{result['schedule_setting']}")
     else:
         print(json.dumps(result, indent=1))

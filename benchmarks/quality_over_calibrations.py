@@ -55,6 +55,18 @@ FIRST_BLOCK = {percent: "{method:first_block,threshold:%g}" % (percent / 100) fo
 FIRST_BLOCK_PER_EXPERT = {(high, low): "{method:first_block,threshold:%g,backbone_thresholds:{transformer_2:%g}}"
                           % (high / 100, low / 100) for high, low in ((20, 25), (25, 20))}
 
+# First Block Cache on fixed schedules: the steps each expert runs in full (high-noise, low-noise),
+# read off the decisions of thresholds 0.20 and 0.25 under the heads' window over the 32 validation
+# prompts, first calibration (high-noise: steps 0, 1, 4 of one guidance half, 0, 2 of the other;
+# low-noise: 0, 7, 11 on 20 prompts, 0, 6, 10, 12 on 12).
+FIRST_BLOCK_STEPS = {"h014_l0711": ((0, 1, 4), (0, 7, 11)), "h024_l0711": ((0, 2, 4), (0, 7, 11)),
+                     "h012_l0711": ((0, 1, 2), (0, 7, 11)), "h0124_l0711": ((0, 1, 2, 4), (0, 7, 11))}
+
+
+def first_block_on_steps(high: tuple[int, ...], low: tuple[int, ...]) -> str:
+    listed = lambda steps: "[%s]" % ",".join(map(str, steps))
+    return "{method:first_block,backbone_full_steps:{transformer:%s,transformer_2:%s}}" % (listed(high), listed(low))
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -111,7 +123,10 @@ SETTINGS = {
                     **{f"fp8_l4_window1_heads90_first_block{percent}":
                        Setting("fp8_l4", FIRST_BLOCK[percent], WINDOW_1_HEADS[90]) for percent in (15, 20)},
                     "fp8_l4_window1_heads90_first_block20_low25": Setting("fp8_l4", FIRST_BLOCK_PER_EXPERT[20, 25],
-                                                                          WINDOW_1_HEADS[90])},
+                                                                          WINDOW_1_HEADS[90]),
+                    **{f"fp8_l4_window1_heads90_first_block_steps_{name}":
+                       Setting("fp8_l4", first_block_on_steps(*steps), WINDOW_1_HEADS[90])
+                       for name, steps in FIRST_BLOCK_STEPS.items()}},
 }
 # Points of adherence a setting may lose against the model it is held to: two-object adherence for
 # an image model, adherence over all prompts (every attribute and the motion right) for a video one.

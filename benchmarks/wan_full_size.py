@@ -35,7 +35,9 @@ runs it, compiles again at each full pass); the VAE decodes eagerly there (its 8
 is timed in the vae variant). --cache taylorseer:<n> / taylorseer_blocks:<n> (:<w>: w full passes an expert before
 the first prediction, 3 unless given; :<backbone>=<n>,... after it: those experts every n steps) /
 first_block:<threshold> runs it under
-a diffusers cache hook; --window <frames>[:<backbone>,...] runs ours with self-attention within that
+a diffusers cache hook (first_block_steps:<backbone>=<step>/<step>/...,...: ours on a fixed schedule,
+the steps each expert runs in full, the rest skipped: a video's time at a share of full calls that
+random weights cannot decide by a threshold); --window <frames>[:<backbone>,...] runs ours with self-attention within that
 many latent frames (torch_backend.attention_window), with --window-heads <fraction> for that share of
 each layer's heads alone (the first of each, in a heads file written for the run: random weights
 have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs
@@ -506,7 +508,7 @@ def run_variant(variant: str, args) -> tuple[str, dict]:
     elif args.whole:
         row = (peer_video_row(family, args, device) if variant == "peer"
                else whole_video_row(variant, family, args, device))
-        name = f"{variant}_video" + (f"_{re.sub('[:=,]', '_', args.cache)}" if args.cache else "") + (
+        name = f"{variant}_video" + (f"_{re.sub('[:=,/]', '_', args.cache)}" if args.cache else "") + (
             f"_mlperf{args.mlperf}" if args.mlperf else "")
     elif variant == "peer":
         row, name = peer_row(family, args, device), variant
@@ -614,6 +616,9 @@ def main() -> None:
         parser.error(f"--window-heads {args.window_heads}: give a share of the heads in (0, 1) with --window")
     if args.cache and not re.fullmatch(CACHE_SETTING, args.cache):
         parser.error(f"--cache {args.cache}: give {CACHE_SAYS}")
+    if args.cache.startswith("first_block_steps") and "peer" in variants:
+        parser.error(f"--cache {args.cache}: a fixed schedule runs on our stages; diffusers' pipeline decides by a "
+                     "threshold (first_block:<threshold>)")
     if one_process_each(args, variants):
         return
     quiet_libraries()

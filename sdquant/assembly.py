@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import parallel
+from . import parallel, report
 from .cli import stage
 from .errors import UserError
 from .families.pipeline import SamplingSettings, make_scheduler
@@ -139,17 +139,19 @@ class Pipeline:
         samples.record_stream(caller)
         return self._drawn(samples, start, timer, settings, passes_before)
 
-    def _cache_passes(self) -> dict[str, tuple[int, int]]:
-        """Each hooked backbone stage's (full passes, calls) so far."""
+    def _cache_passes(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """Each hooked backbone stage's (full passes, calls, full passes at each step) so far."""
         counted = {name: getattr(each, "passes", None) for name, each in self.flow.stages.items()}
-        return {name: (passes.full, passes.calls) for name, passes in counted.items() if passes is not None}
+        return {name: (passes.full, passes.calls, tuple(passes.full_at)) for name, passes in counted.items()
+                if passes is not None}
 
     def _drawn(self, samples: torch.Tensor, start: float, timer: StageTimer, settings: SamplingSettings,
-               passes_before: dict[str, tuple[int, int]]) -> Drawn:
+               passes_before: dict[str, tuple[int, int, tuple[int, ...]]]) -> Drawn:
         """The call's record, its seconds once the device has finished it (the timer waits for it)."""
         stage_seconds = timer.finish()
-        passes = {name: {"full_passes": full - passes_before[name][0], "calls": calls - passes_before[name][1]}
-                  for name, (full, calls) in self._cache_passes().items()}
+        passes = {name: {"full_passes": full - passes_before[name][0], "calls": calls - passes_before[name][1],
+                         "full_steps": report.steps_added(full_at, [-n for n in passes_before[name][2]])}
+                  for name, (full, calls, full_at) in self._cache_passes().items()}
         return Drawn(samples, time.perf_counter() - start, stage_seconds, settings, passes)
 
     def use_cache(self, cache) -> None:

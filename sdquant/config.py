@@ -267,6 +267,12 @@ class CacheBlock(Settled):
     # First Block Cache's `threshold` for the named backbones, the others keeping `threshold`: at one
     # threshold a Wan2.2 low-noise expert skips more of its calls than the high-noise one.
     backbone_thresholds: dict[str, float] = field(default_factory=dict)
+    # First Block Cache on a fixed schedule for the named backbones: the steps (counted from each
+    # backbone's first call of a sample, 0 first) that run in full, the others skipped, in place of
+    # the threshold's decision. A schedule recorded from the threshold's decisions on validation
+    # prompts gives each request the same work: a latency known before the call and no host sync
+    # per call to read the first block's change.
+    backbone_full_steps: dict[str, list[int]] = field(default_factory=dict)
     # TaylorSeer's highest order (diffusers' max_order): 1 extrapolates along the line through the
     # last two full passes' outputs, 2 adds a second-order term from the last three passes' differences.
     order: int = 1

@@ -331,16 +331,23 @@ def print_latency(report: dict) -> None:
               "(written black)")
 
 
-def summed_passes(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
-    """Each backbone's calls under a cache hook, and those run in full, summed over several calls'
-    or processes' counts (sdquant.assembly.Drawn.cache_passes)."""
-    summed: dict[str, dict[str, int]] = {}
+def summed_passes(counts: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each backbone's calls under a cache hook, those run in full, and those run in full at each of
+    its steps, summed over several calls' or processes' counts (sdquant.assembly.Drawn.cache_passes)."""
+    summed: dict[str, dict] = {}
     for count in counts:
         for name, each in count.items():
-            total = summed.setdefault(name, {"full_passes": 0, "calls": 0})
+            total = summed.setdefault(name, {"full_passes": 0, "calls": 0, "full_steps": []})
             total["full_passes"] += each["full_passes"]
             total["calls"] += each["calls"]
+            total["full_steps"] = steps_added(total["full_steps"], each["full_steps"])
     return summed
+
+
+def steps_added(first, second) -> list[int]:
+    """Two counts per step added, step by step (a shorter list counts 0 past its end)."""
+    return [(first[step] if step < len(first) else 0) + (second[step] if step < len(second) else 0)
+            for step in range(max(len(first), len(second)))]
 
 
 def after_first_batch(images: int, seconds: float) -> dict:

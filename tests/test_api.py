@@ -91,6 +91,8 @@ def test_a_closed_pipeline_lets_go_of_its_modules(model_cache):
     ({"scale": 2.0}, "scale is no setting of a call"),
     ({"cache": {"method": "deepcache", "interval": "2"}}, "cache.interval='2' must be int"),
     ({"cache": {"method": "taylorseer"}}, "cache.method=taylorseer: model=tiny_sdxl's unet takes none or deepcache"),
+    ({"cache": {"method": "first_block", "backbone_full_steps": {"unet": 2}}},
+     "cache.backbone_full_steps=.* must be a dict of backbone names to lists of whole numbers"),
 ])
 def test_a_bad_call_is_refused_in_one_line_before_any_work(model_cache, asked, message):
     with load("tiny_sdxl", ["device=cpu"], backend="torch") as pipe:

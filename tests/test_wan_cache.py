@@ -150,6 +150,26 @@ def test_first_block_cache_takes_a_threshold_per_expert(model_cache):
     assert mixed.first.cache.describe() == "First Block Cache, threshold 10.0, transformer_2 0.0"
 
 
+def test_first_block_cache_runs_a_fixed_schedule_in_place_of_the_threshold(model_cache):
+    """backbone_full_steps runs the named expert's blocks at those of its steps and skips the rest,
+    whatever its threshold: at threshold 0 (never skip) a schedule of the first step alone draws, bit
+    for bit, what a threshold past any change draws (both compute once and reuse). The schedule starts
+    again with each video."""
+    reused = Videos("tiny_wan", *FIRST_BLOCK, "sampling.cache.threshold=10").draw()
+    scheduled = Videos("tiny_wan", *FIRST_BLOCK, "sampling.cache.threshold=0",
+                       "+sampling.cache.backbone_full_steps={transformer:[0],transformer_2:[0]}")
+    assert torch.equal(scheduled.draw(), reused)
+    assert scheduled.counted("feed-forward") == {"transformer": 1, "transformer_2": 1}
+    mixed = Videos("tiny_wan", *FIRST_BLOCK, "sampling.cache.threshold=10",
+                   "+sampling.cache.backbone_full_steps={transformer_2:[0,3,6]}")
+    first = mixed.draw()
+    assert mixed.counted("feed-forward") == mixed.passes() == {"transformer": 1, "transformer_2": 3}
+    assert torch.equal(mixed.draw(), first)
+    assert mixed.counted("feed-forward") == {"transformer": 2, "transformer_2": 6}
+    assert (first - reused).abs().max() > 1e-5
+    assert mixed.first.cache.describe() == "First Block Cache, threshold 10.0, transformer_2 in full at steps 0, 3, 6"
+
+
 def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):
     """sampling.cache.order reaches diffusers' hooks: at order 2 a prediction made after three full
     passes (the low-noise expert's from its fourth call on) adds a second-order term to the line, so
@@ -186,12 +206,17 @@ def test_the_benchmarks_cache_setting_names_an_interval_or_threshold_per_expert(
     hook = hook_cache(per_threshold, BLOCK_STACKS)
     assert (hook.for_backbone("transformer").threshold, hook.for_backbone("transformer_2").threshold) == (0.2, 0.25)
     assert re.fullmatch(SETTING, per_threshold) and not re.fullmatch(SETTING, "first_block:0.2:transformer_2")
+    scheduled = "first_block_steps:transformer=0/1/4,transformer_2=0/7/11"
+    assert cache_block(scheduled) == {"method": "first_block",
+                                      "backbone_full_steps": {"transformer": [0, 1, 4], "transformer_2": [0, 7, 11]}}
+    assert re.fullmatch(SETTING, scheduled) and not re.fullmatch(SETTING, "first_block_steps:transformer=0/")
 
 
-@pytest.mark.parametrize("setting, shares", [("first_block:0", (1.0, 1.0)),
-                                             ("first_block:0:transformer_2=10", (1.0, 2 / 16)),
-                                             ("taylorseer_blocks:2:1", (2 / 4, 4 / 8))])
-def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_cache, setting, shares):
+@pytest.mark.parametrize("setting, shares, schedule", [
+    ("first_block:0", (1.0, 1.0), {"transformer": [0, 1, 2, 3], "transformer_2": list(range(8))}),
+    ("first_block:0:transformer_2=10", (1.0, 2 / 16), {"transformer": [0, 1, 2, 3], "transformer_2": [0]}),
+    ("taylorseer_blocks:2:1", (2 / 4, 4 / 8), {"transformer": [0, 2], "transformer_2": [0, 2, 4, 6]})])
+def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_cache, setting, shares, schedule):
     import sys
     from pathlib import Path
 
@@ -203,6 +228,7 @@ def test_cache_passes_counts_the_calls_each_expert_ran_in_full(tmp_path, model_c
     counted = main(parse(["--model", "tiny_wan", "--cache", setting, "--prompts-file", str(prompts),
                           "--steps", str(STEPS)]))
     assert tuple(counted["full_pass_share"][name] for name in ("transformer", "transformer_2")) == shares
+    assert counted["schedule"] == schedule
     assert counted["counts"]["transformer"]["calls"] * 2 == counted["counts"]["transformer_2"]["calls"]
 
 
@@ -353,9 +379,13 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
      "sampling.cache.backbone_thresholds: model=tiny_wan has no backbone unet: name transformer or transformer_2"),
     ([*FIRST_BLOCK, "+sampling.cache.backbone_thresholds={transformer_2:-0.1}"],
      "sampling.cache.backbone_thresholds.transformer_2=-0.1: give 0 (never skip) or more"),
+    (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_full_steps={transformer:[0,2]}"],
+     "sampling.cache.backbone_full_steps: only first_block takes a schedule a backbone, not taylorseer_blocks"),
+    ([*FIRST_BLOCK, "+sampling.cache.backbone_full_steps={transformer_2:[2,4]}"],
+     "sampling.cache.backbone_full_steps.transformer_2=[2, 4]: give the steps that run in full, 0 first"),
 ], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs", "intervals_method",
         "intervals_backbone", "intervals_value", "order_value", "order_method", "thresholds_method",
-        "thresholds_backbone", "thresholds_value"])
+        "thresholds_backbone", "thresholds_value", "schedule_method", "schedule_value"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"
@@ -394,8 +424,11 @@ def test_a_compiled_expert_under_taylorseer_compiles_once_not_at_each_step(model
         assert counters["stats"]["unique_graphs"] == warm
     # The hook's state, read after each compiled call, counts what the eager flow's layers show, for
     # each guidance half (the torch backend calls an expert one sample at a time).
-    assert drawn.cache_passes == {name: {"full_passes": 2 * full, "calls": 2 * CALLS["tiny_wan"][name]}
-                                  for name, full in FULL_PASSES_AFTER_ONE["tiny_wan"].items()}
+    assert {name: {key: each[key] for key in ("full_passes", "calls")} for name, each in drawn.cache_passes.items()} \
+        == {name: {"full_passes": 2 * full, "calls": 2 * CALLS["tiny_wan"][name]}
+            for name, full in FULL_PASSES_AFTER_ONE["tiny_wan"].items()}
+    # Each guidance half in full at the expert's steps 0 and 2 of 4.
+    assert drawn.cache_passes["transformer"]["full_steps"] == [2, 0, 2]
     drawn = drawn.samples
     with load_api("tiny_wan", backend="torch", device="cpu", sampling={"cache": cache}) as eager:
         expected = eager(prompt, seed=2, steps=STEPS).samples
@@ -409,8 +442,9 @@ def test_infer_reports_the_calls_each_expert_ran_in_full_under_a_cache(tmp_path,
                                                  "sampling.cache.warmup=1"])
     latency = run_infer(cfg)
     # Each guidance half its own call, in its own cache context.
-    assert latency["cache_passes"] == {"transformer": {"full_passes": 4, "calls": 8},
-                                       "transformer_2": {"full_passes": 8, "calls": 16}}
+    assert latency["cache_passes"] == {"transformer": {"full_passes": 4, "calls": 8, "full_steps": [2, 0, 2]},
+                                       "transformer_2": {"full_passes": 8, "calls": 16,
+                                                         "full_steps": [2, 0, 2, 0, 2, 0, 2]}}
     assert json.loads((tmp_path / "latency.json").read_text())["cache_passes"] == latency["cache_passes"]
     assert "run in full over the timed call(s): transformer 4 of 8, transformer_2 8 of 16" in capsys.readouterr().out
 
@@ -419,7 +453,7 @@ def test_a_compiled_expert_under_first_block_cache_counts_its_full_passes(model_
     """Past any change (threshold 10), each guidance half's cache context runs its expert in full at
     its first call only; counted the same compiled as eager."""
     cache = {"method": "first_block", "threshold": 10.0}
-    expected = {name: {"full_passes": 2, "calls": 2 * calls} for name, calls in CALLS["tiny_wan"].items()}
+    expected = {name: {"full_passes": 2, "calls": 2 * calls, "full_steps": [2]} for name, calls in CALLS["tiny_wan"].items()}
     for compile in (True, False):
         with load_api("tiny_wan", backend="torch", device="cpu", torch_backend={"compile": compile},
                       sampling={"cache": cache}) as pipe:

@@ -10,9 +10,11 @@ from sdquant.runtime.cache_hooks import TAYLORSEER_METHODS, HookCache
 
 # What the command lines take, checked before any work.
 SETTING = (r"(taylorseer|taylorseer_blocks):\d+(:\d+(:\w+=\d+(,\w+=\d+)*)?)?"
-           r"|first_block:[\d.]+(:\w+=[\d.]+(,\w+=[\d.]+)*)?")
-SAYS = ("taylorseer:<n>[:<warm-up passes>[:<backbone>=<n>,...]], the same for taylorseer_blocks, or "
-        "first_block:<threshold>[:<backbone>=<threshold>,...]")
+           r"|first_block:[\d.]+(:\w+=[\d.]+(,\w+=[\d.]+)*)?"
+           r"|first_block_steps:\w+=\d+(/\d+)*(,\w+=\d+(/\d+)*)*")
+SAYS = ("taylorseer:<n>[:<warm-up passes>[:<backbone>=<n>,...]], the same for taylorseer_blocks, "
+        "first_block:<threshold>[:<backbone>=<threshold>,...], or first_block_steps:<backbone>=<step>/<step>/...,... "
+        "(First Block Cache on a fixed schedule: the steps each backbone runs in full)")
 
 
 def per_backbone(pairs: str, kind) -> dict:
@@ -23,10 +25,14 @@ def per_backbone(pairs: str, kind) -> dict:
 def cache_block(setting: str) -> dict | None:
     """'taylorseer:<interval>[:<warm-up passes>[:<backbone>=<interval>,...]]', the same for
     'taylorseer_blocks' (warm-up 3 unless given; the named backbones at their own interval), or
-    'first_block:<threshold>[:<backbone>=<threshold>,...]' as a sampling.cache block; '' as none."""
+    'first_block:<threshold>[:<backbone>=<threshold>,...]' or 'first_block_steps:<backbone>=<step>/<step>/...,...'
+    as a sampling.cache block; '' as none."""
     if not setting:
         return None
     method, value, *rest = setting.split(":")
+    if method == "first_block_steps":
+        return {"method": "first_block",
+                "backbone_full_steps": per_backbone(value, lambda steps: [int(step) for step in steps.split("/")])}
     if method not in TAYLORSEER_METHODS:
         block = {"method": method, "threshold": float(value)}
         if rest:

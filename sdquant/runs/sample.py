@@ -90,13 +90,26 @@ def cache_block(asked, key: str) -> CacheBlock:
     for name, value in asked.items():
         kind = type(getattr(defaults, name))
         if kind is dict:
-            number = typing.get_args(hints[name])[1]
-            if not isinstance(value, dict) or not all(isinstance(k, str) and _number(v, number) for k, v in value.items()):
-                says = "whole numbers" if number is int else "numbers"
-                raise UserError(f"{key}.{name}={value!r} must be a dict of backbone names to {says}")
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _of_kind(v, typing.get_args(hints[name])[1])
+                                                      for k, v in value.items()):
+                raise UserError(f"{key}.{name}={value!r} must be a dict of backbone names to "
+                                f"{_says(typing.get_args(hints[name])[1])}")
         elif not _number(value, kind):
             raise UserError(f"{key}.{name}={value!r} must be {'a number' if kind is float else kind.__name__}")
     return CacheBlock(**asked)
+
+
+def _of_kind(value, kind) -> bool:
+    """Whether a value is of that kind: a number, or a list of numbers (list[int])."""
+    if typing.get_origin(kind) is list:
+        return isinstance(value, (list, tuple)) and all(_number(item, typing.get_args(kind)[0]) for item in value)
+    return _number(value, kind)
+
+
+def _says(kind) -> str:
+    if typing.get_origin(kind) is list:
+        return f"lists of {_says(typing.get_args(kind)[0])}"
+    return "whole numbers" if kind is int else "numbers"
 
 
 def _number(value, kind: type) -> bool:
@@ -129,7 +142,8 @@ def check_per_backbone(model: Model, block: CacheBlock, key: str) -> None:
     for setting, methods, takes in (
             ("backbone_intervals", TAYLORSEER_METHODS, f"only TaylorSeer ({' and '.join(TAYLORSEER_METHODS)}) takes an "
                                                        "interval"),
-            ("backbone_thresholds", ("first_block",), "only first_block takes a threshold")):
+            ("backbone_thresholds", ("first_block",), "only first_block takes a threshold"),
+            ("backbone_full_steps", ("first_block",), "only first_block takes a schedule")):
         named = getattr(block, setting)
         if not named:
             continue

@@ -64,6 +64,11 @@ class HookCache:
     order: int = 1
     # (backbone attribute, threshold) pairs, sorted: the backbones whose threshold is not `threshold`.
     backbone_thresholds: tuple[tuple[str, float], ...] = ()
+    # (backbone attribute, steps) pairs, sorted: the backbones First Block Cache runs on a fixed
+    # schedule, the steps of their own that run in full (config.CacheBlock.backbone_full_steps).
+    backbone_full_steps: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # One backbone's schedule (for_backbone's), None where its threshold decides.
+    full_steps: tuple[int, ...] | None = None
     # A hook on the module: no graph or engine holds it, and it decides on the host.
     exported = False
 
@@ -71,7 +76,7 @@ class HookCache:
     def stages_key(self) -> tuple:
         """What its stages depend on: every setting, which the hook on the module holds."""
         return (self.method, self.interval, self.threshold, self.block_stacks, self.warmup, self.backbone_intervals,
-                self.order, self.backbone_thresholds)
+                self.order, self.backbone_thresholds, self.backbone_full_steps, self.full_steps)
 
     @classmethod
     def of_block(cls, block, block_stacks: tuple[str, ...]) -> HookCache | None:
@@ -81,13 +86,16 @@ class HookCache:
             return None
         return cls(block.method, block.interval, block.threshold, block_stacks, block.warmup,
                    tuple(sorted(block.backbone_intervals.items())), block.order,
-                   tuple(sorted(block.backbone_thresholds.items())))
+                   tuple(sorted(block.backbone_thresholds.items())),
+                   tuple(sorted((name, tuple(steps)) for name, steps in block.backbone_full_steps.items())))
 
     def for_backbone(self, attribute: str) -> HookCache:
-        """The hook one backbone runs under: its own interval or threshold where one is named for it."""
+        """The hook one backbone runs under: its own interval, threshold or schedule where one is named
+        for it."""
         return dataclasses.replace(self, interval=dict(self.backbone_intervals).get(attribute, self.interval),
                                    threshold=dict(self.backbone_thresholds).get(attribute, self.threshold),
-                                   backbone_intervals=(), backbone_thresholds=())
+                                   full_steps=dict(self.backbone_full_steps).get(attribute, self.full_steps),
+                                   backbone_intervals=(), backbone_thresholds=(), backbone_full_steps=())
 
     def config(self, transformer):
         from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
@@ -106,8 +114,7 @@ class HookCache:
         in the cache context the call ran in, so that counting adds nothing to the compiled code."""
         if self.method == "first_block":
             # Whichever block diffusers made the leader: every block's hook shares its state.
-            manager = next(hook for module in transformer.modules()
-                           if (hook := _hook(module, "fbc_leader_block_hook"))).state_manager
+            manager = first_block_leader(transformer).state_manager
             return lambda: manager.get_state().should_compute
         predicted = (stacked_blocks(transformer, self.block_stacks)[-1] if self.method == "taylorseer_blocks"
                      else attention_modules(transformer, self.block_stacks)[0])
@@ -125,6 +132,10 @@ class HookCache:
         for attribute, threshold in self.backbone_thresholds:
             if threshold < 0:
                 raise UserError(f"{key}.backbone_thresholds.{attribute}={threshold}: give 0 (never skip) or more")
+        for attribute, steps in self.backbone_full_steps:
+            if not steps or steps[0] != 0 or any(step < 0 for step in steps):
+                raise UserError(f"{key}.backbone_full_steps.{attribute}={list(steps)}: give the steps that run in "
+                                "full, 0 first (a first step has no earlier pass to reuse)")
         if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
         for attribute, interval in self.backbone_intervals:
@@ -140,7 +151,9 @@ class HookCache:
     def describe(self) -> str:
         if self.method == "first_block":
             own = "".join(f", {attribute} {threshold}" for attribute, threshold in self.backbone_thresholds)
-            return f"First Block Cache, threshold {self.threshold}{own}"
+            fixed = "".join(f", {attribute} in full at steps {', '.join(map(str, steps))}"
+                            for attribute, steps in self.backbone_full_steps)
+            return f"First Block Cache, threshold {self.threshold}{own}{fixed}"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
         own = "".join(f", {attribute} every {interval}" for attribute, interval in self.backbone_intervals)
         order = f", order {self.order}" if self.order != 1 else ""
@@ -152,6 +165,11 @@ def _hook(module, name: str):
     """The diffusers hook of that name on the module, else None."""
     registry = getattr(module, "_diffusers_hook", None)
     return registry.get_hook(name) if registry is not None else None
+
+
+def first_block_leader(transformer):
+    """The hook of the block diffusers' First Block Cache made its leader (the first it hooked)."""
+    return next(hook for module in transformer.modules() if (hook := _hook(module, "fbc_leader_block_hook")))
 
 
 def allow_recompiles(transformer) -> None:
@@ -197,13 +215,31 @@ def eager_update_state() -> type:
     return type("EagerUpdateState", (TaylorSeerState,), {"update": torch.compiler.disable(TaylorSeerState.update)})
 
 
+@functools.cache
+def scheduled_leader() -> type:
+    """diffusers' First Block Cache leader hook deciding by a schedule (its `run_in_full`, set
+    before each call) instead of reading the first block's change back from the device: one class,
+    so that the compiled code's guards on the hook's type hold across pipelines."""
+    import torch
+    from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+
+    def should_compute(self, hidden_states_residual) -> bool:
+        # A context's first call has no tail residual to add yet, whatever the schedule says.
+        return self.run_in_full or self.state_manager.get_state().head_block_residual is None
+
+    return type("ScheduledLeaderHook", (FBCHeadBlockHook,),
+                {"_should_compute_remaining_blocks": torch.compiler.disable(should_compute), "run_in_full": True})
+
+
 @dataclass
 class Passes:
     """A hooked backbone's calls (one per cache context entered) and how many ran in full, since
-    its stage was built."""
+    its stage was built; `full_at[s]`: those of its step s (counted from its first call of a
+    sample) that ran in full, from which a fixed schedule is read (backbone_full_steps)."""
 
     full: int = 0
     calls: int = 0
+    full_at: list[int] = dataclasses.field(default_factory=list)
 
 
 class HookedStage(InTurn):
@@ -218,6 +254,8 @@ class HookedStage(InTurn):
         self.transformer = transformer
         self.cache = cache
         self.passes = Passes()
+        # Per cache context, the calls since the hook's state was last cleared: a schedule's step.
+        self.steps: dict[int, int] = {}
         self.enable()
 
     def enable(self) -> None:
@@ -225,16 +263,28 @@ class HookedStage(InTurn):
         self.transformer.enable_cache(self.cache.config(self.transformer))
         update_taylorseer_eagerly(self.transformer)
         self.ran_in_full = self.cache.full_pass_probe(self.transformer)
+        self.leader = None
+        if self.cache.full_steps is not None:
+            self.leader = first_block_leader(self.transformer)
+            self.leader.__class__ = scheduled_leader()
 
     def allow_recompiles(self) -> None:
         allow_recompiles(self.transformer)
 
     def reset(self) -> None:
         self.transformer._reset_stateful_cache()
+        self.steps.clear()
 
     @contextlib.contextmanager
     def context(self, index: int):
+        step = self.steps.get(index, 0)
+        self.steps[index] = step + 1
+        if self.leader is not None:
+            self.leader.run_in_full = step in self.cache.full_steps
         with self.transformer.cache_context(f"part{index}"):
             yield
             self.passes.calls += 1
-            self.passes.full += self.ran_in_full()
+            if self.ran_in_full():
+                self.passes.full += 1
+                self.passes.full_at.extend([0] * (step + 1 - len(self.passes.full_at)))
+                self.passes.full_at[step] += 1
