@@ -6,9 +6,9 @@ which a random-weight speed run cannot show.
         --quantized <fp8 checkpoint folder> --prompts-file <prompts, one a line>
 
 Under a threshold it also reads off a fixed schedule (`schedule`, and as wan_full_size.py's
---cache `schedule_setting`): for each backbone, as many steps as its calls ran in full on average,
-those that ran in full most often (an earlier step first among equals); sampling.cache.backbone_full_steps
-runs it.
+--cache `schedule_setting`): for each backbone, as many steps as its calls ran in full on average
+(to the nearest), those that ran in full most often (an earlier step first among equals), which
+sampling.cache.backbone_full_steps runs.
 
 --window-frames (with --window-heads-file and --window-min-share) runs the backbones' self-attention
 within that many latent frames (torch_backend.attention_window), which changes what a first block
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 
@@ -57,10 +58,10 @@ def main(args) -> dict:
 
 def most_often_full(count: dict) -> list[int]:
     """A backbone's fixed schedule from its counts: as many steps as each cache context ran in full
-    on average (every context runs its first step in full, so step 0's count is the contexts'), the
-    steps run in full most often."""
+    on average, to the nearest (a half up; every context runs its first step in full, so step 0's count is the
+    contexts'), the steps run in full most often."""
     by_step = count["full_steps"]
-    chosen = round(count["full_passes"] / by_step[0])
+    chosen = math.floor(count["full_passes"] / by_step[0] + 0.5)
     return sorted(sorted(range(len(by_step)), key=lambda step: (-by_step[step], step))[:chosen])
 
 

@@ -37,9 +37,9 @@ the first prediction, 3 unless given; :<backbone>=<n>,... after it: those expert
 first_block:<threshold> runs it under
 a diffusers cache hook (first_block_steps:<backbone>=<step>/<step>/...,...: ours on a fixed schedule,
 the steps each expert runs in full, the rest skipped: a video's time at a share of full calls that
-random weights cannot decide by a threshold); --window <frames>[:<backbone>,...] runs ours with self-attention within that
-many latent frames (torch_backend.attention_window), with --window-heads <fraction> for that share of
-each layer's heads alone (the first of each, in a heads file written for the run: random weights
+random weights cannot decide by a threshold; its warm-up needs a skipped step of each expert);
+--window <frames>[:<backbone>,...] runs ours with self-attention within that many latent frames
+(torch_backend.attention_window), with --window-heads <fraction> for that share of each layer's heads alone (the first of each, in a heads file written for the run: random weights
 have no local heads to record, and the speed depends on how many, not which); --mlperf <n> runs
 LoadGen's Offline over n prompts (--mlperf-prompts; the package's evaluation prompts unless given)
 instead of one timed video (benchmarks/mlperf_video.py: GPU-seconds a video). The peer's whole
