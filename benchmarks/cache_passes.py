@@ -23,7 +23,7 @@ import math
 import re
 from pathlib import Path
 
-from harness.caches import SAYS as CACHE_SAYS, SETTING as CACHE_SETTING, cache_block
+from harness.caches import SAYS as CACHE_SAYS, SETTING as CACHE_SETTING, cache_block, schedule_setting
 
 from sdquant.api import load
 from sdquant.artifacts import write_json
@@ -52,14 +52,13 @@ def main(args) -> dict:
     return {"model": args.model, "cache": args.cache, "quantized": args.quantized, "prompts": len(prompts),
             "window": settings.get("torch_backend", {}).get("attention_window"),
             "steps": args.steps, "counts": counts, "full_pass_share": shares, "schedule": schedule,
-            "schedule_setting": "first_block_steps:" + ",".join(f"{name}={'/'.join(map(str, steps))}"
-                                                                for name, steps in schedule.items())}
+            "schedule_setting": schedule_setting(schedule)}
 
 
 def most_often_full(count: dict) -> list[int]:
     """A backbone's fixed schedule from its counts: as many steps as each cache context ran in full
-    on average, to the nearest (a half up; every context runs its first step in full, so step 0's count is the
-    contexts'), the steps run in full most often."""
+    on average, to the nearest, a half up (every context runs its first step in full, so step 0's
+    count is the contexts'), the steps run in full most often."""
     by_step = count["full_steps"]
     chosen = math.floor(count["full_passes"] / by_step[0] + 0.5)
     return sorted(sorted(range(len(by_step)), key=lambda step: (-by_step[step], step))[:chosen])

@@ -31,13 +31,14 @@ class Drawn:
     float32, on the pipeline's device), the seconds from its start until they were ready, each
     stage's seconds per call, the settings it ran, and under a cache hook (the torch backend's
     sampling.cache first_block or taylorseer*) each backbone's hooked calls (one per cache context:
-    Wan's guidance halves are two a step) and how many of them ran in full."""
+    Wan's guidance halves are two a step), how many of them ran in full, and how many at each of its
+    steps (`full_steps`, from the backbone's first call)."""
 
     samples: torch.Tensor | None
     seconds: float
     stage_seconds: dict[str, list[float]]
     settings: SamplingSettings
-    cache_passes: dict[str, dict[str, int]] = field(default_factory=dict)
+    cache_passes: dict[str, dict] = field(default_factory=dict)
 
 
 class Pipeline:

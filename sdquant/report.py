@@ -333,14 +333,18 @@ def print_latency(report: dict) -> None:
 
 def summed_passes(counts: list[dict[str, dict]]) -> dict[str, dict]:
     """Each backbone's calls under a cache hook, those run in full, and those run in full at each of
-    its steps, summed over several calls' or processes' counts (sdquant.assembly.Drawn.cache_passes)."""
+    its steps, summed over several calls' or processes' counts (sdquant.assembly.Drawn.cache_passes).
+    A count without the steps (a shard job of an older version) leaves their sum out, not short."""
     summed: dict[str, dict] = {}
     for count in counts:
         for name, each in count.items():
             total = summed.setdefault(name, {"full_passes": 0, "calls": 0, "full_steps": []})
             total["full_passes"] += each["full_passes"]
             total["calls"] += each["calls"]
-            total["full_steps"] = steps_added(total["full_steps"], each["full_steps"])
+            if "full_steps" in total and "full_steps" in each:
+                total["full_steps"] = steps_added(total["full_steps"], each["full_steps"])
+            else:
+                total.pop("full_steps", None)
     return summed
 
 

@@ -382,10 +382,13 @@ def test_taylorseer_names_the_attention_modules_of_every_block():
     (["sampling.cache.method=taylorseer_blocks", "+sampling.cache.backbone_full_steps={transformer:[0,2]}"],
      "sampling.cache.backbone_full_steps: only first_block takes a schedule a backbone, not taylorseer_blocks"),
     ([*FIRST_BLOCK, "+sampling.cache.backbone_full_steps={transformer_2:[2,4]}"],
-     "sampling.cache.backbone_full_steps.transformer_2=[2, 4]: give the steps that run in full, 0 first"),
+     "sampling.cache.backbone_full_steps.transformer_2=[2, 4]: give the steps that run in full, 0 among them"),
+    ([*FIRST_BLOCK, "+sampling.cache.backbone_full_steps={transformer_2:[0,4]}",
+      "+sampling.cache.backbone_thresholds={transformer_2:0.3}"],
+     "sampling.cache.backbone_thresholds.transformer_2: transformer_2 runs on its backbone_full_steps schedule"),
 ], ids=["threshold", "interval", "warmup", "ti2v_interval", "deepcache", "graphs", "intervals_method",
         "intervals_backbone", "intervals_value", "order_value", "order_method", "thresholds_method",
-        "thresholds_backbone", "thresholds_value", "schedule_method", "schedule_value"])
+        "thresholds_backbone", "thresholds_value", "schedule_method", "schedule_value", "schedule_and_threshold"])
 def test_a_cache_value_the_experts_cannot_take_is_refused_in_one_line(tmp_path, model_cache, capsys, overrides,
                                                                      message):
     out = tmp_path / "videos"
@@ -450,10 +453,13 @@ def test_infer_reports_the_calls_each_expert_ran_in_full_under_a_cache(tmp_path,
 
 
 def test_a_compiled_expert_under_first_block_cache_counts_its_full_passes(model_cache):
-    """Past any change (threshold 10), each guidance half's cache context runs its expert in full at
-    its first call only; counted the same compiled as eager."""
-    cache = {"method": "first_block", "threshold": 10.0}
-    expected = {name: {"full_passes": 2, "calls": 2 * calls, "full_steps": [2]} for name, calls in CALLS["tiny_wan"].items()}
+    """Past any change (threshold 10), each guidance half's cache context runs the high-noise expert
+    in full at its first call only, and the low-noise one on its schedule (steps 0 and 3, given
+    unsorted); counted the same compiled as eager."""
+    cache = {"method": "first_block", "threshold": 10.0, "backbone_full_steps": {"transformer_2": [3, 0]}}
+    expected = {"transformer": {"full_passes": 2, "calls": 2 * CALLS["tiny_wan"]["transformer"], "full_steps": [2]},
+                "transformer_2": {"full_passes": 4, "calls": 2 * CALLS["tiny_wan"]["transformer_2"],
+                                  "full_steps": [2, 0, 0, 2]}}
     for compile in (True, False):
         with load_api("tiny_wan", backend="torch", device="cpu", torch_backend={"compile": compile},
                       sampling={"cache": cache}) as pipe:

@@ -46,6 +46,11 @@ def cache_block(setting: str) -> dict | None:
     return block
 
 
+def schedule_setting(schedule: dict[str, list[int]]) -> str:
+    """A fixed schedule ({backbone: steps in full}) as the command lines' first_block_steps setting."""
+    return "first_block_steps:" + ",".join(f"{name}={'/'.join(map(str, steps))}" for name, steps in schedule.items())
+
+
 def hook_cache(setting: str, stacks: tuple[str, ...] = flux.BLOCK_STACKS) -> HookCache | None:
     """cache_block's setting as a cache hook on a transformer of these block lists (Flux's by
     default), for a peer that hooks diffusers' own pipeline."""

@@ -11,7 +11,6 @@ cannot use (FlashAttention-3 in FP8), that row stands beside the one on the peer
 from __future__ import annotations
 
 import dataclasses
-import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +183,8 @@ SCENARIOS = {
                 "the scene model's schedule (6 of 20 steps in full)", "ours",
                 ("--variants", "fp8_l4", "--attention-kernel", "flash3", "--cache", WAN_SCHEDULE, "--window", "3",
                  "--window-heads", "0.3", *SCHEDULE_WARM_UP),
-                "fp8_l4_video_" + re.sub("[:=,/]", "_", WAN_SCHEDULE) + "_flash3_window3_heads30", "flash3", FLASH3,
+                "fp8_l4_video_first_block_steps_transformer_0_1_2_transformer_2_0_7_11_flash3_window3_heads30",
+                "flash3", FLASH3,
                 Quality(WAN_SCHEDULE_QUALITY, "fp8_l4_window1_heads90_first_block_steps_h012_l0711", "all prompts")),
         )),
     # Attention that computes less: the high-noise expert's step with its self-attention within a window

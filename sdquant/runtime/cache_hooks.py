@@ -87,7 +87,7 @@ class HookCache:
         return cls(block.method, block.interval, block.threshold, block_stacks, block.warmup,
                    tuple(sorted(block.backbone_intervals.items())), block.order,
                    tuple(sorted(block.backbone_thresholds.items())),
-                   tuple(sorted((name, tuple(steps)) for name, steps in block.backbone_full_steps.items())))
+                   tuple(sorted((name, tuple(sorted(set(steps)))) for name, steps in block.backbone_full_steps.items())))
 
     def for_backbone(self, attribute: str) -> HookCache:
         """The hook one backbone runs under: its own interval, threshold or schedule where one is named
@@ -133,9 +133,12 @@ class HookCache:
             if threshold < 0:
                 raise UserError(f"{key}.backbone_thresholds.{attribute}={threshold}: give 0 (never skip) or more")
         for attribute, steps in self.backbone_full_steps:
-            if not steps or steps[0] != 0 or any(step < 0 for step in steps):
+            if not steps or steps[0] != 0:
                 raise UserError(f"{key}.backbone_full_steps.{attribute}={list(steps)}: give the steps that run in "
-                                "full, 0 first (a first step has no earlier pass to reuse)")
+                                "full, 0 among them (a first step has no earlier pass to reuse)")
+            if attribute in dict(self.backbone_thresholds):
+                raise UserError(f"{key}.backbone_thresholds.{attribute}: {attribute} runs on its backbone_full_steps "
+                                "schedule, which no threshold decides: name it in one of the two")
         if self.method in TAYLORSEER_METHODS and self.interval < 1:
             raise UserError(f"{key}.interval={self.interval}: give a full pass every 1 or more steps")
         for attribute, interval in self.backbone_intervals:
