@@ -14,6 +14,7 @@ defaults, its one-line refusals), so a call draws what the script draws for the 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,10 +46,27 @@ def compose(config_name: str, model: str, overrides: Sequence[str] = (), setting
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=[f"model={model}", *overrides])
+        open_maps(cfg)
         return OmegaConf.merge(cfg, settings or {})
     except (HydraException, OmegaConfBaseException) as error:
         raise UserError(f"model={model} {' '.join(overrides)} {settings or ''}: {str(error).splitlines()[0]}") \
             from None
+
+
+def open_maps(node) -> None:
+    """Lets `settings` name the keys of the schemas' maps (a dict[str, ...] field, such as
+    sampling.cache.backbone_thresholds, whose keys are the model's backbones), as `+key=...` does on
+    a command line; the dataclass nodes around them still refuse a key they do not have."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in node:
+        child = node._get_node(key)
+        if not isinstance(child, DictConfig):
+            continue
+        if child._metadata.object_type is dict and child._metadata.element_type is not typing.Any:
+            OmegaConf.set_struct(child, False)
+        else:
+            open_maps(child)
 
 
 def load(model: str = "sdxl_base", overrides: Sequence[str] = (), **settings) -> Pipeline:

@@ -164,6 +164,10 @@ def test_a_wrong_key_or_type_in_the_settings_is_refused_in_one_line(model_cache)
         load("tiny_sdxl", ["device=cpu"], torch_backend={"compiled": True})
     with pytest.raises(UserError, match="cuda_graph"):
         load("tiny_sdxl", ["device=cpu"], cuda_graph="sometimes")
+    # A map's keys are free (the model's backbones, as `+key=...` names them on a command line), its
+    # values still typed.
+    with pytest.raises(UserError, match="'high' of type 'str' could not be converted to Float"):
+        load("tiny_wan", ["device=cpu"], sampling={"cache": {"backbone_thresholds": {"transformer_2": "high"}}})
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sdquant"
