@@ -167,7 +167,9 @@ def test_first_block_cache_runs_a_fixed_schedule_in_place_of_the_threshold(model
     assert torch.equal(mixed.draw(), first)
     assert mixed.counted("feed-forward") == {"transformer": 2, "transformer_2": 6}
     assert (first - reused).abs().max() > 1e-5
-    assert mixed.first.cache.describe() == "First Block Cache, threshold 10.0, transformer_2 in full at steps 0, 3, 6"
+    assert mixed.first.cache.describe() == ("First Block Cache, transformer_2 in full at steps 0, 3, 6; "
+                                            "threshold 10.0 where no schedule is named")
+    assert mixed.first.cache.for_backbone("transformer_2").describe() == "First Block Cache, in full at steps 0, 3, 6"
 
 
 def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):

@@ -153,10 +153,16 @@ class HookCache:
 
     def describe(self) -> str:
         if self.method == "first_block":
+            if self.full_steps is not None:
+                return f"First Block Cache, in full at steps {', '.join(map(str, self.full_steps))}"
             own = "".join(f", {attribute} {threshold}" for attribute, threshold in self.backbone_thresholds)
-            fixed = "".join(f", {attribute} in full at steps {', '.join(map(str, steps))}"
-                            for attribute, steps in self.backbone_full_steps)
-            return f"First Block Cache, threshold {self.threshold}{own}{fixed}"
+            if not self.backbone_full_steps:
+                return f"First Block Cache, threshold {self.threshold}{own}"
+            # The block does not know its backbones: the threshold is said to hold where no schedule
+            # is named, which is none where every backbone has one.
+            fixed = ", ".join(f"{attribute} in full at steps {', '.join(map(str, steps))}"
+                              for attribute, steps in self.backbone_full_steps)
+            return f"First Block Cache, {fixed}; threshold {self.threshold}{own} where no schedule is named"
         scope = " over whole blocks" if self.method == "taylorseer_blocks" else ""
         own = "".join(f", {attribute} every {interval}" for attribute, interval in self.backbone_intervals)
         order = f", order {self.order}" if self.order != 1 else ""
