@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import warnings
 
 import pytest
 import torch
@@ -170,6 +171,17 @@ def test_first_block_cache_runs_a_fixed_schedule_in_place_of_the_threshold(model
     assert mixed.first.cache.describe() == ("First Block Cache, transformer_2 in full at steps 0, 3, 6; "
                                             "threshold 10.0 where no schedule is named")
     assert mixed.first.cache.for_backbone("transformer_2").describe() == "First Block Cache, in full at steps 0, 3, 6"
+
+
+def test_a_schedule_naming_steps_a_video_never_reaches_is_told_once(model_cache):
+    """How many steps an expert runs follows from the call's steps and the boundary: a schedule's step
+    past them is named in a warning after the first video, and not again on the next."""
+    past = Videos("tiny_wan", *FIRST_BLOCK, "+sampling.cache.backbone_full_steps={transformer:[0,1,40]}")
+    with pytest.warns(UserWarning, match=r"backbone_full_steps.transformer: steps \[40\] never ran, transformer ran "):
+        past.draw()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        past.draw()
 
 
 def test_taylorseer_of_order_2_predicts_other_steps_from_the_same_full_passes(model_cache):

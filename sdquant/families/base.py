@@ -403,7 +403,7 @@ class HookCaching:
 
         stages = self.backbone_stages(modules, dtype)
         return {backbone.graph: HookedStage(stages[backbone.graph], modules[backbone.attribute],
-                                            cache.for_backbone(backbone.attribute))
+                                            cache.for_backbone(backbone.attribute), backbone.attribute)
                 for backbone in self.backbones}
 
     def release_cache(self, backbone) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -258,13 +259,15 @@ class HookedStage(InTurn):
     the hooked calls, one per cache context entered (Wan's guidance halves two a step), and those
     that ran in full (`passes`)."""
 
-    def __init__(self, stage, transformer, cache: HookCache):
+    def __init__(self, stage, transformer, cache: HookCache, attribute: str):
         super().__init__(stage)
         self.transformer = transformer
         self.cache = cache
+        self.attribute = attribute
         self.passes = Passes()
         # Per cache context, the calls since the hook's state was last cleared: a schedule's step.
         self.steps: dict[int, int] = {}
+        self.told_of_steps_past = False
         self.enable()
 
     def enable(self) -> None:
@@ -281,8 +284,22 @@ class HookedStage(InTurn):
         allow_recompiles(self.transformer)
 
     def reset(self) -> None:
+        self.tell_of_steps_past()
         self.transformer._reset_stateful_cache()
         self.steps.clear()
+
+    def tell_of_steps_past(self) -> None:
+        """Warns, once, where the schedule names steps past those the sample just drawn ran: how
+        many steps an expert runs follows from the call's steps and its boundary, known only here."""
+        if self.cache.full_steps is None or not self.steps or self.told_of_steps_past:
+            return
+        ran = max(self.steps.values())
+        past = [step for step in self.cache.full_steps if step >= ran]
+        if past:
+            self.told_of_steps_past = True
+            warnings.warn(f"sampling.cache.backbone_full_steps.{self.attribute}: steps {past} never ran, "
+                          f"{self.attribute} ran {ran} steps a sample at these settings: name steps under {ran}",
+                          stacklevel=2)
 
     @contextlib.contextmanager
     def context(self, index: int):

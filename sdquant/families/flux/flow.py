@@ -145,5 +145,7 @@ class FluxTextToImage(TextToImage):
             inputs = self.backbone_inputs(latents, t, hidden, conditioning, image_ids, guidance)
             velocity = self.predict(settings, step, inputs, timer)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
-        # 4. Unpack and decode.
+        # 4. Unpack and decode, the cache's state dropped first (the decoder needs the room).
+        if settings.cache is not None:
+            self.stages[self.backbone].reset()
         return self.decode(self.unpack(latents, height, width), timer)
